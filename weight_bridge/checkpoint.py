@@ -329,10 +329,16 @@ def save_checkpoint(
         if t.numel():
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             if key in ptrs:
-                raise CheckpointError(path, f"shares storage with {ptrs[key]!r}; write it once", name)
+                raise CheckpointError(
+                    path, f"shares storage with {ptrs[key]!r}; write it once", name
+                )
             ptrs[key] = name
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
         cpu[name] = t
     import blake3

@@ -176,8 +176,7 @@ def resolve_target(entry: TensorLayout, live: torch.Tensor) -> ResolvedTarget:
         return ResolvedTarget(entry.name, view)
     if tuple(live.shape) != entry.shape:
         raise NotDirectlyReloadable(
-            f"moved to another storage and reshaped from {list(entry.shape)} "
-            f"to {list(live.shape)}"
+            f"moved to another storage and reshaped from {list(entry.shape)} to {list(live.shape)}"
         )
     view = live.detach()
     return ResolvedTarget(
@@ -194,26 +193,29 @@ def resolve_target(entry: TensorLayout, live: torch.Tensor) -> ResolvedTarget:
 
 
 def _overlaps(targets: dict[str, ResolvedTarget], aliases: dict[str, list[str]]) -> dict[str, str]:
-    """Distinct weights whose write targets share bytes: writing one would clobber the other."""
+    """Distinct weights whose write targets share bytes: writing one would clobber the other.
+
+    Names tied at load (``aliases``) are one weight and may share bytes.
+    """
     spans: dict[int, list[tuple[int, int, str]]] = {}
-    seen: set[tuple] = set()
+    covered: set[str] = set()
     for name, t in targets.items():
-        v = t.view
-        key = (storage_ptr(v), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
-        if key in seen:
+        if name in covered:
             continue
-        seen.add(key)
-        size = v.dtype.itemsize
-        start = v.storage_offset() * size
-        spans.setdefault(key[0], []).append(
-            (start, start + _extent(key[2], key[3]) * size, name)
-        )
+        covered.update(aliases.get(name, [name]))
+        v = t.view
+        start = v.storage_offset() * v.dtype.itemsize
+        end = start + _extent(tuple(v.shape), tuple(v.stride())) * v.dtype.itemsize
+        spans.setdefault(storage_ptr(v), []).append((start, end, name))
     problems: dict[str, str] = {}
     for ranges in spans.values():
         ranges.sort()
-        for (s0, e0, n0), (s1, e1, n1) in zip(ranges, ranges[1:], strict=False):
-            if s1 < e0 and n1 not in aliases.get(n0, ()):
-                problems[n1] = f"write target overlaps {n0!r} in the same storage"
+        reach, holder = -1, ""
+        for start, end, name in ranges:
+            if start < reach:
+                problems[name] = f"write target overlaps {holder!r} in the same storage"
+            if end > reach:
+                reach, holder = end, name
     return problems
 
 
@@ -281,7 +283,9 @@ def begin_direct_reload(model: torch.nn.Module) -> ReloadPlan:
         if id(tensor) not in saved:
             saved[id(tensor)] = (tensor, tensor.data)
             tensor.data = target.view
-    setattr(model, SESSION_ATTR, _Session(plan, saved, addresses, time.perf_counter(), was_undefined))
+    setattr(
+        model, SESSION_ATTR, _Session(plan, saved, addresses, time.perf_counter(), was_undefined)
+    )
     return plan
 
 

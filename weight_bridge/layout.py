@@ -118,10 +118,14 @@ def record_checkpoint_layout(
     themselves (the case of a plain module loaded by name). ``optional`` names checkpoint
     tensors that may be absent (e.g. non-persistent buffers).
     """
-    tensors = {name: TensorLayout.of(name, t, is_buffer) for name, t, is_buffer in live_tensors(model)}
+    tensors = {
+        name: TensorLayout.of(name, t, is_buffer) for name, t, is_buffer in live_tensors(model)
+    }
     if checkpoint is None:
         checkpoint = {n: TensorSpec(e.shape, e.dtype) for n, e in tensors.items()}
-    layout = CheckpointLayout(tensors=tensors, checkpoint=dict(checkpoint), optional=frozenset(optional))
+    layout = CheckpointLayout(
+        tensors=tensors, checkpoint=dict(checkpoint), optional=frozenset(optional)
+    )
     setattr(model, LAYOUT_ATTR, layout)
     return layout
 

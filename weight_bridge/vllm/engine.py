@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..checkpoint import resolve_checkpoint_files
-from ..direct import DirectReloadError
 from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES
 
 __all__ = ["ColocatedEngine", "EngineUndefinedError", "PushReport", "ReloadMode"]

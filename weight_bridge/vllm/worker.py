@@ -90,7 +90,7 @@ class WeightBridgeWorkerExtension:
             except BaseException as exc:
                 mark_undefined(model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
                 raise
-        setattr(model, "_weight_bridge_undefined", None)
+        model._weight_bridge_undefined = None
         refresh_derived_state(model)
         return {"tensors": len(items), "bytes": sum(t.nbytes for _, t in items)}
 
@@ -135,7 +135,11 @@ def _tied_packed_linears(model: torch.nn.Module) -> list[str]:
     for module_name, module in model.named_modules():
         linear = getattr(module, "cpu_linear", None)
         weight = getattr(module, "weight", None)
-        if linear is None or linear is _torch_linear or getattr(module, "_weight_bridge_repack", None):
+        if (
+            linear is None
+            or linear is _torch_linear
+            or getattr(module, "_weight_bridge_repack", None)
+        ):
             continue
         if isinstance(weight, torch.Tensor) and id(weight) in tied:
             bad.append(f"{module_name}.weight")

@@ -1,0 +1,69 @@
+"""Run one engine scenario in a fresh process and print its results as JSON.
+
+vLLM caches its environment once an engine starts, so the multi-process engine (vLLM's
+default) and tensor parallelism are tested from their own processes through this script:
+
+    python tests/engine_check.py push MODEL_A MODEL_B [--tp 2] [--compile]
+    python tests/engine_check.py cold MODEL [--cpu-linear stock]
+
+``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
+greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["cold", "push"])
+    parser.add_argument("model_a")
+    parser.add_argument("model_b", nargs="?")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cpu-linear", default="torch")
+    parser.add_argument("--reload-mode", default="direct")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--pushes", type=int, default=1, help="B/A push rounds")
+    args = parser.parse_args()
+
+    from conftest import ENGINE_KWARGS, greedy
+
+    from weight_bridge.vllm import ColocatedEngine
+
+    kwargs = dict(ENGINE_KWARGS, tensor_parallel_size=args.tp, cpu_linear=args.cpu_linear)
+    if args.compile:
+        kwargs["enforce_eager"] = False
+    result: dict = {"pid": os.getpid()}
+    if args.scenario == "cold":
+        with ColocatedEngine(args.model_a, **kwargs) as engine:
+            result["cold"] = greedy(engine)
+            result["startup_s"] = engine.startup_s
+        print("RESULT " + json.dumps(result, default=str))
+        return
+    with ColocatedEngine(args.model_a, reload_mode=args.reload_mode, **kwargs) as engine:
+        result["startup_s"] = engine.startup_s
+        result["a_before"] = greedy(engine)
+        addresses = engine.addresses()
+        result["workers"] = len(addresses)
+        reports = []
+        for i in range(args.pushes):
+            reports.append(engine.push(args.model_b, version=2 * i + 1).__dict__)
+            result["b_pushed"] = greedy(engine)
+            reports.append(engine.push(args.model_a, version=2 * i + 2).__dict__)
+            result["a_pushed"] = greedy(engine)
+        result["addresses_unchanged"] = engine.addresses() == addresses
+        result["reports"] = reports
+    with ColocatedEngine(args.model_b, **kwargs) as engine:
+        result["b_cold"] = greedy(engine)
+    print("RESULT " + json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()

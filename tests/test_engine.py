@@ -1,0 +1,154 @@
+"""The bridge inside real vLLM engines: cold-start parity, addresses, versions, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import ENGINE_KWARGS, assert_parity, close_engine, greedy, run_engine_check
+
+from weight_bridge.checkpoint import CheckpointError
+from weight_bridge.direct import DirectReloadError
+from weight_bridge.models import build_tiny_model
+from weight_bridge.vllm import ColocatedEngine
+
+
+def test_two_cold_starts_give_the_same_tokens(models, capsys) -> None:
+    close_engine()
+    runs = []
+    for _ in range(2):
+        with ColocatedEngine(models["llama_A"], **ENGINE_KWARGS) as engine:
+            runs.append(greedy(engine))
+            startup = engine.startup_s
+        with capsys.disabled():
+            print(f"\ntiny llama engine start-up: {startup:.2f} s (eager, in-process)")
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_push_matches_cold_start_and_keeps_addresses(arch, models, shared_engine, cold) -> None:
+    a, b = models[f"{arch}_A"], models[f"{arch}_B"]
+    engine = shared_engine(f"{arch}_A")
+    engine.push(a, version=0)
+    assert_parity(greedy(engine), cold(a))
+    addresses = engine.addresses()
+
+    report = engine.push(b / "model.safetensors", version=1)
+    assert report.mode == "direct" and report.tensors > 0 and report.bytes > 0
+    got_b = greedy(engine)
+    assert_parity(got_b, cold(b))
+    assert got_b != cold(a)  # the push changed what the engine computes
+    assert engine.addresses() == addresses
+
+    engine.push(a, version=2)
+    assert_parity(greedy(engine), cold(a))
+    assert engine.addresses() == addresses
+
+
+def test_outputs_carry_the_policy_version(models, shared_engine) -> None:
+    from vllm import SamplingParams
+
+    from weight_bridge.vllm import token_prompts
+
+    engine = shared_engine("llama_A")
+    sp = SamplingParams(max_tokens=2)
+    for version in (7, 8, "step-9"):
+        engine.push(models["llama_B" if version == 8 else "llama_A"], version=version)
+        outs = engine.generate(token_prompts([[1, 2, 3]] * 3), sp)
+        assert [o.policy_version for o in outs] == [version] * 3
+        assert engine.version == version
+
+
+def test_prefix_cache_is_reset_by_a_push(models, engine_factory) -> None:
+    long_prompt = [[1] + list(range(20, 80))]  # several full KV blocks, cached after one run
+    engine = engine_factory(models["llama_B"], enable_prefix_caching=True)
+    want = greedy(engine, prompts=long_prompt)  # B, cold
+    engine.push(models["llama_A"], version=0)
+    greedy(engine, prompts=long_prompt)  # A's KV now cached for this prompt
+    engine.push(models["llama_B"], version=1)
+    assert_parity(greedy(engine, prompts=long_prompt), want)
+
+
+def _bad_checkpoints(models, tmp_path: Path) -> dict[str, tuple[Path, type, str]]:
+    from safetensors.torch import load_file, save_file
+
+    b = load_file(models["llama_B"] / "model.safetensors")
+    out = {}
+    missing = dict(b)
+    missing.pop("model.layers.0.mlp.down_proj.weight")
+    save_file(missing, tmp_path / "missing.safetensors")
+    out["missing"] = (tmp_path / "missing.safetensors", DirectReloadError, "missing")
+    shaped = dict(b)
+    shaped["model.norm.weight"] = shaped["model.norm.weight"][:-1].clone()
+    save_file(shaped, tmp_path / "shape.safetensors")
+    out["shape"] = (tmp_path / "shape.safetensors", DirectReloadError, "shape")
+    raw = (models["llama_B"] / "model.safetensors").read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(raw[: len(raw) // 2])
+    out["truncated"] = (tmp_path / "truncated.safetensors", CheckpointError, "truncated")
+    other = build_tiny_model(tmp_path / "other", arch="qwen2", seed=5)
+    out["other model"] = (other, DirectReloadError, "unexpected tensor")
+    return out
+
+
+def test_bad_checkpoints_are_rejected_and_engine_keeps_serving(
+    models, shared_engine, cold, tmp_path
+):
+    engine = shared_engine("llama_A")
+    engine.push(models["llama_A"], version="A")
+    addresses = engine.addresses()
+    for label, (path, error, words) in _bad_checkpoints(models, tmp_path).items():
+        with pytest.raises(error, match=words):
+            engine.push(path, version=label)
+        assert engine.version == "A" and engine.undefined is None, label
+        assert_parity(greedy(engine), cold(models["llama_A"]))
+    assert engine.addresses() == addresses
+
+
+def test_auto_falls_back_to_layerwise_for_packed_cpu_linears(models, cold, engine_factory):
+    """cpu_linear="stock" leaves vLLM's packed oneDNN linears: not directly reloadable."""
+    a, b = models["llama_A"], models["llama_B"]
+    engine = engine_factory(a, reload_mode="auto", cpu_linear="stock")
+    plan = engine.plan()[0]
+    assert any("emptied" in why for why in plan["problems"].values())
+    report = engine.push(b, version=1)
+    assert report.mode == "layerwise" and "not directly reloadable" in report.reason
+    assert_parity(greedy(engine), cold(b, cpu_linear="stock"))
+
+
+def test_layerwise_refuses_tied_packed_embedding(models, cold, engine_factory) -> None:
+    """vLLM's layerwise reload leaves the tied lm_head's packed copy stale on CPU: refuse."""
+    a, b = models["qwen2_A"], models["qwen2_B"]
+    engine = engine_factory(a, reload_mode="layerwise", cpu_linear="stock")
+    with pytest.raises(DirectReloadError, match="tied"):
+        engine.push(b, version=1)
+    assert_parity(greedy(engine), cold(a, cpu_linear="stock"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("mode", "cpu_linear"), [("layerwise", "torch"), ("direct", "repack")])
+def test_other_modes_match_cold_start(arch, mode, cpu_linear, models, cold, engine_factory):
+    a, b = models[f"{arch}_A"], models[f"{arch}_B"]
+    engine = engine_factory(a, reload_mode=mode, cpu_linear=cpu_linear)
+    before = engine.addresses()
+    engine.push(b, version=1)
+    assert_parity(greedy(engine), cold(b, cpu_linear=cpu_linear))
+    assert engine.addresses() == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_multiprocess_engine_push_matches_cold_start(arch, models) -> None:
+    r = run_engine_check("push", str(models[f"{arch}_A"]), str(models[f"{arch}_B"]))
+    assert_parity(r["b_pushed"], r["b_cold"])
+    assert_parity(r["a_pushed"], r["a_before"])
+    assert r["b_pushed"] != r["a_before"]
+    assert r["addresses_unchanged"]
+
+
+@pytest.mark.slow
+def test_compiled_engine_push_matches_cold_start(models) -> None:
+    """torch.compile on (vLLM's CPU default): weights are graph inputs, not baked constants."""
+    r = run_engine_check("push", str(models["qwen2_A"]), str(models["qwen2_B"]), "--compile")
+    assert_parity(r["b_pushed"], r["b_cold"])
+    assert_parity(r["a_pushed"], r["a_before"])
+    assert r["addresses_unchanged"]
