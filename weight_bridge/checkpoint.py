@@ -10,6 +10,7 @@ has mapped is never overwritten in place.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -284,7 +285,7 @@ def _hash(data: memoryview | bytes) -> str:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _write_all(f, data: memoryview) -> None:
@@ -327,7 +328,7 @@ def save_checkpoint(
             raise CheckpointError(path, f"dtype {t.dtype} has no safetensors name", name)
         t = t.detach().to("cpu")
         if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
             if key in ptrs:
                 raise CheckpointError(
                     path, f"shares storage with {ptrs[key]!r}; write it once", name
@@ -364,9 +365,7 @@ def save_checkpoint(
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return SavedCheckpoint(path, offset, meta[HASH_KEY], time.perf_counter() - started)

@@ -51,6 +51,7 @@ __all__ = [
     "ResolvedTarget",
     "begin_direct_reload",
     "check_finite",
+    "clear_undefined",
     "direct_reload",
     "finish_direct_reload",
     "mark_undefined",
@@ -187,7 +188,7 @@ def resolve_target(entry: TensorLayout, live: torch.Tensor) -> ResolvedTarget:
             from_storage=entry.storage_ptr,
             from_offset=entry.storage_offset,
             to_storage=storage.data_ptr(),
-            to_offset=live.storage_offset(),
+            to_offset=int(live.storage_offset()),
         ),
     )
 
@@ -204,7 +205,7 @@ def _overlaps(targets: dict[str, ResolvedTarget], aliases: dict[str, list[str]])
             continue
         covered.update(aliases.get(name, [name]))
         v = t.view
-        start = v.storage_offset() * v.dtype.itemsize
+        start = int(v.storage_offset()) * v.dtype.itemsize
         end = start + _extent(tuple(v.shape), tuple(v.stride())) * v.dtype.itemsize
         spans.setdefault(storage_ptr(v), []).append((start, end, name))
     problems: dict[str, str] = {}
@@ -257,6 +258,11 @@ def undefined_reason(model: torch.nn.Module) -> str | None:
 def mark_undefined(model: torch.nn.Module, reason: str) -> None:
     """Flag the weights as half-written until a complete reload succeeds."""
     setattr(model, UNDEFINED_ATTR, reason)
+
+
+def clear_undefined(model: torch.nn.Module) -> None:
+    """Declare the weights whole again (a complete reload by another path succeeded)."""
+    setattr(model, UNDEFINED_ATTR, None)
 
 
 def begin_direct_reload(model: torch.nn.Module) -> ReloadPlan:
@@ -316,7 +322,7 @@ def finish_direct_reload(model: torch.nn.Module, complete: bool = True) -> Reloa
         recovered_from_undefined=session.was_undefined if complete else None,
     )
     if complete:
-        setattr(model, UNDEFINED_ATTR, None)
+        clear_undefined(model)
     return report
 
 

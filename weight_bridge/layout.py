@@ -59,7 +59,7 @@ class TensorLayout:
             name=name,
             storage_ptr=storage_ptr(t),
             storage_nbytes=t.untyped_storage().nbytes(),
-            storage_offset=t.storage_offset(),
+            storage_offset=int(t.storage_offset()),
             shape=tuple(t.shape),
             stride=tuple(t.stride()),
             dtype=t.dtype,

@@ -12,6 +12,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -140,7 +141,7 @@ def hf_config(
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
     tied = (arch == "qwen2") if tie_word_embeddings is None else tie_word_embeddings
-    common = dict(
+    common: dict[str, Any] = dict(
         hidden_size=size.hidden_size,
         intermediate_size=size.intermediate_size,
         num_hidden_layers=size.num_layers,

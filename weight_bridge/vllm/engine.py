@@ -172,7 +172,7 @@ class ColocatedEngine:
             kwargs.setdefault("use_tqdm", False)
             outputs = self.llm.generate(prompts, sampling_params, **kwargs)
             for out in outputs:
-                out.policy_version = self.version
+                vars(out)["policy_version"] = self.version
             return outputs
 
     # -- lifetime ----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def _patch_loader() -> None:
     loader_cls = default_loader.DefaultModelLoader
     original_weights = loader_cls.get_all_weights
 
-    def get_all_weights(self, model_config, model):  # type: ignore[no-untyped-def]
+    def get_all_weights(self, model_config, model):
         if bridge_options() is None:
             yield from original_weights(self, model_config, model)
             return
@@ -77,7 +77,7 @@ def _patch_loader() -> None:
 
     original_process = base_loader.process_weights_after_loading
 
-    def process_weights_after_loading(model, model_config, target_device):  # type: ignore[no-untyped-def]
+    def process_weights_after_loading(model, model_config, target_device):
         if bridge_options() is not None:
             manifest = getattr(model, MANIFEST_ATTR, None)
             if manifest is None:
@@ -104,7 +104,7 @@ def _patch_cpu_linear() -> None:
         if mode == "stock" or not plain:
             original(layer, remove_weight)
         elif mode == "torch":
-            layer.cpu_linear = _torch_linear
+            setattr(layer, "cpu_linear", _torch_linear)  # noqa: B010 (nn.Module attribute)
         elif mode == "repack":
             original(layer, remove_weight=False)
             setattr(layer, _REPACK_ATTR, original)

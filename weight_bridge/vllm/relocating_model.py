@@ -58,7 +58,7 @@ def relocate(model: torch.nn.Module) -> None:
             _move(gate_up, column_major, 0, (1, gate_up.shape[0]))
 
 
-def _build_class():  # type: ignore[no-untyped-def]
+def _build_class():
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
     class RelocatingLlamaForCausalLM(LlamaForCausalLM):
@@ -68,7 +68,7 @@ def _build_class():  # type: ignore[no-untyped-def]
     return RelocatingLlamaForCausalLM
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
+def __getattr__(name: str):
     # vLLM imports the class by name; building it lazily keeps this module importable
     # without initialising vLLM's model code.
     if name == ARCHITECTURE:

@@ -17,6 +17,7 @@ from ..checkpoint import CheckpointReader
 from ..direct import (
     DirectReloadError,
     check_finite,
+    clear_undefined,
     direct_reload,
     mark_undefined,
     plan_direct_reload,
@@ -52,7 +53,7 @@ class WeightBridgeWorkerExtension:
         with CheckpointReader(checkpoint) as reader:
             if verify_hash:
                 reader.verify_hash()
-            report = direct_reload(model, reader.tensors(), load=model.load_weights, finite=finite)
+            report = direct_reload(model, reader.tensors(), finite=finite)
         refreshed = refresh_derived_state(model)
         self._reset_runner_caches()
         out = asdict(report)
@@ -90,7 +91,7 @@ class WeightBridgeWorkerExtension:
             except BaseException as exc:
                 mark_undefined(model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
                 raise
-        model._weight_bridge_undefined = None
+        clear_undefined(model)
         refresh_derived_state(model)
         return {"tensors": len(items), "bytes": sum(t.nbytes for _, t in items)}
 
