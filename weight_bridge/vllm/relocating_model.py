@@ -35,11 +35,16 @@ def _move(param: torch.Tensor, storage: torch.Tensor, offset: int, stride: tuple
         param.set_(storage.untyped_storage(), offset, param.shape, stride)
 
 
+def _movable(w: torch.Tensor) -> bool:
+    # With cpu_linear="stock", vLLM has already packed the linears and emptied these weights.
+    return w.ndim == 2 and w.numel() > 0
+
+
 def relocate(model: torch.nn.Module) -> None:
     """Apply the three moves to every decoder layer of ``model`` (in place)."""
     layers = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-    weights = [layer.o_proj.weight for layer in layers]
-    fused = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype)
+    weights = [layer.o_proj.weight for layer in layers if _movable(layer.o_proj.weight)]
+    fused = torch.empty(sum(w.numel() for w in weights), dtype=model.lm_head.weight.dtype)
     offset = 0
     for w in weights:
         n = w.numel()
@@ -47,7 +52,7 @@ def relocate(model: torch.nn.Module) -> None:
         _move(w, fused, offset, tuple(w.stride()))
         offset += n
     for name, module in model.named_modules():
-        if name.endswith("mlp"):
+        if name.endswith("mlp") and _movable(module.down_proj.weight):
             down = module.down_proj.weight
             rows, cols = down.shape
             padded = torch.zeros(rows, cols + ROW_PADDING, dtype=down.dtype)
