@@ -44,7 +44,9 @@ def relocate(model: torch.nn.Module) -> None:
     """Apply the three moves to every decoder layer of ``model`` (in place)."""
     layers = [m for name, m in model.named_modules() if name.endswith("self_attn")]
     weights = [layer.o_proj.weight for layer in layers if _movable(layer.o_proj.weight)]
-    fused = torch.empty(sum(w.numel() for w in weights), dtype=model.lm_head.weight.dtype)
+    if not weights:
+        return
+    fused = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype)
     offset = 0
     for w in weights:
         n = w.numel()
