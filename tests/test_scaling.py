@@ -1,9 +1,15 @@
-"""Scale-out on this machine: vLLM tensor parallelism (TP=2 on two CPU cores)."""
+"""Scale-out on this machine: vLLM tensor parallelism (TP=2 on two CPU cores) and Lightning
+DDP with one colocated engine per rank."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+
 import pytest
-from conftest import assert_parity, run_engine_check
+from conftest import TESTS, assert_parity, run_engine_check
 
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -20,3 +26,40 @@ def test_tensor_parallel_push_matches_tensor_parallel_cold_start(arch, models) -
     assert_parity(r["a_pushed"], r["a_before"])
     assert r["b_pushed"] != r["a_before"]
     assert r["addresses_unchanged"]
+
+
+def run_ddp(model, dirpath, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TESTS / "ddp_sync_check.py"), str(model), str(dirpath), *extra],
+        capture_output=True,
+        text=True,
+        timeout=900,  # a hang fails the test instead of the run
+    )
+
+
+@pytest.mark.slow
+def test_ddp_ranks_push_their_engines_from_one_checkpoint(models, cold, tmp_path) -> None:
+    out = run_ddp(models["llama_A"], tmp_path / "sync")
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = [json.loads(ln[7:]) for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    # one checkpoint per sync (steps 0, 2, 4), written once by global rank zero
+    files = sorted(p.name for p in (tmp_path / "sync").iterdir())
+    assert files == [f"step-{s:08d}.safetensors" for s in (0, 2, 4)]
+    assert {r["version"] for r in results} == {4}
+    assert {r["checkpoint"] for r in results} == {str(tmp_path / "sync" / files[-1])}
+    # both engines serve exactly a cold start of the last checkpoint
+    model_dir = tmp_path / "last"
+    shutil.copytree(models["llama_A"], model_dir)
+    shutil.copy(tmp_path / "sync" / files[-1], model_dir / "model.safetensors")
+    want = cold(model_dir)
+    for r in results:
+        assert_parity(r["greedy"], want)
+
+
+@pytest.mark.slow
+def test_ddp_failure_on_one_rank_does_not_hang_the_other(models, tmp_path) -> None:
+    out = run_ddp(models["llama_A"], tmp_path / "sync", "--fail-rank", "1")
+    assert out.returncode != 0
+    assert "engine core process died" in out.stderr
+    assert "failed on another rank" in out.stderr
