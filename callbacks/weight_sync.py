@@ -63,6 +63,10 @@ class VLLMWeightSync(Callback):
     if it has one. After a successful push, checkpoints beyond the newest ``keep_last_k`` are
     deleted, except the one an engine serves.
 
+    ``node_local=True`` is the multi-node layout: each node's local rank zero writes its own copy
+    into ``<dir>/node<node_rank>`` (a node-local disk or ``/dev/shm`` at the same path on every
+    node) and every rank pushes from its own node's copy, so no node waits on another node's disk.
+
     ``enabled=False`` (or the ``env_var`` set to 0/false/off; 1/true/on forces it on) turns the
     callback into a no-op: no files, no engine, ``pl_module.vllm_engine`` is None.
     ``on_error="warn"`` turns a failed save or push into a warning and keeps the engine on the
@@ -96,6 +100,7 @@ class VLLMWeightSync(Callback):
         env_var: str = "WEIGHT_BRIDGE_SYNC",
         on_error: str = "raise",
         verify_hash: bool = True,
+        node_local: bool = False,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, not {every_n_train_steps}")
@@ -131,6 +136,7 @@ class VLLMWeightSync(Callback):
         self.keep_last_k = keep_last_k
         self.on_error = on_error
         self.verify_hash = verify_hash
+        self.node_local = node_local
         self.last_pushed_step: int | None = None
         self.last_checkpoint: str | None = None
         self.history: list[dict[str, Any]] = []
@@ -168,6 +174,8 @@ class VLLMWeightSync(Callback):
                 self._engine = ColocatedEngine(self.model_path, **self.engine_kwargs)
                 self._owns_engine = True
             self._dir = Path(trainer.strategy.broadcast(str(self._resolve_dir(trainer))))
+            if self.node_local:
+                self._dir = self._dir / f"node{trainer.node_rank}"
         _expose(pl_module, self._engine)
 
     def _resolve_dir(self, trainer: pl.Trainer) -> Path:
@@ -198,7 +206,7 @@ class VLLMWeightSync(Callback):
             self._engine = None
             self._owns_engine = False
             _expose(pl_module, None)
-        if self.ram_dir and self._dir is not None and trainer.is_global_zero:
+        if self.ram_dir and self._dir is not None and self._is_writer(trainer):
             served = self._engine.checkpoint if self._engine is not None else None
             if served is None:
                 shutil.rmtree(self._dir, ignore_errors=True)
@@ -241,6 +249,10 @@ class VLLMWeightSync(Callback):
         if self.enabled and self.push_on_train_end and trainer.global_step != self.last_pushed_step:
             self._sync(trainer, pl_module, trainer.global_step)
 
+    def _is_writer(self, trainer: pl.Trainer) -> bool:
+        """The rank that writes checkpoints: global rank zero, or each node's local rank zero."""
+        return trainer.local_rank == 0 if self.node_local else trainer.is_global_zero
+
     def _due(self, step: int) -> bool:
         n = self.every_n_train_steps
         return (n is not None and step % n == 0) or step in self.at_steps
@@ -262,7 +274,7 @@ class VLLMWeightSync(Callback):
         started = time.perf_counter()
         try:
             tensors, source_dtype = self._gather(trainer, pl_module)
-            if trainer.is_global_zero:
+            if self._is_writer(trainer):
                 metadata = {
                     "step": str(step),
                     "version": str(step),
@@ -276,7 +288,8 @@ class VLLMWeightSync(Callback):
         if not strategy.reduce_boolean_decision(error is None, all=True):
             self._fail(step, "save", error)
             return
-        path = Path(strategy.broadcast(str(path), src=0))
+        if not self.node_local:
+            path = Path(strategy.broadcast(str(path), src=0))
 
         report = None
         started = time.perf_counter()
@@ -302,7 +315,7 @@ class VLLMWeightSync(Callback):
             "mode": report.mode if report is not None else None,
         }
         self.history.append(record)
-        if trainer.is_global_zero:
+        if self._is_writer(trainer):
             self._prune(path)
             metrics = {
                 "weight_sync/save_s": save_s,
@@ -328,8 +341,8 @@ class VLLMWeightSync(Callback):
         else:
             state = trainer.strategy.lightning_module_state_dict()
         out: dict[str, torch.Tensor] = {}
-        if not trainer.is_global_zero:
-            return out, ""  # the state dict call above may be collective; only rank 0 writes
+        if not self._is_writer(trainer):
+            return out, ""  # the state dict call above may be collective; only writers save
         origin: dict[str, str] = {}
         seen: set[tuple] = set()
         source_dtype = ""

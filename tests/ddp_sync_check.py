@@ -1,11 +1,13 @@
 """Lightning DDP (2 processes, gloo, CPU), each rank with its own colocated engine.
 
     python tests/ddp_sync_check.py MODEL_DIR CHECKPOINT_DIR [--fail-rank R]
+    NODE_RANK=k MASTER_ADDR=127.0.0.1 MASTER_PORT=P python tests/ddp_sync_check.py ... --nodes 2
 
 Global rank zero writes one checkpoint per sync, every rank waits for it and pushes its own
 engine (as in data-parallel rollouts). Each rank prints ``RESULT {json}``: its engine's version,
 the checkpoint it serves and its greedy outputs. ``--fail-rank`` kills that rank's engine-core
-process after the first push, to show the other rank is not left hanging.
+process after the first push, to show the other rank is not left hanging. ``--nodes 2`` (one
+process per simulated node) uses the multi-node layout: each node writes and reads its own copy.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def main() -> None:
     parser.add_argument("dirpath")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="simulated nodes, one process each (NODE_RANK set)"
+    )
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -60,6 +65,7 @@ def main() -> None:
         every_n_train_steps=2,
         dirpath=args.dirpath,
         keep_last_k=10,
+        node_local=args.nodes > 1,
     )
     result: dict = {}
 
@@ -86,7 +92,8 @@ def main() -> None:
 
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=2 if args.nodes == 1 else 1,
+        num_nodes=args.nodes,
         strategy="ddp",
         max_steps=args.steps,
         logger=False,

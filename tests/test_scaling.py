@@ -4,9 +4,11 @@ DDP with one colocated engine per rank."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import TESTS, assert_parity, run_engine_check
@@ -63,3 +65,51 @@ def test_ddp_failure_on_one_rank_does_not_hang_the_other(models, tmp_path) -> No
     assert out.returncode != 0
     assert "engine core process died" in out.stderr
     assert "failed on another rank" in out.stderr
+
+
+@pytest.mark.slow
+def test_two_simulated_nodes_each_write_and_read_a_node_local_copy(models, cold, tmp_path):
+    """Multi-node layout: node-local rank zero writes <dir>/node<k>; ranks read their node's."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(TESTS / "ddp_sync_check.py"),
+                str(models["llama_A"]),
+                str(tmp_path / "sync"),
+                "--nodes",
+                "2",
+            ],
+            env={
+                **os.environ,
+                "NODE_RANK": str(k),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    results = [
+        json.loads(ln[7:]) for o, _ in outs for ln in o.splitlines() if ln.startswith("RESULT")
+    ]
+    served = {r["rank"]: r["checkpoint"] for r in results}
+    assert served == {
+        k: str(tmp_path / "sync" / f"node{k}" / "step-00000004.safetensors") for k in (0, 1)
+    }
+    node0, node1 = (Path(served[k]).read_bytes() for k in (0, 1))
+    assert node0 == node1
+    model_dir = tmp_path / "last"
+    shutil.copytree(models["llama_A"], model_dir)
+    shutil.copy(served[0], model_dir / "model.safetensors")
+    for r in results:
+        assert_parity(r["greedy"], cold(model_dir))
