@@ -103,7 +103,7 @@ def cold() -> Callable[..., list]:
     reference cold start runs beside the engine under test, in a process of its own.
     """
 
-    def run(model: Path, cpu_linear: str = "torch", compile: bool = False) -> list:
+    def run(model: Path, cpu_linear: str = "repack", compile: bool = False) -> list:
         key = (str(model), cpu_linear, compile)
         if key not in _cold_cache:
             args = ["cold", str(model), "--cpu-linear", cpu_linear]

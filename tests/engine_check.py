@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("model_a")
     parser.add_argument("model_b", nargs="?")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--cpu-linear", default="torch")
+    parser.add_argument("--cpu-linear", default="repack")
     parser.add_argument("--reload-mode", default="direct")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--pushes", type=int, default=1, help="B/A push rounds")

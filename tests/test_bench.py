@@ -70,7 +70,7 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
             assert probe["samples"] > 0
             assert probe["peak_extra_anon"] is not None and probe["peak_extra_file"] is not None
     _timed(ip["cold_restart"])
-    _timed(mp["engine_repack"]["direct"])
+    _timed(mp["engine_torch"]["direct"])
     for mode in ("torch", "repack", "stock"):
         _timed(mp["generation"][mode]["tokens_per_s"])
     for where in ("disk", "shm"):

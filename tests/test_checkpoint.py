@@ -539,13 +539,6 @@ def test_a_symlink_inside_the_directory_is_fine(tmp_path: Path) -> None:
     push_file(toy(), d)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="direct.check_finite calls torch.isinf, which float8_e4m3fn lacks: a NaN in an "
-    "F8_E4M3 checkpoint escapes as NotImplementedError (still before any write). Fix in "
-    "direct.py: count NaN/Inf on t.float().",
-)
 def test_f8_e4m3_nan_is_refused_by_name(tmp_path: Path) -> None:
     c = {k: v.to(torch.float8_e4m3fn) for k, v in toy_ckpt(1).items()}
     c["norm"].view(torch.uint8)[0] = 0x7F  # NaN in e4m3fn
@@ -554,12 +547,6 @@ def test_f8_e4m3_nan_is_refused_by_name(tmp_path: Path) -> None:
         push_file(toy(), path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the NaN/Inf guard checks the checkpoint's values, not the values after conversion: "
-    "a finite F64 value beyond float32's range becomes Inf in the model. Fix in direct.py: "
-    "check against torch.finfo(target dtype).max when the cast narrows.",
-)
 def test_values_that_overflow_the_model_dtype_are_refused(tmp_path: Path) -> None:
     c = {k: v.double() for k, v in toy_ckpt(1).items()}
     c["norm"][0] = 1e300
@@ -632,7 +619,8 @@ DTYPE_NAMES = [
     "U8",
     "BOOL",
     "F8_E5M2",
-]  # F8_E4M3: see the xfail above
+    "F8_E4M3",
+]
 GOOD_SHAPES = {"a.weight": [3, 4], "a.bias": [3], "b.weight": [2, 3], "norm": [2]}
 
 

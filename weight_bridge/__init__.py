@@ -4,7 +4,7 @@ The core (layout records, direct reload, safetensors checkpoints) is plain PyTor
 integration lives in :mod:`weight_bridge.vllm` and is imported lazily.
 """
 
-from .checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointReader, CheckpointWriteError, save_checkpoint
 from .direct import (
     DirectReloadError,
     ReloadReport,
@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointLayout",
     "CheckpointReader",
+    "CheckpointWriteError",
     "DirectReloadError",
     "ReloadReport",
     "TensorLayout",

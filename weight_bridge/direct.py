@@ -355,24 +355,36 @@ def preflight(layout: CheckpointLayout, specs: Mapping[str, TensorSpec]) -> dict
     return problems
 
 
-def check_finite(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """Names of floating tensors holding NaN or Inf.
+def check_finite(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    targets: Mapping[str, torch.dtype] | None = None,
+) -> dict[str, str]:
+    """Names of floating tensors holding NaN or Inf, or values the engine's dtype cannot hold.
 
     A sum in the tensor's own dtype is one vectorised pass with no allocation (NaN and Inf
     propagate through it; it runs at memory bandwidth, where a float64 sum or ``isfinite`` is
     5-20x slower); only a non-finite sum (NaN/Inf, or an overflow of a large half-precision
-    tensor) pays for the exact element-wise check.
+    tensor) pays for the exact element-wise check. ``targets`` (name -> the dtype the tensor is
+    written into) adds a range check where the cast narrows, e.g. float64 -> float32, since a
+    finite value beyond the target's range would become Inf in the engine.
     """
     bad: dict[str, str] = {}
     for name, t in weights:
         if not t.is_floating_point() or t.numel() == 0:
             continue
-        if torch.isfinite(t.sum()):
-            continue
-        nan = int(torch.isnan(t).sum())
-        inf = int(torch.isinf(t).sum())
-        if nan or inf:
-            bad[name] = f"holds {nan} NaN and {inf} Inf values"
+        if t.element_size() == 1:
+            t = t.float()  # float8 kernels lack sum/isinf; one byte per element is cheap to widen
+        if not torch.isfinite(t.sum()):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            if nan or inf:
+                bad[name] = f"holds {nan} NaN and {inf} Inf values"
+                continue
+        target = (targets or {}).get(name)
+        if target is not None and target.is_floating_point:
+            limit = torch.finfo(target).max
+            if torch.finfo(t.dtype).max > limit and float(t.abs().max()) > limit:
+                bad[name] = f"holds values beyond the range of {target} (would become Inf)"
     return bad
 
 
@@ -408,7 +420,8 @@ def direct_reload(
         specs[name] = TensorSpec(tuple(t.shape), t.dtype)
     problems.update(preflight(layout, specs))
     if finite and not problems:
-        problems.update(check_finite(items))
+        targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
+        problems.update(check_finite(items, targets))
     if problems:
         raise DirectReloadError("checkpoint rejected (nothing was written)", problems)
     preflight_s = time.perf_counter() - started

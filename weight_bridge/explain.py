@@ -44,7 +44,7 @@ def format_plan(plan: dict[str, Any], rank: int = 0) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weight_bridge.explain", description=__doc__)
     parser.add_argument("model", help="Hugging Face-format model directory")
-    parser.add_argument("--cpu-linear", default="torch", choices=["torch", "repack", "stock"])
+    parser.add_argument("--cpu-linear", default="repack", choices=["torch", "repack", "stock"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", action="store_true", help="print the raw plans as JSON")

@@ -7,6 +7,18 @@ Limitations:
 3. Each worker reads the checkpoint from a path it can open: colocated means same filesystem.
 """
 
-from .engine import ColocatedEngine, EngineUndefinedError, PushReport, token_prompts
+from .engine import (
+    ColocatedEngine,
+    EngineCoreDeadError,
+    EngineUndefinedError,
+    PushReport,
+    token_prompts,
+)
 
-__all__ = ["ColocatedEngine", "EngineUndefinedError", "PushReport", "token_prompts"]
+__all__ = [
+    "ColocatedEngine",
+    "EngineCoreDeadError",
+    "EngineUndefinedError",
+    "PushReport",
+    "token_prompts",
+]

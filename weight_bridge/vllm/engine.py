@@ -93,7 +93,7 @@ class ColocatedEngine:
         self,
         model: str | os.PathLike,
         reload_mode: ReloadMode = "direct",
-        cpu_linear: str = "torch",
+        cpu_linear: str = "repack",
         check_finite: bool = True,
         verify_hash: bool = False,
         rpc_timeout_s: float | None = 300,

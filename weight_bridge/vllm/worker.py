@@ -83,7 +83,8 @@ class WeightBridgeWorkerExtension:
             problems = preflight(layout, reader.specs())
             items = list(reader.tensors())
             if finite and not problems:
-                problems = check_finite(items)
+                targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
+                problems = check_finite(items, targets)
             if problems:
                 raise DirectReloadError("checkpoint rejected (nothing was written)", problems)
             try:

@@ -1,0 +1,119 @@
+"""The GRPO recipe (``examples/grpo``), shortened: the real CLI, Trainer, engine and sync callback.
+
+Each case runs ``train.py``'s LightningCLI on the recipe's own ``config.yaml`` with the paths moved
+into a temporary directory and a few steps, then checks what the recipe promises: rollouts tagged
+with the version they were sampled from, a float32-noise logprob gap while syncing, and a last
+checkpoint on disk that holds exactly the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import yaml
+from conftest import close_engine
+from safetensors.torch import load_file
+
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "grpo"
+
+pytestmark = pytest.mark.slow
+
+
+def _recipe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("grpo_recipe_train", RECIPE / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config(tmp_path: Path, steps: int, **sync: object) -> Path:
+    """``config.yaml`` with every path under ``tmp_path`` and the callback's options overridden."""
+    cfg = yaml.safe_load((RECIPE / "config.yaml").read_text())
+    run, model_dir = tmp_path / "run", tmp_path / "policy-init"
+    trainer = cfg["trainer"]
+    trainer["max_steps"] = steps
+    trainer["default_root_dir"] = str(run)
+    trainer["logger"]["init_args"]["save_dir"] = str(run)
+    (callback,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("VLLMWeightSync")]
+    callback["init_args"].update(model_path=str(model_dir), dirpath=str(run / "checkpoints"))
+    callback["init_args"].update(sync)
+    cfg["model"].update(model_dir=str(model_dir), run_dir=str(run))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, steps: int, **sync: object):
+    close_engine()  # one in-process vLLM engine at a time
+    monkeypatch.setattr(sys, "argv", [str(RECIPE / "train.py")])  # not pytest's arguments
+    cli = _recipe().main(["fit", "--config", str(_config(tmp_path, steps, **sync))])
+    (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "VLLMWeightSync"]
+    # The callback closes the engine it built at teardown, the module the one it built itself.
+    assert callback.engine is None and cli.model._own_engine is None
+    return cli, callback
+
+
+def test_sync_every_step_is_on_policy_and_checkpoints_hold_the_trainer_weights(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    steps = 5
+    cli, callback = _fit(monkeypatch, tmp_path, steps)
+    history = cli.model.history
+    assert [h["step"] for h in history] == list(range(steps))
+    # Rollouts of step N were sampled from the weights pushed at step N: staleness 0.
+    assert [h["policy_version"] for h in history] == list(range(steps))
+    assert all(h["staleness"] == 0 for h in history)
+    # Trainer and engine agree on the sampled tokens' log-probabilities up to float32 noise.
+    gaps = [h["logprob_gap"] for h in history]
+    assert max(gaps) < 1e-3, gaps
+
+    assert callback.last_pushed_step == steps
+    checkpoint = Path(callback.last_checkpoint)
+    assert checkpoint.is_file()
+    saved = load_file(str(checkpoint))
+    state = cli.model.model.state_dict()
+    assert set(saved) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(saved[name], tensor), name
+    initial = load_file(str(tmp_path / "policy-init" / "model.safetensors"))
+    assert any(not torch.equal(initial[n], saved[n]) for n in saved)  # training moved them
+
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["sync"]["enabled"]
+    assert summary["sync"]["every_n_train_steps"] == 1
+    assert summary["last_checkpoint"] == str(checkpoint)
+    assert (run / "reward.png").stat().st_size > 0
+
+
+def test_sync_every_4_steps_bounds_staleness(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cli, callback = _fit(monkeypatch, tmp_path, 6, every_n_train_steps=4)
+    history = cli.model.history
+    assert [h["policy_version"] for h in history] == [0, 0, 0, 0, 4, 4]
+    assert [h["staleness"] for h in history] == [0, 1, 2, 3, 0, 1]
+    assert history[0]["logprob_gap"] < 1e-3 and history[4]["logprob_gap"] < 1e-3
+    assert callback.last_pushed_step == 6  # push_on_train_end
+
+
+def test_sync_off_samples_from_the_initial_policy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cli, callback = _fit(monkeypatch, tmp_path, 4, enabled=False)
+    history = cli.model.history
+    assert [h["policy_version"] for h in history] == [0, 0, 0, 0]
+    assert [h["staleness"] for h in history] == [0, 1, 2, 3]
+    assert callback.last_checkpoint is None
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # The engine never moves while the trainer does: the gap opens after the first update.
+    assert history[0]["logprob_gap"] < 1e-3 < history[-1]["logprob_gap"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sync"]["enabled"] is False
