@@ -553,15 +553,16 @@ def save_checkpoint(
         cpu[name] = t
     import blake3
 
+    # The hash is computed while the data is written (one pass over the bytes) and then
+    # written over a placeholder of the same length in the header.
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    for t in cpu.values():
-        if t.numel():
-            h.update(_bytes_of(t))
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    meta[HASH_KEY] = h.hexdigest()
+    meta[HASH_KEY] = "0" * 64
     header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # align the data section to 8 bytes
+    marker = json.dumps({HASH_KEY: meta[HASH_KEY]}, separators=(",", ":"))[1:-1].encode()
+    hash_at = 8 + raw.index(marker) + len(marker) - 65
     total = 8 + len(raw) + offset
     _remove_stale_temps(path)
     # mkstemp creates the file 0600 (owner-only) with O_EXCL, whatever the umask: no byte is
@@ -574,7 +575,11 @@ def save_checkpoint(
             _write_all(f, struct.pack("<Q", len(raw)) + raw)
             for t in cpu.values():
                 if t.numel():
-                    _write_all(f, _bytes_of(t))
+                    data = _bytes_of(t)
+                    h.update(data)
+                    _write_all(f, data)
+            meta[HASH_KEY] = h.hexdigest()
+            os.pwrite(f.fileno(), meta[HASH_KEY].encode(), hash_at)
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
