@@ -53,6 +53,7 @@ def _config(tmp_path: Path, steps: int, **sync: object) -> Path:
 def _fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, steps: int, **sync: object):
     close_engine()  # one in-process vLLM engine at a time
     monkeypatch.setattr(sys, "argv", [str(RECIPE / "train.py")])  # not pytest's arguments
+    monkeypatch.delenv("WEIGHT_BRIDGE_SYNC", raising=False)  # the YAML decides
     cli = _recipe().main(["fit", "--config", str(_config(tmp_path, steps, **sync))])
     (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "VLLMWeightSync"]
     # The callback closes the engine it built at teardown, the module the one it built itself.
