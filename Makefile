@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/mypy weight_bridge callbacks
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow"
