@@ -136,9 +136,9 @@ def test_other_modes_match_cold_start(arch, mode, cpu_linear, models, cold, engi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_multiprocess_engine_push_matches_cold_start(arch, models) -> None:
-    r = run_engine_check("push", str(models[f"{arch}_A"]), str(models[f"{arch}_B"]))
+def test_multiprocess_engine_push_matches_cold_start(models) -> None:
+    """vLLM's default engine (workers in their own processes), on the tied architecture."""
+    r = run_engine_check("push", str(models["qwen2_A"]), str(models["qwen2_B"]))
     assert_parity(r["b_pushed"], r["b_cold"])
     assert_parity(r["a_pushed"], r["a_before"])
     assert r["b_pushed"] != r["a_before"]

@@ -17,10 +17,10 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tensor_parallel_push_matches_tensor_parallel_cold_start(arch, models) -> None:
-    """Each rank records its own layout, reads the file itself and keeps only its shard."""
-    a, b = models[f"{arch}_A"], models[f"{arch}_B"]
+def test_tensor_parallel_push_matches_tensor_parallel_cold_start(models) -> None:
+    """Each rank records its own layout, reads the file itself and keeps only its shard
+    (tied Qwen2: the embedding and lm_head are vocabulary-sharded across the ranks)."""
+    a, b = models["qwen2_A"], models["qwen2_B"]
     r = run_engine_check("push", str(a), str(b), "--tp", "2", env=TP2_ENV)
     assert r["workers"] == 2
     assert r["reports"][0]["workers"] == 2
@@ -37,26 +37,6 @@ def run_ddp(model, dirpath, *extra: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=900,  # a hang fails the test instead of the run
     )
-
-
-@pytest.mark.slow
-def test_ddp_ranks_push_their_engines_from_one_checkpoint(models, cold, tmp_path) -> None:
-    out = run_ddp(models["llama_A"], tmp_path / "sync")
-    assert out.returncode == 0, out.stderr[-4000:]
-    results = [json.loads(ln[7:]) for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert sorted(r["rank"] for r in results) == [0, 1]
-    # one checkpoint per sync (steps 0, 2, 4), written once by global rank zero
-    files = sorted(p.name for p in (tmp_path / "sync").iterdir())
-    assert files == [f"step-{s:08d}.safetensors" for s in (0, 2, 4)]
-    assert {r["version"] for r in results} == {4}
-    assert {r["checkpoint"] for r in results} == {str(tmp_path / "sync" / files[-1])}
-    # both engines serve exactly a cold start of the last checkpoint
-    model_dir = tmp_path / "last"
-    shutil.copytree(models["llama_A"], model_dir)
-    shutil.copy(tmp_path / "sync" / files[-1], model_dir / "model.safetensors")
-    want = cold(model_dir)
-    for r in results:
-        assert_parity(r["greedy"], want)
 
 
 @pytest.mark.slow
