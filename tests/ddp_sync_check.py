@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Each rank's engine runs its own engine-core process, so vLLM's distributed setup never meets
 # the trainer's process group.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # even under pytest, which sets 0
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -77,9 +77,12 @@ def main() -> None:
 
                 import psutil
 
+                killed = []
                 for child in psutil.Process().children(recursive=True):
                     if "EngineCore" in " ".join([child.name(), *child.cmdline()]):
                         os.kill(child.pid, signal.SIGKILL)
+                        killed.append(child.pid)
+                print(f"rank {trainer.global_rank} killed engine core {killed}", flush=True)
 
         def on_train_end(self, trainer, pl_module):
             engine = pl_module.vllm_engine

