@@ -59,6 +59,7 @@ __all__ = [
     "preflight",
     "resolve_target",
     "undefined_reason",
+    "validate_checkpoint",
 ]
 
 SESSION_ATTR = "_weight_bridge_session"
@@ -388,6 +389,28 @@ def check_finite(
     return bad
 
 
+def validate_checkpoint(
+    layout: CheckpointLayout, items: list[tuple[str, torch.Tensor]], finite: bool = True
+) -> None:
+    """Refuse a whole checkpoint that does not fit ``layout``, before anything is written.
+
+    Names, shapes and dtypes against the checkpoint recorded at load, then (``finite``) NaN/Inf
+    and out-of-range values. Every reload path (direct or an engine's own) calls this first.
+    """
+    specs: dict[str, TensorSpec] = {}
+    problems: dict[str, str] = {}
+    for name, t in items:
+        if name in specs:
+            problems[name] = "appears twice in the checkpoint"
+        specs[name] = TensorSpec(tuple(t.shape), t.dtype)
+    problems.update(preflight(layout, specs))
+    if finite and not problems:
+        targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
+        problems.update(check_finite(items, targets))
+    if problems:
+        raise DirectReloadError("checkpoint rejected (nothing was written)", problems)
+
+
 def _copy_by_name(plan: ReloadPlan) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
     def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, t in weights:
@@ -412,18 +435,7 @@ def direct_reload(
     started = time.perf_counter()
     layout = _require_layout(model)
     items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    specs: dict[str, TensorSpec] = {}
-    problems: dict[str, str] = {}
-    for name, t in items:
-        if name in specs:
-            problems[name] = "appears twice in the checkpoint"
-        specs[name] = TensorSpec(tuple(t.shape), t.dtype)
-    problems.update(preflight(layout, specs))
-    if finite and not problems:
-        targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
-        problems.update(check_finite(items, targets))
-    if problems:
-        raise DirectReloadError("checkpoint rejected (nothing was written)", problems)
+    validate_checkpoint(layout, items, finite)
     preflight_s = time.perf_counter() - started
 
     plan = begin_direct_reload(model)

@@ -16,13 +16,12 @@ import torch
 from ..checkpoint import CheckpointReader
 from ..direct import (
     DirectReloadError,
-    check_finite,
     clear_undefined,
     direct_reload,
     mark_undefined,
     plan_direct_reload,
-    preflight,
     undefined_reason,
+    validate_checkpoint,
 )
 from ..layout import get_checkpoint_layout, live_tensors
 from .plugin import bridge_options, refresh_derived_state
@@ -80,13 +79,8 @@ class WeightBridgeWorkerExtension:
         with CheckpointReader(checkpoint) as reader:
             if verify_hash:
                 reader.verify_hash()
-            problems = preflight(layout, reader.specs())
             items = list(reader.tensors())
-            if finite and not problems:
-                targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
-                problems = check_finite(items, targets)
-            if problems:
-                raise DirectReloadError("checkpoint rejected (nothing was written)", problems)
+            validate_checkpoint(layout, items, finite)
             try:
                 self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
             except BaseException as exc:
