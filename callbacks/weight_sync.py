@@ -28,6 +28,8 @@ from typing_extensions import override
 from weight_bridge.checkpoint import save_checkpoint
 from weight_bridge.vllm.engine import ColocatedEngine
 
+from .canary import CanaryError, default_probe, logprob_gap
+
 __all__ = ["VLLMWeightSync"]
 
 _OFF = {"0", "false", "off", "no"}
@@ -76,6 +78,12 @@ class VLLMWeightSync(Callback):
     ``env_var`` is read when the callback is constructed. Under ``ddp_spawn`` pass
     ``model_path``: each rank then builds its own engine, and nothing unpicklable (an engine, a
     lambda ``source``) has to travel to the ranks.
+    ``canary=True`` (or ``canary_prompts``, lists of token ids) checks every push end to end:
+    the trainer's model (``module_attr``) and the engine score the same probe batch and the
+    largest logprob difference is logged as ``weight_sync/canary_gap``; above
+    ``canary_tolerance`` the sync fails (:class:`~callbacks.canary.CanaryError`, or a warning
+    with ``on_error="warn"``). It catches what the bridge's own proofs cannot: derived state it
+    does not know, names mapped onto the wrong weights (see :mod:`callbacks.canary`).
     Metrics ``weight_sync/{save_s,push_s,bytes,version}`` go to the trainer's loggers.
     """
 
@@ -101,6 +109,9 @@ class VLLMWeightSync(Callback):
         on_error: str = "raise",
         verify_hash: bool = True,
         node_local: bool = False,
+        canary: bool = False,
+        canary_prompts: list[list[int]] | None = None,
+        canary_tolerance: float = 1e-3,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, not {every_n_train_steps}")
@@ -108,6 +119,8 @@ class VLLMWeightSync(Callback):
             raise ValueError(f"at_steps must be non-negative, not {at_steps}")
         if keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1, not {keep_last_k}")
+        if canary_tolerance <= 0:
+            raise ValueError(f"canary_tolerance must be positive, not {canary_tolerance}")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
         self.env_var = env_var
@@ -137,6 +150,9 @@ class VLLMWeightSync(Callback):
         self.on_error = on_error
         self.verify_hash = verify_hash
         self.node_local = node_local
+        self.canary = canary or canary_prompts is not None
+        self.canary_prompts = canary_prompts
+        self.canary_tolerance = canary_tolerance
         self.last_pushed_step: int | None = None
         self.last_checkpoint: str | None = None
         self.history: list[dict[str, Any]] = []
@@ -303,6 +319,15 @@ class VLLMWeightSync(Callback):
         if not strategy.reduce_boolean_decision(error is None, all=True):
             self._fail(step, "push", error)
             return
+        gap = None
+        if self.canary and self._engine is not None:
+            try:
+                gap = self._canary_gap(pl_module)
+            except Exception as exc:
+                error = exc
+        if not strategy.reduce_boolean_decision(error is None, all=True):
+            self._fail(step, "canary", error)
+            return
 
         self.last_pushed_step = step
         self.last_checkpoint = str(path)
@@ -313,6 +338,7 @@ class VLLMWeightSync(Callback):
             "save_s": save_s,
             "push_s": push_s,
             "mode": report.mode if report is not None else None,
+            "canary_gap": gap,
         }
         self.history.append(record)
         if self._is_writer(trainer):
@@ -323,6 +349,8 @@ class VLLMWeightSync(Callback):
                 "weight_sync/bytes": float(nbytes),
                 "weight_sync/version": float(step),
             }
+            if gap is not None:
+                metrics["weight_sync/canary_gap"] = gap
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         mode = f", {report.mode}" if report is not None else ", no engine on rank 0"
@@ -367,6 +395,20 @@ class VLLMWeightSync(Callback):
                     t = t.to(self._dtype)
             out[new] = t.cpu()
         return out, source_dtype
+
+    def _canary_gap(self, pl_module: pl.LightningModule) -> float:
+        model = getattr(pl_module, self.module_attr) if self.module_attr else pl_module
+        probe = self.canary_prompts
+        if probe is None:
+            probe = default_probe(int(getattr(model.config, "vocab_size", 256)))
+        gap = logprob_gap(model, self._engine, probe)
+        if gap > self.canary_tolerance:
+            raise CanaryError(
+                f"after the push the engine's logprobs differ from the trainer's by {gap:.3g} "
+                f"(canary_tolerance={self.canary_tolerance:g}): the engine does not compute "
+                "what the trainer computes"
+            )
+        return gap
 
     def _hf_name(self, name: str) -> str:
         if self.strip_prefix and name.startswith(self.strip_prefix):

@@ -19,8 +19,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-import weight_bridge.checkpoint as checkpoint_mod
+import weight_bridge.checkpoint.write as checkpoint_write
 from callbacks import VLLMWeightSync
+from callbacks.canary import CanaryError
 from weight_bridge.checkpoint import CheckpointReader
 from weight_bridge.vllm import ColocatedEngine
 
@@ -355,7 +356,7 @@ def test_crash_between_write_and_rename_leaves_the_previous_checkpoint(
             raise OSError("injected crash before rename")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint_mod.os, "replace", crash)
+    monkeypatch.setattr(checkpoint_write.os, "replace", crash)
     module = TinyLM(str(models["llama_A"]))
     run = trainer(tmp_path, [sync], max_steps=3)
     if on_error == "raise":
@@ -397,6 +398,29 @@ def test_rejected_push_keeps_the_last_good_version(models, shared_engine, tmp_pa
         trainer(tmp_path, [sync, Watch()], max_steps=4).fit(TinyLM(str(models["llama_A"])))
     assert versions == [1, 1, 3, 4]
     assert [h["step"] for h in sync.history] == [0, 1, 3, 4]
+
+
+def test_canary_logs_the_logprob_gap_and_fails_when_the_engine_serves_something_else(
+    models, shared_engine, tmp_path
+) -> None:
+    engine = shared_engine("llama_A")
+    sync = VLLMWeightSync(engine=engine, dirpath=str(tmp_path / "ok"), canary=True)
+    trainer(tmp_path, [sync], max_steps=2).fit(TinyLM(str(models["llama_A"])))
+    gaps = [h["canary_gap"] for h in sync.history]
+    assert len(gaps) == 3 and all(g is not None and g < 1e-4 for g in gaps)
+
+    def wrong_names(m: TinyLM) -> dict:
+        # a name mapping bug in the user's code: two layers' MLPs swapped in the checkpoint
+        state = dict(m.model.state_dict())
+        swap = "model.layers.{}.mlp.down_proj.weight"
+        state[swap.format(0)], state[swap.format(1)] = state[swap.format(1)], state[swap.format(0)]
+        return state
+
+    bad = VLLMWeightSync(
+        engine=engine, source=wrong_names, dirpath=str(tmp_path / "bad"), canary=True
+    )
+    with pytest.raises(CanaryError, match="differ from the trainer's"):
+        trainer(tmp_path, [bad], max_steps=1).fit(TinyLM(str(models["llama_A"])))
 
 
 # -- resume ------------------------------------------------------------------------------

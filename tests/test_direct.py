@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import weight_bridge.direct as direct_mod
+import weight_bridge.direct.plan as plan_mod
+import weight_bridge.direct.proof as proof_mod
 from weight_bridge import (
     DirectReloadError,
     begin_direct_reload,
@@ -19,7 +21,7 @@ from weight_bridge import (
     record_checkpoint_layout,
 )
 from weight_bridge.direct import undefined_reason
-from weight_bridge.layout import TensorSpec, live_tensors
+from weight_bridge.layout import TensorSpec, get_checkpoint_layout, live_tensors
 
 
 class Toy(nn.Module):
@@ -127,29 +129,35 @@ def offset_only_resolver(entry, live):  # the bug of vLLM PR 65281, reproduced o
     return direct_mod.ResolvedTarget(entry.name, view)
 
 
-def test_offset_only_implementation_fails_this_test(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The power of the test above, on record: recording offsets alone corrupts the neighbour."""
-    monkeypatch.setattr(direct_mod, "resolve_target", offset_only_resolver)
-    monkeypatch.setattr(direct_mod, "_overlaps", lambda targets, aliases: {})
+def test_offset_only_resolution_is_caught_by_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of vLLM PR 65281 reproduced in the resolver itself (and the overlap guard off):
+    the view at the recorded offset of the new storage holds the neighbour's values, so the
+    proof at load calls the weight transformed and nothing is written."""
+    monkeypatch.setattr(plan_mod, "resolve_target", offset_only_resolver)
+    monkeypatch.setattr(proof_mod, "resolve_target", offset_only_resolver)
+    monkeypatch.setattr(plan_mod, "overlapping_targets", lambda targets, aliases: {})
     model = cold_start(A, move_proj_next_to_other)
-    direct_reload(model, B)
-    reference = cold_start(B, move_proj_next_to_other)
-    # the moved weight keeps its old bytes (its new bytes went over the neighbour's slot)
-    assert torch.equal(model.proj.weight, A["proj.weight"])
-    assert not torch.equal(model(IDS), reference(IDS))
-    # with the neighbour written first, the neighbour is what ends up wrong
-    model = cold_start(A, move_proj_next_to_other)
-    direct_reload(model, {k: B[k] for k in ["other.weight", "proj.weight", *B]})
-    assert not torch.equal(model.other.weight, reference.other.weight)
+    before = snapshot_bytes(model)
+    with pytest.raises(DirectReloadError, match="transformed") as info:
+        direct_reload(model, B)
+    assert "proj.weight" in info.value.names
+    assert snapshot_bytes(model) == before
 
 
 def test_overlap_guard_refuses_offset_only_targets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(direct_mod, "resolve_target", offset_only_resolver)
+    """An offset-only resolver at push time only: refused as not the view proven at load; the
+    overlap guard, the second line of defence, finds the same targets overlapping."""
+    monkeypatch.setattr(plan_mod, "resolve_target", offset_only_resolver)
     model = cold_start(A, move_proj_next_to_other)
     before = snapshot_bytes(model)
-    with pytest.raises(DirectReloadError, match="overlaps"):
+    with pytest.raises(DirectReloadError, match="not the view proven") as info:
         direct_reload(model, B)
+    assert info.value.names == ["proj.weight"]
     assert snapshot_bytes(model) == before
+    layout = get_checkpoint_layout(model)
+    live = {n: t for n, t, _ in live_tensors(model)}
+    targets = {n: offset_only_resolver(e, live[n]) for n, e in layout.tensors.items()}
+    assert "overlaps" in plan_mod.overlapping_targets(targets, layout.aliases())["proj.weight"]
 
 
 def transpose_in_place(model: Toy) -> None:
@@ -357,7 +365,7 @@ def test_begin_finish_expose_views_to_normal_loading_path() -> None:
     begin_direct_reload(model)
     # inside the session, parameters carry checkpoint layout; a plain loader works unchanged
     load_by_name(model, B)
-    report = finish_direct_reload(model)
+    report = finish_direct_reload(model, complete=True)
     assert addresses(model) == before
     assert {r.name for r in report.relocations} >= {"proj.weight"}
     assert_same_state(model, cold_start(B, move_proj_next_to_other))

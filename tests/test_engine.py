@@ -9,7 +9,7 @@ from conftest import ENGINE_KWARGS, assert_parity, close_engine, greedy, run_eng
 
 from weight_bridge.checkpoint import CheckpointError
 from weight_bridge.direct import DirectReloadError
-from weight_bridge.models import build_tiny_model
+from weight_bridge.testing.models import build_tiny_model
 from weight_bridge.vllm import ColocatedEngine
 
 
@@ -104,14 +104,19 @@ def test_bad_checkpoints_are_rejected_and_engine_keeps_serving(
     assert engine.addresses() == addresses
 
 
-def test_auto_falls_back_to_layerwise_for_packed_cpu_linears(models, cold, engine_factory):
-    """cpu_linear="stock" leaves vLLM's packed oneDNN linears: not directly reloadable."""
+def test_auto_reprocesses_only_the_packed_cpu_linears(models, cold, engine_factory):
+    """cpu_linear="stock" leaves vLLM's packed oneDNN linears (weights emptied): ``direct``
+    refuses them, ``auto`` writes the rest directly and hands only them to vLLM's layerwise."""
     a, b = models["llama_A"], models["llama_B"]
     engine = engine_factory(a, reload_mode="auto", cpu_linear="stock")
-    plan = engine.plan()[0]
+    plan = engine.plan("direct")[0]
     assert any("emptied" in why for why in plan["problems"].values())
+    auto = engine.plan()[0]
+    assert not auto["problems"] and auto["reprocess"] and auto["targets"]
     report = engine.push(b, version=1)
-    assert report.mode == "layerwise" and "not directly reloadable" in report.reason
+    assert report.mode == "hybrid" and "re-processed by vLLM" in report.reason
+    assert set(report.reprocessed) == set(auto["reprocess"])
+    assert report.direct == len(auto["targets"])
     assert_parity(greedy(engine), cold(b, cpu_linear="stock"))
 
 

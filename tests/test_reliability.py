@@ -31,6 +31,7 @@ from conftest import ENGINE_KWARGS, PROMPTS, TESTS, assert_parity, greedy  # noq
 
 from weight_bridge.checkpoint import INDEX_NAME, CheckpointError  # noqa: E402
 from weight_bridge.direct import DirectReloadError  # noqa: E402
+from weight_bridge.testing.parity import collect  # noqa: E402
 
 FAULT_PARAM = "model.layers.1.mlp.down_proj.weight"  # written mid-way through a push
 
@@ -81,7 +82,7 @@ def _bad_checkpoints(models: dict[str, Path], tmp: Path) -> list[tuple]:
     from safetensors.torch import load_file, save_file
 
     from weight_bridge.checkpoint import save_checkpoint
-    from weight_bridge.models import build_tiny_model
+    from weight_bridge.testing.models import build_tiny_model
 
     src = models["llama_B"] / "model.safetensors"
     b = load_file(src)
@@ -252,9 +253,13 @@ def test_exception_mid_push_makes_engine_undefined_until_a_complete_push(
     probe = ["lm_head.weight", "model.norm.weight"]  # before / after the fault in file order
     before = engine.llm.collective_rpc(param_bytes, args=(probe,))[0]
 
+    engine.rollback = False  # what ColocatedEngine(rollback=False) sets; see test_transactions
     engine.llm.collective_rpc(arm_fault, args=(FAULT_PARAM, "raise"))  # fault injection
-    with pytest.raises(DirectReloadError, match="injected fault") as info:
-        engine.push(b, version="B")
+    try:
+        with pytest.raises(DirectReloadError, match="injected fault") as info:
+            engine.push(b, version="B")
+    finally:
+        engine.rollback = True
     assert str(b.resolve()) in str(info.value) and "after writing started" in str(info.value)
     assert engine.undefined and "injected fault" in engine.undefined
     assert engine.version == "A"  # never claims B
@@ -293,14 +298,7 @@ def _tagged_greedy(engine, max_tokens: int = 12) -> tuple[object, list]:
     outs = engine.generate(token_prompts(PROMPTS), sp)
     versions = {o.policy_version for o in outs}
     assert len(versions) == 1, versions  # one generate call, one version
-    result = [
-        (
-            list(o.outputs[0].token_ids),
-            [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.outputs[0].logprobs],
-        )
-        for o in outs
-    ]
-    return versions.pop(), result
+    return versions.pop(), collect(outs)
 
 
 def test_concurrent_pushes_and_generates_never_mix_versions(models, shared_engine, cold):

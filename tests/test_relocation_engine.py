@@ -11,9 +11,16 @@ import torch
 from conftest import assert_parity, greedy, run_engine_check
 from safetensors.torch import load_file
 
-import weight_bridge.direct as direct_mod
-from weight_bridge.models import build_tiny_model, perturb_checkpoint
-from weight_bridge.vllm.relocating_model import ARCHITECTURE
+import weight_bridge.direct.plan as plan_mod
+from weight_bridge.direct import DirectReloadError, ResolvedTarget
+from weight_bridge.testing import TEST_ARCHITECTURES
+from weight_bridge.testing.architectures import (
+    ARCHITECTURE,
+    DERIVED_MODULE,
+    PROCESSING_ARCHITECTURE,
+    TRANSFORMED_MODULE,
+)
+from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +45,7 @@ def fused_weights_match(worker, path: str) -> list[str]:
 
 def offset_only_resolver(entry, live):  # the bug of vLLM PR 65281, reproduced on purpose
     view = torch.as_strided(live.detach(), entry.shape, entry.stride, entry.storage_offset)
-    return direct_mod.ResolvedTarget(entry.name, view)
+    return ResolvedTarget(entry.name, view)
 
 
 @pytest.mark.parametrize("resolver", ["current offset", "offset only"])
@@ -55,14 +62,15 @@ def test_push_into_relocated_engine_matches_cold_start(
     assert any("down_proj" in n for n in moved)
 
     if resolver == "offset only":
-        # A deliberately wrong implementation: the test below must catch it.
-        monkeypatch.setattr(direct_mod, "resolve_target", offset_only_resolver)
-        monkeypatch.setattr(direct_mod, "_overlaps", lambda targets, aliases: {})
-        engine.push(b, version=1)
-        assert greedy(engine) != cold(b)
-        assert engine.llm.collective_rpc(fused_weights_match, args=(str(b / "model.safetensors"),))[
-            0
-        ]
+        # A deliberately wrong resolver (the bug of vLLM PR 65281) at push time, overlap guard
+        # off: its targets are not the views proven at load, so nothing is written.
+        monkeypatch.setattr(plan_mod, "resolve_target", offset_only_resolver)
+        monkeypatch.setattr(plan_mod, "overlapping_targets", lambda targets, aliases: {})
+        with pytest.raises(DirectReloadError, match="not the view proven") as info:
+            engine.push(b, version=1)
+        assert any("o_proj" in n for n in info.value.names)
+        assert engine.undefined is None
+        assert_parity(greedy(engine), cold(a))
         return
 
     report = engine.push(b, version=1)
@@ -90,7 +98,7 @@ def test_multiprocess_engine_with_relocations(relocating) -> None:
 def test_explain_prints_every_weight(relocating, tmp_path) -> None:
     a, _ = relocating
     out = subprocess.run(
-        [sys.executable, "-m", "weight_bridge.explain", str(a)],
+        [sys.executable, "-m", "weight_bridge.explain", str(a), "--plugin", TEST_ARCHITECTURES],
         capture_output=True,
         text=True,
         timeout=600,
@@ -99,13 +107,78 @@ def test_explain_prints_every_weight(relocating, tmp_path) -> None:
     text = out.stdout
     assert "model.layers.0.self_attn.o_proj.weight" in text
     assert "moved, resolved" in text and "direct (in place)" in text
-    assert "0 not directly reloadable" in text
+    assert "0 not directly reloadable" in text and "refresh cpu packed linear" in text
 
     stock = subprocess.run(
-        [sys.executable, "-m", "weight_bridge.explain", str(a), "--cpu-linear", "stock"],
+        [
+            sys.executable,
+            "-m",
+            "weight_bridge.explain",
+            str(a),
+            "--cpu-linear",
+            "stock",
+            "--plugin",
+            TEST_ARCHITECTURES,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert stock.returncode == 0, stock.stderr[-3000:]
     assert "NOT directly reloadable: storage emptied" in stock.stdout
+
+
+@pytest.fixture(scope="module")
+def processing(tmp_path_factory):
+    root = tmp_path_factory.mktemp("processing")
+    a = build_tiny_model(
+        root / "A", arch="llama", seed=5, architecture_name=PROCESSING_ARCHITECTURE
+    )
+    return a, perturb_checkpoint(a, root / "B", scale=0.3, seed=6)
+
+
+def test_transformed_and_derived_weights_refused_in_direct_reprocessed_in_auto(
+    processing, cold, engine_factory
+) -> None:
+    """One engine: ``direct`` refuses the two modules by name with nothing written; ``auto``
+    writes everything else directly (relocations included) and re-processes only those two."""
+    a, b = processing
+    engine = engine_factory(a)
+    addresses = engine.addresses()
+    before = greedy(engine)
+    assert_parity(before, cold(a))
+    with pytest.raises(DirectReloadError) as info:
+        engine.push(b, version=1)
+    problems = info.value.problems
+    assert "transformed" in problems[f"{TRANSFORMED_MODULE}.weight"]
+    assert "weight_t" in problems[f"{DERIVED_MODULE}.weight"]
+    assert engine.undefined is None and engine.version is None
+    assert_parity(greedy(engine), before)
+
+    engine.reload_mode = "auto"
+    report = engine.push(b, version=2)
+    assert report.mode == "hybrid"
+    assert set(report.reprocessed) == {TRANSFORMED_MODULE, DERIVED_MODULE}
+    assert report.relocations and report.direct > 0 and report.verified_writes > 0
+    assert_parity(greedy(engine), cold(b))
+    assert engine.addresses() == addresses
+    engine.push(a, version=3)
+    assert_parity(greedy(engine), before)
+    assert engine.addresses() == addresses
+
+
+def test_explain_names_refreshed_and_reprocessed_modules(processing) -> None:
+    a, _ = processing
+    out = subprocess.run(
+        [sys.executable, "-m", "weight_bridge.explain", str(a), "--mode", "auto"]
+        + ["--plugin", TEST_ARCHITECTURES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert f"{TRANSFORMED_MODULE}.*" in text and f"{DERIVED_MODULE}.*" in text
+    assert "re-processed by vLLM layerwise: weight values changed" in text
+    assert "weight_t" in text and "moved, resolved" in text and "refresh cpu packed linear" in text
+    assert "2 modules re-processed, 0 not directly reloadable" in text

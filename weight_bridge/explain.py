@@ -1,9 +1,16 @@
 """``python -m weight_bridge.explain MODEL_DIR``: can this model be reloaded directly?
 
-Starts a bridged engine on the model, runs a dry preflight of a direct reload in every worker
-and prints one row per weight: reloadable in place, moved since load and resolved at its current
-offset (from where to where), or not directly reloadable and why. Nothing is written. Run it
-before trusting a new architecture or a new post-load processing path in an RL run.
+Starts a bridged engine on the model, runs a dry run of a push in every worker (nothing is
+written) and prints one row per weight:
+
+* ``direct (in place)`` / ``moved, resolved: storage A+off -> B+off``: written directly;
+* ``... + refresh <kind>``: written directly, then the derived state named is re-derived;
+* ``re-processed by vLLM layerwise: <why>`` (``--mode auto``): its module is handed to vLLM's
+  per-layer processing because processing transformed it or derived state from it;
+* ``NOT directly reloadable: <why>``: refused by name (transformed values, derived state no
+  refresher knows, emptied storage...).
+
+Run it before trusting a new architecture or a new post-load processing path in an RL run.
 """
 
 from __future__ import annotations
@@ -14,28 +21,42 @@ import os
 import sys
 from typing import Any
 
+from .direct.proof import module_of
+
+
+def _status(target: dict[str, Any]) -> str:
+    reloc = target.get("relocation")
+    if reloc:
+        status = (
+            f"moved, resolved: storage {reloc['from_storage']:#x}+{reloc['from_offset']} "
+            f"-> {reloc['to_storage']:#x}+{reloc['to_offset']}"
+        )
+    else:
+        status = "direct (in place)"
+    if target.get("refresh"):
+        status += f" + refresh {target['refresh']}"
+    return status
+
 
 def format_plan(plan: dict[str, Any], rank: int = 0) -> str:
     """One worker's plan as a table (weights sorted by name) and a summary line."""
-    rows = []
-    for name, target in sorted(plan.get("targets", {}).items()):
-        reloc = target.get("relocation")
-        if reloc:
-            status = (
-                f"moved, resolved: storage {reloc['from_storage']:#x}+{reloc['from_offset']} "
-                f"-> {reloc['to_storage']:#x}+{reloc['to_offset']}"
-            )
-        else:
-            status = "direct (in place)"
-        rows.append((name, "x".join(map(str, target["shape"])), status))
+    targets = plan.get("targets", {})
+    rows = [
+        (name, "x".join(map(str, t["shape"])), _status(t)) for name, t in sorted(targets.items())
+    ]
+    reprocess = plan.get("reprocess", {})
+    for module, why in sorted(reprocess.items()):
+        rows.append((f"{module}.*", "", f"re-processed by vLLM layerwise: {why}"))
     for name, why in sorted(plan.get("problems", {}).items()):
         rows.append((name, "", f"NOT directly reloadable: {why}"))
     width = max((len(r[0]) for r in rows), default=4)
     lines = [f"worker {rank}: {plan.get('options')}", f"{'weight':<{width}}  {'shape':<12}  status"]
     lines += [f"{n:<{width}}  {s:<12}  {st}" for n, s, st in rows]
-    moved = sum(1 for t in plan.get("targets", {}).values() if t.get("relocation"))
+    moved = sum(1 for t in targets.values() if t.get("relocation"))
+    refreshed = {module_of(n)[0] for n, t in targets.items() if t.get("refresh")}
     lines.append(
-        f"{len(plan.get('targets', {}))} reloadable ({moved} moved and resolved), "
+        f"{len(targets)} reloadable ({moved} moved and resolved, {len(refreshed)} modules "
+        f"refreshed), {len(reprocess)} modules re-processed, "
         f"{len(plan.get('problems', {}))} not directly reloadable"
     )
     return "\n".join(lines)
@@ -45,8 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weight_bridge.explain", description=__doc__)
     parser.add_argument("model", help="Hugging Face-format model directory")
     parser.add_argument("--cpu-linear", default="repack", choices=["torch", "repack", "stock"])
+    parser.add_argument("--mode", default="direct", choices=["direct", "auto"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        help="module:function to run in every engine process (registers custom architectures)",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw plans as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -61,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=True,
         max_model_len=128,
         max_num_seqs=1,
+        plugins=args.plugin,
     ) as engine:
-        plans = engine.plan()
+        plans = engine.plan(args.mode)
     if args.json:
         print(json.dumps(plans, indent=2, default=str))
     else:

@@ -3,11 +3,15 @@
 Recorded right after the checkpoint is loaded and *before* post-load processing, this is the one
 source of truth that a direct reload resolves against. Each entry keeps the storage identity
 (the untyped storage's data pointer) next to the offset, because an offset alone is meaningless
-once post-load processing has moved a weight into another storage.
+once post-load processing has moved a weight into another storage, and a fingerprint of the
+values the loader wrote, because a storage that moved may also have been *transformed*
+(transposed, rescaled, prepacked): only equal values prove that a write in checkpoint layout
+reaches what the model computes with.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -15,6 +19,8 @@ import torch
 
 __all__ = [
     "CheckpointLayout",
+    "Fingerprint",
+    "fingerprint",
     "TensorLayout",
     "TensorSpec",
     "get_checkpoint_layout",
@@ -23,7 +29,59 @@ __all__ = [
     "storage_ptr",
 ]
 
-LAYOUT_ATTR = "_weight_bridge_layout"
+_CHUNK = 1 << 16
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Three float64 sums of a tensor's values in logical (row-major) order.
+
+    ``total`` and ``weighted`` (each element times a fixed pseudo-random weight that depends on
+    its position) change under a rescale and under any permutation of positions, a transpose of
+    a square weight included; ``squares`` sets the tolerance and catches sign flips. One pass,
+    chunked, no full-size temporary.
+    """
+
+    total: float
+    weighted: float
+    squares: float
+    numel: int
+
+    def matches(self, other: Fingerprint, rtol: float = 1e-7) -> bool:
+        if self.numel != other.numel:
+            return False
+        scale = math.sqrt(max(self.squares, other.squares) * max(self.numel, 1)) + 1e-30
+        return (
+            abs(self.total - other.total) <= rtol * scale
+            and abs(self.weighted - other.weighted) <= 2 * rtol * scale
+            and abs(self.squares - other.squares) <= rtol * (self.squares + 1e-30)
+        )
+
+
+def _position_weights(device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None:
+        g = torch.Generator().manual_seed(0x5EED)
+        w = (torch.rand(_CHUNK, generator=g, dtype=torch.float64) + 0.5).to(device)
+        _WEIGHTS[device] = w
+    return w
+
+
+@torch.no_grad()
+def fingerprint(t: torch.Tensor) -> Fingerprint:
+    """The :class:`Fingerprint` of ``t``'s values (any float or integer dtype, any strides)."""
+    flat = t.detach().reshape(-1)
+    w = _position_weights(flat.device)
+    total = weighted = squares = 0.0
+    for i, start in enumerate(range(0, flat.numel(), _CHUNK)):
+        part = flat[start : start + _CHUNK].to(torch.float64)
+        k = part.numel()
+        total += float(part.sum())
+        # each chunk also gets its own factor, so chunks that swap places change the sum
+        weighted += float(part @ w[:k]) * (1.0 + 0.001 * i)
+        squares += float(part @ part)
+    return Fingerprint(total, weighted, squares, flat.numel())
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -52,9 +110,12 @@ class TensorLayout:
     dtype: torch.dtype
     device: torch.device
     is_buffer: bool = False
+    fingerprint: Fingerprint | None = None
 
     @classmethod
-    def of(cls, name: str, t: torch.Tensor, is_buffer: bool = False) -> TensorLayout:
+    def of(
+        cls, name: str, t: torch.Tensor, is_buffer: bool = False, prove: bool = False
+    ) -> TensorLayout:
         return cls(
             name=name,
             storage_ptr=storage_ptr(t),
@@ -65,6 +126,7 @@ class TensorLayout:
             dtype=t.dtype,
             device=t.device,
             is_buffer=is_buffer,
+            fingerprint=fingerprint(t) if prove and t.numel() > 0 else None,
         )
 
     @property
@@ -111,25 +173,37 @@ def record_checkpoint_layout(
     checkpoint: Mapping[str, TensorSpec] | None = None,
     optional: frozenset[str] | set[str] = frozenset(),
 ) -> CheckpointLayout:
-    """Record every parameter/buffer's layout on ``model`` and return the record.
+    """Record every parameter/buffer's layout and fingerprint on ``model``; return the record.
 
-    Call it right after the weights are loaded and before post-load processing. ``checkpoint``
-    names the tensors a checkpoint must hold; by default the parameter and buffer names
-    themselves (the case of a plain module loaded by name). ``optional`` names checkpoint
-    tensors that may be absent (e.g. non-persistent buffers).
+    Call it right after the weights are loaded and before post-load processing: the
+    fingerprints and a snapshot of every module's state taken here are what the first direct
+    reload (or :func:`weight_bridge.direct.prove_checkpoint_layout`) compares the processed
+    model with. ``checkpoint`` names the tensors a checkpoint must hold; by default the
+    parameter and buffer names themselves (the case of a plain module loaded by name).
+    ``optional`` names checkpoint tensors that may be absent (e.g. non-persistent buffers).
     """
-    tensors = {
-        name: TensorLayout.of(name, t, is_buffer) for name, t, is_buffer in live_tensors(model)
-    }
+    from .direct.proof import snapshot_modules
+    from .state import bridge_state
+
+    loaded = set(checkpoint) if checkpoint is not None else None
+    tensors = {}
+    for name, t, is_buffer in live_tensors(model):
+        prove = not is_buffer or loaded is None or name in loaded
+        tensors[name] = TensorLayout.of(name, t, is_buffer, prove=prove)
     if checkpoint is None:
         checkpoint = {n: TensorSpec(e.shape, e.dtype) for n, e in tensors.items()}
     layout = CheckpointLayout(
         tensors=tensors, checkpoint=dict(checkpoint), optional=frozenset(optional)
     )
-    setattr(model, LAYOUT_ATTR, layout)
+    state = bridge_state(model)
+    state.layout = layout
+    state.snapshot = snapshot_modules(model)
+    state.proof = None
     return layout
 
 
 def get_checkpoint_layout(model: torch.nn.Module) -> CheckpointLayout | None:
     """The layout recorded on ``model``, or None if none was recorded."""
-    return getattr(model, LAYOUT_ATTR, None)
+    from .state import bridge_state
+
+    return bridge_state(model).layout

@@ -3,37 +3,47 @@
 What a failed push leaves behind:
 
 * A checkpoint that does not fit (names, shapes, dtypes, NaN/Inf, a corrupt, truncated, foreign
-  or torn file, a shard index that leads out of its directory) is refused before the first
-  byte is written; the engine keeps serving the previous version. The error names the
-  checkpoint, the file and the tensor where there is one, and the problem.
-* A failure after writing started (an exception in a weight loader) leaves the engine
-  *undefined*: :meth:`ColocatedEngine.generate` raises :class:`EngineUndefinedError` naming why,
-  until a complete push succeeds.
+  or torn file, a shard index that leads out of its directory, weights the reload mode cannot
+  prove or refresh) is refused before the first byte is written; the engine keeps serving the
+  previous version. The error (:class:`DirectReloadError` or :class:`CheckpointError`, the
+  same in-process and multi-process) names the checkpoint, the file and the tensor where there
+  is one, and the problem.
+* A failure after writing started (in a weight loader, in the refresh of derived state, in the
+  read-back, in the prefix-cache reset) is rolled back: the engine re-writes the last version it
+  served completely from that version's checkpoint and keeps serving it; the error says so
+  (``rollback=False`` turns this off). Only if the rollback fails too is the engine left
+  *undefined*: :meth:`ColocatedEngine.generate` raises :class:`EngineUndefinedError` naming
+  why, until a complete push succeeds.
 * With a multi-process engine (vLLM's default), every call into the workers waits at most
   ``rpc_timeout_s`` and stops waiting as soon as vLLM marks the engine core process dead
   (:class:`EngineCoreDeadError`): a worker that dies or hangs mid-push is an error within a
-  bounded time, never a hang (vLLM 0.32's own client waits forever on a call, or a generate,
-  whose engine core died). ``generate`` is watched the same way, without the timeout. An
+  bounded time, never a hang. ``generate`` is watched the same way, without the timeout. An
   in-process engine runs the call on the caller's thread: it cannot be bounded.
 
-Every push, generate and worker call holds one re-entrant lock, so calls from several threads
-run one at a time and each generate call is served by exactly one version.
+Concurrency: every push, generate and worker call holds one re-entrant lock, so calls from
+several threads run one at a time and each generate call is served by exactly one version.
+``ColocatedEngine.llm`` (the ``vllm.LLM``) bypasses both the lock and the undefined check: use
+it only for what the bridge does not offer, never concurrently with a push.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..checkpoint import CheckpointReader
-from ..direct import DirectReloadError
-from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES
+from ..checkpoint import CheckpointError, CheckpointReader
+from ..direct import READBACK_MODES, DirectReloadError
+from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
+from ._client import shutdown as shutdown_engine
+from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES, PLUGINS_ENV, run_engine_plugins
+from .results import PushResult, describe, raise_for_errors
 
 __all__ = [
     "ColocatedEngine",
@@ -45,7 +55,6 @@ __all__ = [
 
 ReloadMode = Literal["direct", "layerwise", "auto"]
 WORKER_EXTENSION = "weight_bridge.vllm.worker.WeightBridgeWorkerExtension"
-_POLL_S = 0.05  # how often a waiting call looks for a dead engine core
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
 
@@ -54,13 +63,15 @@ class EngineUndefinedError(RuntimeError):
     """The engine's weights are half-written; it refuses to generate until a push succeeds."""
 
 
-class EngineCoreDeadError(RuntimeError):
-    """vLLM's engine core process died (a worker was killed, say); the engine must be restarted."""
-
-
 @dataclass
 class PushReport:
-    """What one push wrote, how, and how long it took (seconds; the slowest worker's)."""
+    """What one push wrote, how, and how long it took (seconds; the slowest worker's).
+
+    ``mode``: ``direct``, ``hybrid`` (direct writes plus vLLM's layerwise processing of the
+    modules in ``reprocessed``) or ``layerwise``. ``direct``: weights written in place;
+    ``refreshed``: module -> kind of derived state re-derived after the write;
+    ``verified_writes``: writes read back and found equal to the checkpoint (every rank's).
+    """
 
     checkpoint: str
     version: Any
@@ -71,6 +82,12 @@ class PushReport:
     read_s: float = 0.0
     write_s: float = 0.0
     elapsed_s: float = 0.0
+    direct: int = 0
+    refreshed: dict[str, str] = field(default_factory=dict)
+    reprocessed: dict[str, str] = field(default_factory=dict)
+    verified_writes: int = 0
+    refresh_s: float = 0.0
+    readback_s: float = 0.0
     relocations: list[dict] = field(default_factory=list)
     workers: int = 1
 
@@ -78,15 +95,27 @@ class PushReport:
 class ColocatedEngine:
     """A ``vllm.LLM`` started with the bridge wired in, plus push / generate / addresses.
 
-    ``reload_mode``: ``"direct"`` writes every checkpoint tensor into the live storage;
-    ``"layerwise"`` uses vLLM's own ``reload_weights``; ``"auto"`` uses direct when every weight
-    is directly reloadable and layerwise otherwise (the report says which and why).
+    ``reload_mode``: ``"direct"`` writes every checkpoint tensor into the live storage and
+    refreshes the derived state the bridge knows (refusing, before writing, any weight it cannot
+    prove or refresh); ``"auto"`` does the same and hands only the modules it cannot write
+    directly to vLLM's own per-layer processing (whole-model ``reload_weights`` only when no
+    weight can be written directly); ``"layerwise"`` always uses vLLM's ``reload_weights``. The
+    push report says which weights went which way and why. ``readback`` (``"sampled"``,
+    ``"full"``, ``"off"``) reads every write back after a push and compares it with the
+    checkpoint.
     ``cpu_linear`` only matters on the CPU backend (see :mod:`weight_bridge.vllm.plugin`).
     ``check_finite`` refuses checkpoints holding NaN/Inf; ``verify_hash`` checks the content hash
     written by :func:`~weight_bridge.checkpoint.save_checkpoint` (both overridable per push).
+    ``rollback`` (default on) re-writes the previous version after a push that failed
+    after writing started (``last_rollback_s`` says how long it took).
+    ``worker_extension_cls`` may name a subclass of the bridge's worker extension (your own
+    worker methods beside the bridge's); anything else is refused.
     ``rpc_timeout_s`` bounds every call into the workers (``None``: wait indefinitely); it is
     passed to ``collective_rpc(timeout=...)`` and, for a multi-process engine, also enforced on
-    this side. Every other keyword goes to ``vllm.LLM``.
+    this side. ``kv_cache_gb``: the engine's KV cache per worker in GiB, on every backend; left
+    unset, colocated defaults leave room for the trainer (1 GiB on CPU, ``gpu_memory_utilization``
+    0.3 on CUDA; explicit vLLM settings win: :mod:`weight_bridge.vllm.memory`). Every other
+    keyword goes to ``vllm.LLM``.
     """
 
     def __init__(
@@ -97,19 +126,30 @@ class ColocatedEngine:
         check_finite: bool = True,
         verify_hash: bool = False,
         rpc_timeout_s: float | None = 300,
+        readback: str = "sampled",
+        rollback: bool = True,
+        plugins: Sequence[str] = (),
+        kv_cache_gb: float | None = None,
         **llm_kwargs: Any,
     ):
         if reload_mode not in ("direct", "layerwise", "auto"):
             raise ValueError(f"reload_mode must be direct, layerwise or auto, not {reload_mode!r}")
+        if readback not in READBACK_MODES:
+            raise ValueError(f"readback must be one of {READBACK_MODES}, not {readback!r}")
         if cpu_linear not in CPU_LINEAR_MODES:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_MODES}, not {cpu_linear!r}")
         if rpc_timeout_s is not None and not rpc_timeout_s > 0:
             raise ValueError(f"rpc_timeout_s must be positive or None, not {rpc_timeout_s!r}")
         from vllm import LLM
 
+        from .memory import colocated_llm_kwargs
+
         self.model = str(model)
         self.reload_mode: ReloadMode = reload_mode
         self.check_finite = check_finite
+        self.readback = readback
+        self.rollback = rollback
+        self.last_rollback_s: float | None = None
         self.verify_hash = verify_hash
         self.rpc_timeout_s = rpc_timeout_s
         self.version: Any = None
@@ -118,9 +158,13 @@ class ColocatedEngine:
         self._lock = threading.RLock()
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra[BRIDGE_KEY] = {"cpu_linear": cpu_linear}
-        llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
+        llm_kwargs["worker_extension_cls"] = _worker_extension(
+            llm_kwargs.get("worker_extension_cls")
+        )
+        llm_kwargs = colocated_llm_kwargs(self.model, llm_kwargs, kv_cache_gb)
         started = time.perf_counter()
-        self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
+        with _engine_plugins(plugins):
+            self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
         self.startup_s = time.perf_counter() - started
 
     # -- weights -----------------------------------------------------------------------------
@@ -134,10 +178,12 @@ class ColocatedEngine:
     ) -> PushReport:
         """Write ``checkpoint`` (a safetensors file or a directory of shards) into the engine.
 
-        Rejections (bad names, shapes, dtypes, NaN/Inf, a corrupt or torn file) raise before
-        anything is written and leave the engine serving the previous version. A failure after
-        writing started leaves the engine undefined: it refuses to generate until a complete
-        push succeeds. ``verify_hash`` and ``check_finite`` default to the engine's settings.
+        Rejections (bad names, shapes, dtypes, NaN/Inf, a corrupt or torn file, weights the
+        reload mode cannot prove or refresh) raise :class:`DirectReloadError` or
+        :class:`CheckpointError` before anything is written; the engine keeps serving the
+        previous version. A failure after writing started is rolled back to the previous
+        version (see the module docstring); the error raised says whether that worked.
+        ``verify_hash`` and ``check_finite`` default to the engine's settings.
         """
         path = str(Path(checkpoint).resolve())
         # Every header (and shard index) is checked here first, so a broken file is refused in
@@ -147,50 +193,83 @@ class ColocatedEngine:
         verify = self.verify_hash if verify_hash is None else verify_hash
         finite = self.check_finite if check_finite is None else check_finite
         with self._lock:
-            started = time.perf_counter()
-            method = "weight_bridge_plan"
+            was_defined = self._undefined is None
             try:
-                mode, reason = self._choose_mode()
-                method = "weight_bridge_push" if mode == "direct" else "weight_bridge_layerwise"
-                results = self._rpc(method, (path, finite, verify))
-            except DirectReloadError as exc:
-                self._after_failure(exc, method)
-                raise _naming_files(exc, path, where) from exc
-            except BaseException as exc:
-                self._after_failure(exc, method)
-                if self._core_dead() and not isinstance(exc, EngineCoreDeadError):
-                    raise EngineCoreDeadError(self._undefined or str(exc)) from exc
-                raise
-            self._rpc_plain(lambda llm: llm.reset_prefix_cache())
-            self._undefined = None
-            self.version = version
-            self.checkpoint = path
-            report = PushReport(
-                checkpoint=path,
-                version=version,
-                mode=mode,
-                reason=reason,
-                tensors=results[0].get("tensors", 0),
-                bytes=results[0].get("bytes", 0),
-                read_s=max(r.get("preflight_s", 0.0) for r in results),
-                write_s=max(r.get("write_s", 0.0) for r in results),
-                relocations=results[0].get("relocations", []),
-                workers=len(results),
-            )
-            report.elapsed_s = time.perf_counter() - started
-            return report
+                return self._push(path, version, verify, finite, where)
+            except (DirectReloadError, CheckpointError) as exc:
+                if self._undefined is None or not was_defined or not self.rollback:
+                    raise
+                raise self._roll_back(exc) from exc
 
-    def _choose_mode(self) -> tuple[str, str]:
-        if self.reload_mode != "auto":
-            return self.reload_mode, "requested"
-        problems: dict[str, str] = {}
-        for plan in self._rpc("weight_bridge_plan"):
-            problems.update(plan.get("problems", {}))
-        if not problems:
-            return "direct", "every weight is directly reloadable"
-        first = sorted(problems.items())[:3]
-        detail = "; ".join(f"{n}: {why}" for n, why in first)
-        return "layerwise", f"{len(problems)} weights not directly reloadable ({detail})"
+    def _push(self, path: str, version: Any, verify: bool, finite: bool, where: dict) -> PushReport:
+        method = "weight_bridge_push"
+        started = time.perf_counter()
+        try:
+            raw = self._rpc(method, (path, finite, verify, self.reload_mode, self.readback))
+            results = [PushResult.from_dict(r) for r in raw]
+        except BaseException as exc:
+            self._after_failure(exc, method)
+            if self._core_dead() and not isinstance(exc, EngineCoreDeadError):
+                raise EngineCoreDeadError(self._undefined or str(exc)) from exc
+            raise
+        undefined = next((r.undefined for r in results if r.undefined), None)
+        if undefined is not None:
+            self._undefined = undefined
+        raise_for_errors(results, path, where)
+        try:
+            self._rpc_plain(lambda llm: llm.reset_prefix_cache())
+        except Exception as exc:
+            self._undefined = (
+                f"prefix cache reset failed after the push of {path} "
+                f"({type(exc).__name__}: {exc}); its cached KV may be from the old weights"
+            )
+            raise DirectReloadError(self._undefined) from exc
+        self._undefined = None
+        self.version = version
+        self.checkpoint = path
+        first = results[0]
+        report = PushReport(
+            checkpoint=path,
+            version=version,
+            mode=first.mode,
+            reason=describe(first),
+            tensors=first.tensors,
+            bytes=first.bytes,
+            direct=first.direct,
+            refreshed=first.refreshed,
+            reprocessed=first.reprocessed,
+            verified_writes=sum(r.verified_writes for r in results),
+            read_s=max(r.preflight_s for r in results),
+            write_s=max(r.write_s for r in results),
+            refresh_s=max(r.refresh_s for r in results),
+            readback_s=max(r.readback_s for r in results),
+            relocations=[{**rel, "rank": r.rank} for r in results for rel in r.relocations],
+            workers=len(results),
+        )
+        report.elapsed_s = time.perf_counter() - started
+        return report
+
+    def _roll_back(self, failure: Exception) -> Exception:
+        """Re-write the last version served completely; the error to raise for ``failure``."""
+        target = self.checkpoint or self.model
+        version = self.version
+        started = time.perf_counter()
+        try:
+            with CheckpointReader(target) as reader:
+                where = {name: reader.file_of(name) for name in reader.specs()}
+            self._push(target, version, False, False, where)
+        except Exception as again:
+            self._undefined = (
+                f"{self._undefined}; rolling back to version {version!r} ({target}) failed too: "
+                f"{type(again).__name__}: {again}"
+            )
+            return _amended(failure, f"rolling back to version {version!r} failed: {again}")
+        self.last_rollback_s = time.perf_counter() - started
+        return _amended(
+            failure,
+            f"the push failed after writing started; the engine rolled back to version "
+            f"{version!r} ({target}) in {self.last_rollback_s:.2f} s and serves it",
+        )
 
     def _after_failure(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, (EngineCoreDeadError, TimeoutError)):
@@ -205,7 +284,7 @@ class ColocatedEngine:
         if self._core_dead():
             # vLLM may report a worker's death as a plain failure of the call, just before it
             # notices that the engine core is gone.
-            why = _dead_message(self._resources(), what)
+            why = dead_message(engine_resources(self.llm), what)
             self._undefined = f"{why} ({type(exc).__name__}: {exc})"
             return
         try:
@@ -216,10 +295,11 @@ class ColocatedEngine:
         if reasons:
             self._undefined = reasons[0]
 
-    def plan(self) -> list[dict]:
-        """Per worker, a dry run of a direct reload: targets, relocations and refusals."""
+    def plan(self, mode: str | None = None) -> list[dict]:
+        """Per worker, a dry run of a push in ``mode`` (default the engine's): per weight its
+        write target (relocation, refresh), the modules re-processed, and the refusals."""
         with self._lock:
-            return self._rpc("weight_bridge_plan")
+            return self._rpc("weight_bridge_plan", (mode or self.reload_mode,))
 
     def addresses(self) -> list[dict[str, tuple]]:
         """Per worker, every parameter/buffer name -> (data_ptr, shape, stride, dtype)."""
@@ -233,26 +313,8 @@ class ColocatedEngine:
 
     # -- calls into the workers --------------------------------------------------------------
 
-    def _resources(self) -> Any:
-        """vLLM's multi-process client state (``engine_dead``...), or None if in-process."""
-        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        resources = getattr(client, "resources", None)
-        return resources if hasattr(resources, "engine_dead") else None
-
     def _core_dead(self, grace_s: float = 2.0) -> bool:
-        """Whether vLLM marked the engine core process dead, waiting up to ``grace_s`` for its
-        once-a-second monitor once a process has exited; always False for an in-process engine.
-        """
-        resources = self._resources()
-        if resources is None:
-            return False
-        procs = getattr(getattr(resources, "engine_manager", None), "processes", None) or []
-        deadline = time.monotonic() + grace_s
-        while not resources.engine_dead:
-            if all(p.is_alive() for p in procs) or time.monotonic() > deadline:
-                return bool(resources.engine_dead)
-            time.sleep(_POLL_S)
-        return True
+        return core_dead(self.llm, grace_s)
 
     def _rpc(self, method: Any, args: tuple = (), timeout: float | None = _DEFAULT) -> list:
         """``collective_rpc`` bounded by ``timeout`` and by the engine core staying alive."""
@@ -263,52 +325,10 @@ class ColocatedEngine:
         )
 
     def _rpc_plain(self, call: Any, what: str = "reset_prefix_cache", timeout: Any = _DEFAULT):
-        """Run ``call(llm)``; for a multi-process engine, from a helper thread, watched."""
         timeout = self.rpc_timeout_s if timeout is _DEFAULT else timeout
-        llm = self.llm
-        if llm is None:
+        if self.llm is None:
             raise RuntimeError("the engine is closed")
-        resources = self._resources()
-        if resources is None:
-            return call(llm)  # in-process engine core: the call runs on this thread
-        client = llm.llm_engine.engine_core
-        if resources.engine_dead:
-            raise EngineCoreDeadError(_dead_message(resources, what))
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["result"] = call(llm)
-            except BaseException as exc:
-                box["error"] = exc
-            finally:
-                done.set()
-
-        timed_out = TimeoutError(
-            f"{what} did not finish within rpc_timeout_s={timeout} s; the workers may still be "
-            "running it (restart the engine, or push again)"
-        )
-        started = time.monotonic()
-        threading.Thread(target=run, name=f"weight-bridge-{what}", daemon=True).start()
-        while not done.wait(_POLL_S):
-            if resources.engine_dead:
-                if done.wait(1.0):
-                    break  # it answered (or failed by itself) as the core went: report that
-                _fail_pending(client, EngineCoreDeadError(_dead_message(resources, what)))
-                raise EngineCoreDeadError(_dead_message(resources, what))
-            if timeout is not None and time.monotonic() - started > timeout:
-                raise timed_out
-        if "error" in box:
-            error = box["error"]
-            if resources.engine_dead and not isinstance(error, DirectReloadError):
-                raise EngineCoreDeadError(_dead_message(resources, what)) from error
-            if timeout is not None and type(error) is Exception and "timed out" in str(error):
-                # vLLM's executor enforced the same timeout first; its TimeoutError reaches
-                # this process as a plain Exception carrying the message.
-                raise timed_out from error
-            raise error
-        return box["result"]
+        return watched_call(self.llm, call, what, timeout)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -350,14 +370,8 @@ class ColocatedEngine:
         finally:
             if locked:
                 self._lock.release()
-        engine = getattr(llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        shutdown = getattr(core, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        shutdown_engine(llm)
         del llm
-        import gc
-
         gc.collect()
 
     def __enter__(self) -> ColocatedEngine:
@@ -367,50 +381,55 @@ class ColocatedEngine:
         self.close()
 
 
-def _dead_message(resources: Any, what: str) -> str:
-    manager = getattr(resources, "engine_manager", None)
-    detail = ""
-    finished = getattr(manager, "finished_procs", None)
-    if callable(finished):
-        try:
-            procs = finished()
-        except Exception:
-            procs = {}
-        if procs:
-            detail = " (" + ", ".join(f"{n} exit code {c}" for n, c in procs.items()) + ")"
-    return (
-        f"the vLLM engine core process died during {what}{detail}; "
-        "the engine cannot serve again: close it and start a new one"
-    )
+@contextlib.contextmanager
+def _engine_plugins(plugins: Sequence[str]) -> Iterator[None]:
+    """Run ``plugins`` here and in the engine processes started inside this block (they
+    inherit the environment), and in no other engine."""
+    if not plugins:
+        yield
+        return
+    before = os.environ.get(PLUGINS_ENV)
+    joined = ",".join([*filter(None, (before or "").split(",")), *plugins])
+    os.environ[PLUGINS_ENV] = joined
+    try:
+        run_engine_plugins(joined)
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PLUGINS_ENV, None)
+        else:
+            os.environ[PLUGINS_ENV] = before
 
 
-def _fail_pending(client: Any, error: BaseException) -> None:
-    """Fail the calls still waiting on a dead engine core, so their threads end: utility calls
-    wait on futures, generate waits on the outputs queue (vLLM raises what it finds there)."""
-    for future in list(getattr(client, "utility_results", {}).values()):
-        with contextlib.suppress(Exception):
-            if not future.done():
-                future.set_exception(error)
-    outputs = getattr(client, "outputs_queue", None)
-    if outputs is not None:
-        with contextlib.suppress(Exception):
-            outputs.put_nowait(error)
+def _worker_extension(requested: str | None) -> str:
+    """The bridge's worker extension, or the user's if it extends the bridge's.
 
+    vLLM mixes exactly one extension class into its workers; one that does not subclass the
+    bridge's would silently drop the bridge's methods, so it is refused with the way out.
+    """
+    if requested is None or requested == WORKER_EXTENSION:
+        return WORKER_EXTENSION
+    import importlib
 
-def _naming_files(
-    exc: DirectReloadError, checkpoint: str, where: Mapping[str, Path | None]
-) -> DirectReloadError:
-    """``exc`` with the checkpoint named up front and, per tensor, the shard that holds it."""
-    head = str(exc).splitlines()[0] if str(exc) else "direct reload failed"
-    if not head.startswith(checkpoint):
-        head = f"{checkpoint}: {head}"
-    problems = {}
-    for name, why in exc.problems.items():
-        file = where.get(name)
-        problems[name] = (
-            f"{why} (in {file})" if file is not None and str(file) != checkpoint else why
+    from .worker import WeightBridgeWorkerExtension
+
+    module, _, name = requested.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, WeightBridgeWorkerExtension)):
+        raise ValueError(
+            f"worker_extension_cls={requested!r} would replace the bridge's worker methods: "
+            f"make it a subclass of {WORKER_EXTENSION} (both sets of methods are then available)"
         )
-    return DirectReloadError(head, problems)
+    return requested
+
+
+def _amended(error: Exception, note: str) -> Exception:
+    """``error`` again (same type, problems kept), its message followed by ``note``."""
+    if isinstance(error, DirectReloadError):
+        return DirectReloadError(f"{error.summary}; {note}", error.problems)
+    if isinstance(error, CheckpointError):
+        return CheckpointError(error.path, f"{error.problem}; {note}", error.tensor)
+    return error
 
 
 def token_prompts(token_ids: Sequence[Sequence[int]]) -> list[dict]:

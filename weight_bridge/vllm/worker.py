@@ -3,7 +3,9 @@
 vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls the methods
 through ``collective_rpc``, so each worker (each tensor-parallel rank) opens the checkpoint
 itself, memory-mapped, and its own weight loaders keep only its shard. Only small plain values
-cross the process boundary: paths in, reports out.
+cross the process boundary: paths in, :class:`~.results.PushResult` dicts out. Expected
+refusals and failures are results, not exceptions, so they reach the caller typed and without
+a traceback in the log.
 """
 
 from __future__ import annotations
@@ -13,18 +15,24 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointReader
+from ..checkpoint import CheckpointError, CheckpointReader
 from ..direct import (
     DirectReloadError,
-    clear_undefined,
+    ReloadReport,
     direct_reload,
     mark_undefined,
     plan_direct_reload,
     undefined_reason,
     validate_checkpoint,
 )
-from ..layout import get_checkpoint_layout, live_tensors
-from .plugin import bridge_options, refresh_derived_state
+from ..direct.plan import require_layout
+from ..direct.proof import module_of
+from ..layout import live_tensors
+from ..state import bridge_state
+from .layerwise import LayerwiseReprocessor
+from .plugin import bridge_options, torch_linear
+from .refresh import CpuLinearRepack, CpuMoePrepack
+from .results import PushError, PushResult
 
 __all__ = ["WeightBridgeWorkerExtension"]
 
@@ -45,64 +53,115 @@ class WeightBridgeWorkerExtension:
                 reset()
 
     def weight_bridge_push(
-        self, checkpoint: str, finite: bool = True, verify_hash: bool = False
+        self,
+        checkpoint: str,
+        finite: bool = True,
+        verify_hash: bool = False,
+        mode: str = "direct",
+        readback: str = "sampled",
     ) -> dict:
-        """Direct reload of ``checkpoint`` into this worker's model; returns the report."""
+        """Reload ``checkpoint`` into this worker's model (``mode``: direct, auto, layerwise)."""
         model = self._bridge_model()
-        with CheckpointReader(checkpoint) as reader:
-            if verify_hash:
-                reader.verify_hash()
-            report = direct_reload(model, reader.tensors(), finite=finite)
-        refreshed = refresh_derived_state(model)
-        self._reset_runner_caches()
-        out = asdict(report)
-        out["relocations"] = [asdict(r) for r in report.relocations]
-        out["refreshed_layers"] = refreshed
-        return out
-
-    def weight_bridge_layerwise(
-        self, checkpoint: str, finite: bool = True, verify_hash: bool = False
-    ) -> dict:
-        """vLLM's own layerwise ``reload_weights``, behind the same checks as a direct push."""
-        model = self._bridge_model()
-        layout = get_checkpoint_layout(model)
-        if layout is None:
-            raise DirectReloadError("no checkpoint layout recorded: was the engine bridged?")
-        tied = _tied_packed_linears(model)
-        if tied:
-            raise DirectReloadError(
-                "vLLM's layerwise reload is wrong here: a tied weight feeds a packed CPU linear "
-                "that layerwise processing does not re-derive (start the engine with "
-                "cpu_linear='torch' or 'repack')",
-                {name: "tied weight with a stale packed copy" for name in tied},
-            )
-        with CheckpointReader(checkpoint) as reader:
-            if verify_hash:
-                reader.verify_hash()
-            items = list(reader.tensors())
-            validate_checkpoint(layout, items, finite)
+        result = PushResult(rank=int(getattr(self, "rank", 0)), mode=mode)
+        before = undefined_reason(model)
+        try:
+            with CheckpointReader(checkpoint) as reader:
+                if verify_hash:
+                    reader.verify_hash()
+                items = list(reader.tensors())
+                report = self._reload(model, items, finite, mode, readback, result)
             try:
-                self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
-            except BaseException as exc:
-                mark_undefined(model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
-                raise
-        clear_undefined(model)
-        refresh_derived_state(model)
-        return {"tensors": len(items), "bytes": sum(t.nbytes for _, t in items)}
+                self._reset_runner_caches()
+            except Exception as exc:
+                mark_undefined(model, f"runner cache reset failed after a push: {exc}")
+                raise DirectReloadError(str(undefined_reason(model))) from exc
+            _fill(result, report, items)
+        except DirectReloadError as exc:
+            after = undefined_reason(model)
+            phase = "after-write" if after is not None and after != before else "refused"
+            result.error = PushError("DirectReloadError", exc.summary, exc.problems, phase)
+        except CheckpointError as exc:
+            problems = {exc.tensor: exc.problem} if exc.tensor else {}
+            result.error = PushError("CheckpointError", str(exc), problems)
+        result.undefined = undefined_reason(model)
+        return result.to_dict()
 
-    def weight_bridge_plan(self) -> dict:
-        """A dry run of ``begin``: per name, the write target or why there is none."""
+    def _reload(
+        self,
+        model: torch.nn.Module,
+        items: list,
+        finite: bool,
+        mode: str,
+        readback: str,
+        result: PushResult,
+    ) -> ReloadReport:
+        if mode == "layerwise":
+            return self._layerwise(model, items, finite)
+        if mode == "direct":
+            return direct_reload(model, items, finite=finite, readback=readback)
+        reprocessable = _auto_reprocessable(model)
+        plan = plan_direct_reload(model, reprocessable)
+        if plan.targets or plan.problems:
+            result.mode = "hybrid" if plan.reprocess else "direct"
+            return direct_reload(
+                model,
+                items,
+                finite=finite,
+                reprocessor=LayerwiseReprocessor(model, self.vllm_config.model_config),
+                reprocessable=reprocessable,
+                readback=readback,
+            )
+        result.mode = "layerwise"  # nothing at all can be written directly
+        return self._layerwise(model, items, finite)
+
+    def _layerwise(self, model: torch.nn.Module, items: list, finite: bool) -> ReloadReport:
+        """vLLM's own whole-model ``reload_weights``, behind the same checks as a direct push."""
+        layout = require_layout(model)
+        wrong = _layerwise_wrong(model)
+        if wrong:
+            raise DirectReloadError(
+                "vLLM's layerwise reload is wrong for this engine (nothing was written)", wrong
+            )
+        validate_checkpoint(layout, items, finite)
+        mark_undefined(model, "a layerwise reload started writing and did not finish")
+        try:
+            self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        except Exception as exc:
+            mark_undefined(model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
+            raise DirectReloadError(str(undefined_reason(model))) from exc
+        state = bridge_state(model)
+        modules = dict(model.named_modules())
+        report = ReloadReport()
+        for name, refresher in state.refreshers.items():
+            refresher.refresh(modules[name])
+            report.refreshed[name] = refresher.kind
+        report.reprocessed = {"<all>": "whole-model layerwise reload"}
+        state.undefined = None
+        return report
+
+    def weight_bridge_plan(self, mode: str = "direct") -> dict:
+        """A dry run: per name, its write target, refresh, re-processing or refusal."""
         model = self._bridge_model()
-        if get_checkpoint_layout(model) is None:
+        state = bridge_state(model)
+        if state.layout is None:
             return {"error": "no checkpoint layout recorded: was the engine bridged?"}
-        plan = plan_direct_reload(model)
+        reprocessable = _auto_reprocessable(model) if mode == "auto" else set()
+        plan = plan_direct_reload(model, reprocessable)
         relocated = {r.name: asdict(r) for r in plan.relocations}
+        proof = state.proof
         return {
             "targets": {
-                name: {"shape": list(t.view.shape), "relocation": relocated.get(name)}
+                name: {
+                    "shape": list(t.view.shape),
+                    "relocation": relocated.get(name),
+                    "refresh": plan.refresh.get(module_of(name)[0]),
+                }
                 for name, t in plan.targets.items()
             },
             "problems": dict(plan.problems),
+            "reprocess": dict(plan.reprocess),
+            "transformed": dict(proof.transformed) if proof else {},
+            "derived": dict(proof.derived) if proof else {},
             "options": bridge_options(self.vllm_config),
         }
 
@@ -118,25 +177,54 @@ class WeightBridgeWorkerExtension:
         return undefined_reason(self._bridge_model())
 
 
-def _tied_packed_linears(model: torch.nn.Module) -> list[str]:
-    """Tied parameters of modules whose CPU linear computes from a packed copy."""
+def _fill(result: PushResult, report: ReloadReport, items: list) -> None:
+    result.tensors = len(items)
+    result.bytes = sum(t.numel() * t.element_size() for _, t in items)
+    result.direct = report.direct
+    result.refreshed = dict(report.refreshed)
+    result.reprocessed = dict(report.reprocessed)
+    result.verified_writes = report.verified_writes
+    result.relocations = [asdict(r) for r in report.relocations]
+    result.preflight_s = report.preflight_s
+    result.write_s = report.write_s
+    result.refresh_s = report.refresh_s
+    result.readback_s = report.readback_s
+
+
+def _shared_parameter_modules(model: torch.nn.Module) -> set[str]:
+    """Modules holding a parameter that another module holds too (tied weights)."""
     owners: dict[int, list[str]] = {}
     for module_name, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(f"{module_name}.{pname}")
-    tied = {pid for pid, names in owners.items() if len(names) > 1}
-    from .plugin import _torch_linear
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module_name)
+    return {m for names in owners.values() if len(names) > 1 for m in names}
 
-    bad = []
-    for module_name, module in model.named_modules():
+
+def _auto_reprocessable(model: torch.nn.Module) -> set[str]:
+    """Modules ``auto`` may hand to vLLM's per-layer processing.
+
+    vLLM's layerwise reload processes a tied parameter for one of its modules only (its
+    Limitation 2), so modules with tied parameters are never handed to it.
+    """
+    return bridge_state(model).reprocessable - _shared_parameter_modules(model)
+
+
+def _layerwise_wrong(model: torch.nn.Module) -> dict[str, str]:
+    """Weights vLLM's whole-model layerwise reload leaves wrong on this engine (measured)."""
+    refreshers = bridge_state(model).refreshers
+    tied = _shared_parameter_modules(model)
+    wrong = {}
+    for name, module in model.named_modules():
+        refresher = refreshers.get(name)
+        if isinstance(refresher, CpuMoePrepack):
+            wrong[f"{name}.w13_weight"] = (
+                "CPU MoE experts: a layerwise update skips the kernel's prepack"
+            )
         linear = getattr(module, "cpu_linear", None)
-        weight = getattr(module, "weight", None)
-        if (
-            linear is None
-            or linear is _torch_linear
-            or getattr(module, "_weight_bridge_repack", None)
-        ):
-            continue
-        if isinstance(weight, torch.Tensor) and id(weight) in tied:
-            bad.append(f"{module_name}.weight")
-    return bad
+        packed = linear is not None and linear is not torch_linear
+        if packed and name in tied and not isinstance(refresher, CpuLinearRepack):
+            wrong[f"{name}.weight"] = (
+                "tied weight feeding a packed CPU linear whose copy layerwise processing does "
+                "not re-derive (start the engine with cpu_linear='torch' or 'repack')"
+            )
+    return wrong

@@ -223,3 +223,91 @@ def perturb_checkpoint(
                 tensors[name] = (t.float() + noise * scale * max(std, 1e-3)).to(t.dtype)
         save_file(tensors, str(file), metadata=metadata)
     return dst
+
+
+# -- the architecture matrix -----------------------------------------------------------------
+# Tiny random models of the families vLLM's CPU backend serves natively, built from
+# ``transformers``' own config classes: what a direct push is proven against (a cold start).
+# head_dim 64 everywhere (vLLM's CPU attention takes 32/64/128); DeepSeek-V2 keeps the MLA
+# shapes vLLM's CPU MLA requires (kv_lora_rank 512, rope 64).
+
+_DENSE: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_MOE: dict[str, Any] = dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+MATRIX: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (transformers model_type, config overrides)
+    "llama": ("llama", dict(_DENSE, tie_word_embeddings=False)),
+    "qwen3-tied": ("qwen3", dict(_DENSE, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(_DENSE, tie_word_embeddings=False)),
+    "gemma2": ("gemma2", dict(_DENSE, tie_word_embeddings=True, query_pre_attn_scalar=64)),
+    "phi3": ("phi3", dict(_DENSE, tie_word_embeddings=False, num_key_value_heads=2)),
+    "qwen3-moe": ("qwen3_moe", dict(_MOE, decoder_sparse_step=1, tie_word_embeddings=False)),
+    "qwen2-moe": (
+        "qwen2_moe",
+        dict(_MOE, shared_expert_intermediate_size=64, tie_word_embeddings=False),
+    ),
+    "mixtral": (
+        "mixtral",
+        {
+            **{k: v for k, v in _MOE.items() if k not in ("num_experts", "moe_intermediate_size")},
+            "num_local_experts": 4,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "olmoe": ("olmoe", dict(_MOE, intermediate_size=64, tie_word_embeddings=False)),
+    "deepseek-v2": (
+        "deepseek_v2",
+        dict(
+            {k: v for k, v in _MOE.items() if k not in ("num_experts", "head_dim")},
+            hidden_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+MOE_FAMILIES = ("qwen3-moe", "qwen2-moe", "mixtral", "olmoe", "deepseek-v2")
+
+
+def build_matrix_model(path: str | Path, family: str, seed: int = 0) -> Path:
+    """Write a seeded tiny model of one family of :data:`MATRIX` at ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in MATRIX:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(MATRIX)}")
+    model_type, overrides = MATRIX[family]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path, int(overrides["vocab_size"]))
+    return path

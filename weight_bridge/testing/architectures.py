@@ -11,7 +11,7 @@ relocation path of a direct reload runs inside a real engine:
 3. every ``gate_up_proj.weight`` is re-strided to column-major (same logical shape).
 
 Serve it by writing ``"architectures": ["RelocatingLlamaForCausalLM"]`` into a Llama config
-(see :func:`weight_bridge.models.build_tiny_model`'s ``architecture_name``).
+(see :func:`weight_bridge.testing.models.build_tiny_model`'s ``architecture_name``).
 """
 
 from __future__ import annotations
@@ -19,15 +19,19 @@ from __future__ import annotations
 import torch
 
 ARCHITECTURE = "RelocatingLlamaForCausalLM"
+PROCESSING_ARCHITECTURE = "ProcessingLlamaForCausalLM"
+TRANSFORMED_MODULE = "model.layers.0.self_attn.qkv_proj"
+DERIVED_MODULE = "model.layers.1.self_attn.qkv_proj"
 ROW_PADDING = 16
 
 
-def register_relocating_models() -> None:
+def register() -> None:
     """Make the architecture known to vLLM's ``ModelRegistry`` (lazily imported)."""
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:RelocatingLlamaForCausalLM")
+    for arch in (ARCHITECTURE, PROCESSING_ARCHITECTURE):
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, f"{__name__}:{arch}")
 
 
 def _move(param: torch.Tensor, storage: torch.Tensor, offset: int, stride: tuple[int, ...]) -> None:
@@ -65,21 +69,55 @@ def relocate(model: torch.nn.Module) -> None:
             _move(gate_up, column_major, 0, (1, gate_up.shape[0]))
 
 
-def _build_class():
+def _build_classes() -> dict[str, type]:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
     class RelocatingLlamaForCausalLM(LlamaForCausalLM):
         def process_weights_after_loading(self) -> None:
             relocate(self)
 
-    return RelocatingLlamaForCausalLM
+    class ScaledLinearMethod(UnquantizedLinearMethod):
+        """Value-changing processing: the weight is stored doubled, the forward halves it."""
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            with torch.no_grad():
+                layer.weight.mul_(2.0)
+
+        def apply(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.weight * 0.5, bias)
+
+    class TransposedCopyLinearMethod(UnquantizedLinearMethod):
+        """State-deriving processing: the forward reads a transposed copy of the weight."""
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            layer.register_buffer("weight_t", layer.weight.detach().t().contiguous())
+
+        def apply(self, layer, x, bias=None):
+            out = x @ layer.weight_t
+            return out if bias is None else out + bias
+
+    class ProcessingLlamaForCausalLM(RelocatingLlamaForCausalLM):
+        """The relocating model, plus one module whose processing changes its weight's values
+        (:data:`TRANSFORMED_MODULE`) and one that derives a copy from it
+        (:data:`DERIVED_MODULE`): both done by the module's own quantization method, which
+        vLLM's layerwise path re-runs."""
+
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self.get_submodule(TRANSFORMED_MODULE).quant_method = ScaledLinearMethod()
+            self.get_submodule(DERIVED_MODULE).quant_method = TransposedCopyLinearMethod()
+
+    return {
+        ARCHITECTURE: RelocatingLlamaForCausalLM,
+        PROCESSING_ARCHITECTURE: ProcessingLlamaForCausalLM,
+    }
 
 
 def __getattr__(name: str):
-    # vLLM imports the class by name; building it lazily keeps this module importable
+    # vLLM imports the classes by name; building them lazily keeps this module importable
     # without initialising vLLM's model code.
-    if name == ARCHITECTURE:
-        cls = _build_class()
-        globals()[name] = cls
-        return cls
+    if name in (ARCHITECTURE, PROCESSING_ARCHITECTURE):
+        globals().update(_build_classes())
+        return globals()[name]
     raise AttributeError(name)

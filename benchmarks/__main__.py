@@ -1,0 +1,296 @@
+"""Benchmark: how fast a push is, against the limits of this machine and the alternatives.
+
+    python -m benchmarks --out bench/results.json      # what ``make bench`` runs
+    python -m benchmarks --quick --out /tmp/r.json     # tiny smoke run (1m, 2 reps)
+    python -m benchmarks --render bench/results.json   # redraw .md/.png from a JSON
+
+For each model size (Llama architecture, untied, fp32, built locally by
+:mod:`weight_bridge.testing.models`; model A is the engine's start, model B the "next
+policy"), on the same engine and in the same run, every measurement is repeated ``--reps``
+times, interleaved round-robin so that background load hits every method alike, and reported as
+median with min/max and quartiles:
+
+* limits, measured inside the engine's worker process (:class:`BenchWorkerExtension`), so in
+  the same process, threads and memory binding as the push: ``copy`` (a plain ``copy_`` of the
+  same tensors into preallocated tensors: the memory bandwidth) and ``read_copy`` (the
+  safetensors file opened with :class:`~weight_bridge.checkpoint.CheckpointReader`, mmap views
+  of the page cache, every tensor copied into preallocated memory);
+* ours: :meth:`ColocatedEngine.push <weight_bridge.vllm.ColocatedEngine.push>` (``elapsed_s``
+  of the report, split into ``read_s``/``write_s``) with default guards, with
+  ``check_finite`` off and with ``verify_hash``; in-process and, from a child process, the
+  multi-process engine;
+* vLLM's own layerwise ``reload_weights``, from the model directory (``weights_path``) and from
+  an iterator over the same file; a naive per-tensor ``model.load_weights([(name, t)])`` loop;
+  a cold restart of the engine on the new checkpoint (in-process, ``enforce_eager=True``);
+* save: :func:`~weight_bridge.checkpoint.save_checkpoint` against a raw write of the same bytes
+  to the same directory, both fsynced, on disk and on ``/dev/shm``;
+* peak extra resident memory during a push (``RssAnon`` and ``RssFile`` of ``/proc/PID/status``
+  sampled in a background thread, plus the kernel's exact ``VmHWM`` after a reset);
+* generation speed of the CPU linear modes (``cpu_linear`` torch / repack / stock), three
+  multi-process engines alive together and measured round-robin (``--gen-sizes`` only).
+
+Every path above runs on the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, this
+process) and on the multi-process engine (vLLM's default, in a child process started with
+``--_child``: vLLM reads that variable once per process). Timed engine calls include their
+RPCs; a reload by another path also pays the prefix-cache reset that a push pays.
+
+Correctness is checked in every run: after the timed pushes, the pushed engine's greedy tokens
+(and top-3 logprobs within 1e-4) on fixed token-id prompts must equal those of a cold start on
+the same checkpoint. Targets are evaluated and reported, never asserted by tests; the exit code
+is 1 only when a correctness check failed or a measurement raised (``--strict``: 2 when a target
+was missed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .config import (
+    ARCH,
+    DEFAULT_GEN_SIZES,
+    DEFAULT_SIZES,
+    ENGINE_KWARGS,
+    ENGINES,
+    GEN_BATCH,
+    QUICK_SIZES,
+    TARGETS,
+)
+from .machine import CpuLoad, fs_type, machine_info, versions
+from .measure import (
+    bench_inprocess,
+    bench_multiprocess,
+    build_models,
+    child_multiprocess,
+    describe_checkpoint,
+)
+from .plot import render_plot
+from .report import dig, render_markdown
+from .save import bench_save
+from .stats import analyse
+
+__all__ = ["main"]
+
+
+def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    def log(msg: str) -> None:
+        print(f"[bench {size}] {msg}", flush=True)
+
+    load = CpuLoad()
+    result: dict[str, Any] = {"size": size, "errors": []}
+    log("building models A and B")
+    t0 = time.perf_counter()
+    a, b = build_models(workdir, size)
+    result["build_s"] = time.perf_counter() - t0
+    result["model"] = describe_checkpoint(b / "model.safetensors")
+    gen = (args.gen_tokens, args.gen_reps) if size in args.gen_sizes else None
+    shm = args.shm_dir / f"wb-bench-{os.getpid()}"
+    sections: list[tuple[str, Callable[[], dict]]] = [
+        ("inprocess", lambda: bench_inprocess(a, b, args.reps, log)),
+        ("multiprocess", lambda: bench_multiprocess(a, b, args.reps, workdir, gen)),
+        (
+            "save",
+            lambda: bench_save(
+                b / "model.safetensors", {"disk": workdir / "save", "shm": shm}, args.reps
+            ),
+        ),
+    ]
+    for name, fn in sections:
+        log(f"{name} ...")
+        section_load = CpuLoad()
+        try:
+            result[name] = fn()
+        except Exception as exc:
+            traceback.print_exc()
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        result[name]["load"] = section_load.report()
+        log(f"{name} done in {result[name]['load']['wall_s']:.1f} s")
+    for name in ("inprocess", "multiprocess", "save"):
+        sec = result.get(name, {})
+        if "error" in sec:
+            result["errors"].append(f"{name}: {sec['error'][-2000:]}")
+        for key, value in sec.items():
+            if isinstance(value, dict) and "error" in value:
+                result["errors"].append(f"{name}.{key}: {value['error']}")
+            if isinstance(value, dict):
+                for sub, inner in value.items():
+                    if isinstance(inner, dict) and "error" in inner:
+                        result["errors"].append(f"{name}.{key}.{sub}: {inner['error']}")
+    shutil.rmtree(shm, ignore_errors=True)
+    result["load"] = load.report()
+    analyse(result)
+    if not args.keep:
+        for d in (a, b):
+            shutil.rmtree(d, ignore_errors=True)
+    return result
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    md, png = out.with_suffix(".md"), out.with_suffix(".png")
+    md.write_text(render_markdown(results))
+    try:
+        render_plot(results, png)
+    except Exception as exc:  # the numbers matter more than the picture
+        print(f"plot failed: {exc}", file=sys.stderr)
+    return md, png
+
+
+def _env() -> None:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--out", type=Path, default=Path("bench/results.json"), help="JSON results")
+    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help="model sizes, comma-separated")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of every measurement")
+    p.add_argument(
+        "--gen-sizes",
+        default=",".join(DEFAULT_GEN_SIZES),
+        help="sizes whose generation speed is measured per cpu_linear mode",
+    )
+    p.add_argument("--gen-tokens", type=int, default=16, help="tokens per prompt, generation")
+    p.add_argument("--gen-reps", type=int, default=3, help="repetitions of the generation batch")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run: 1m, 2 reps")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="models and disk saves (default: tmp)"
+    )
+    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for save tests")
+    p.add_argument("--keep", action="store_true", help="keep the built models")
+    p.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
+    p.add_argument("--render", type=Path, default=None, help="only redraw .md/.png of a JSON")
+    p.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes = ",".join(QUICK_SIZES)
+        args.gen_sizes = ",".join(QUICK_SIZES)
+        args.reps = min(args.reps, 2)
+        args.gen_tokens = min(args.gen_tokens, 4)
+        args.gen_reps = 1
+    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    args.gen_sizes = [s.strip() for s in args.gen_sizes.split(",") if s.strip()]
+    from weight_bridge.testing.models import SIZES
+
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown:
+        p.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    _env()
+    if args.child is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        spec = json.loads(Path(args.child).read_text())
+        args.out.write_text(json.dumps(child_multiprocess(spec), default=str))
+        return 0
+    if args.render is not None:
+        rendered = json.loads(args.render.read_text())
+        for p in write_outputs(rendered, args.render):
+            print(p)
+        return 0
+    # In-process engines here; the multi-process engine runs in a child (vLLM caches its env).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    load = CpuLoad()
+    own_workdir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="wb-bench-")) if own_workdir else args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "schema": 1,
+        "command": shlex.join([sys.executable, "-m", "benchmarks", *raw_argv]),
+        "make_target": "make bench  (= .venv/bin/python -m benchmarks --out bench/results.json)",
+        "started": started.isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "versions": versions(),
+        "settings": {
+            "sizes": args.sizes,
+            "reps": args.reps,
+            "gen_sizes": args.gen_sizes,
+            "gen_tokens": args.gen_tokens,
+            "gen_reps": args.gen_reps,
+            "gen_batch": GEN_BATCH,
+            "engine_kwargs": ENGINE_KWARGS,
+            "arch": ARCH,
+            "workdir": str(workdir),
+            "workdir_fs": fs_type(workdir),
+            "env": {
+                k: os.environ.get(k)
+                for k in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")
+            },
+            "quick": args.quick,
+        },
+        "targets": TARGETS,
+        "sizes": {},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for size in args.sizes:
+            results["sizes"][size] = bench_size(size, args, workdir)
+            results["elapsed_s"] = time.perf_counter() - t0
+            results["load"] = load.report()
+            args.out.write_text(json.dumps(results, indent=1, default=str))  # partial results
+    finally:
+        if own_workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    last = results["sizes"][args.sizes[-1]]
+    for eng in ENGINES:
+        results["machine"][f"copy_bandwidth_{eng}_bytes_per_s"] = dig(
+            last, eng, "copy", "rate_bytes_per_s"
+        )
+    results["machine"]["copy_bandwidth_bytes_per_s"] = (
+        results["machine"]["copy_bandwidth_multiprocess_bytes_per_s"]
+        or results["machine"]["copy_bandwidth_inprocess_bytes_per_s"]
+    )
+    results["machine"]["copy_bandwidth_note"] = (
+        "payload bytes per second of the copy_ limit (every tensor of the largest size, "
+        "between preallocated tensors) inside the engine's worker process; memory traffic is "
+        "about twice that (read + write)"
+    )
+    results["elapsed_s"] = time.perf_counter() - t0
+    results["load"] = load.report()
+    results["correctness_passed"] = all(
+        s["correctness"]["passed"] for s in results["sizes"].values()
+    )
+    results["errors"] = [f"{n}: {e}" for n, s in results["sizes"].items() for e in s["errors"]]
+    results["targets_missed"] = [
+        f"{n}: {k}"
+        for n, s in results["sizes"].items()
+        for k, t in s["targets"].items()
+        if t["met"] is False
+    ]
+    args.out.write_text(json.dumps(results, indent=1, default=str))
+    md, png = write_outputs(results, args.out)
+    print(md.read_text())
+    print(f"wrote {args.out}, {md}, {png} in {results['elapsed_s']:.0f} s")
+    if not results["correctness_passed"] or results["errors"]:
+        print("CORRECTNESS CHECK FAILED or a measurement raised; see the results", file=sys.stderr)
+        return 1
+    if args.strict and results["targets_missed"]:
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

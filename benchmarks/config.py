@@ -1,0 +1,56 @@
+"""The benchmark's settings: sizes, engine arguments, parity prompts and targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_SIZES = ("10m", "100m", "300m")
+DEFAULT_GEN_SIZES = ("100m",)
+QUICK_SIZES = ("1m",)
+ARCH = "llama"  # untied: vLLM's layerwise reload is only right for untied models on CPU
+ENGINE_KWARGS: dict[str, Any] = dict(
+    dtype="float32", max_model_len=128, seed=0, max_num_seqs=8, enforce_eager=True
+)
+PARITY_PROMPTS = [[1, 20, 21, 22], [1, 5, 9, 30, 31], [1, 100, 101], [1, 7, 7, 7, 7, 7, 7, 8]]
+PARITY_TOKENS = 8
+LOGPROB_TOL = 1e-4
+GEN_BATCH = 8
+MEM_FIXED_ALLOWANCE = 32 * 2**20  # the "small fixed overhead" of the peak-memory target
+
+TARGETS: dict[str, dict[str, Any]] = {
+    "direct_vs_read_copy": {
+        "op": "<=",
+        "value": 1.5,
+        "what": "in-process push (default guards) / read+copy limit",
+    },
+    "layerwise_vs_direct": {
+        "op": ">=",
+        "value": 3.0,
+        "what": "faster of vLLM's layerwise reloads / in-process push",
+    },
+    "cold_vs_direct": {
+        "op": ">=",
+        "value": 100.0,
+        "what": "cold restart (engine start only) / in-process push",
+    },
+    "save_vs_raw_disk": {
+        "op": "<=",
+        "value": 1.5,
+        "what": "save_checkpoint / raw write of the same bytes, disk, both fsynced",
+    },
+    "save_vs_raw_shm": {
+        "op": "<=",
+        "value": 1.5,
+        "what": "save_checkpoint / raw write of the same bytes, /dev/shm, both fsynced",
+    },
+    "peak_anon_vs_largest": {
+        "op": "<=",
+        "value": 1.2,
+        "what": "(peak extra RssAnon during an in-process push - 32 MiB) / largest tensor",
+    },
+}
+
+
+ENGINES = ("inprocess", "multiprocess")
+DEFAULT_CPU_LINEAR = "repack"  # ColocatedEngine's default: the engine every push is timed on
+OTHER_CPU_LINEAR = "torch"

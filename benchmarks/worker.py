@@ -1,0 +1,107 @@
+"""The benchmark's worker extension: the bridge's worker methods plus the measurements
+that must run inside the engine's worker process."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+from weight_bridge.vllm.worker import WeightBridgeWorkerExtension
+
+
+class BenchWorkerExtension(WeightBridgeWorkerExtension):
+    """The bridge's worker methods plus the benchmark's.
+
+    Methods are called by name through ``collective_rpc``, so they run inside the worker that
+    holds the model in both the in-process and the multi-process engine (vLLM refuses to ship
+    callables to worker processes without insecure pickling). The limits are measured here,
+    in the same process, threads and memory binding as the pushes they are compared with.
+    """
+
+    _bench_src: dict | None = None
+    _bench_dst: dict | None = None
+
+    def bench_pid(self) -> int:
+        return os.getpid()
+
+    def bench_prepare_limits(self, path: str) -> int:
+        """In-memory copies of ``path``'s tensors and preallocated (touched) targets."""
+        import torch
+
+        from weight_bridge.checkpoint import CheckpointReader
+
+        with CheckpointReader(path) as reader:
+            self._bench_src = {name: t.clone() for name, t in reader.tensors()}
+        self._bench_dst = {n: torch.zeros_like(t) for n, t in self._bench_src.items()}
+        return sum(t.nbytes for t in self._bench_src.values())
+
+    def bench_free_limits(self) -> None:
+        self._bench_src = self._bench_dst = None
+        gc.collect()
+
+    def bench_copy(self) -> float:
+        """Limit 1: ``copy_`` of every tensor between preallocated tensors."""
+        src, dst = self._bench_src, self._bench_dst
+        assert src is not None and dst is not None, "bench_prepare_limits first"
+        t0 = time.perf_counter()
+        for name, t in src.items():
+            dst[name].copy_(t)
+        return time.perf_counter() - t0
+
+    def bench_read_copy(self, path: str) -> float:
+        """Limit 2: open the file (mmap views of the page cache), copy every tensor out."""
+        from weight_bridge.checkpoint import CheckpointReader
+
+        dst = self._bench_dst
+        assert dst is not None, "bench_prepare_limits first"
+        t0 = time.perf_counter()
+        with CheckpointReader(path) as reader:
+            for name, t in reader.tensors():
+                dst[name].copy_(t)
+        return time.perf_counter() - t0
+
+    def bench_layerwise_iter(self, path: str) -> float:
+        """vLLM's layerwise ``reload_weights`` fed an iterator over the same mmap'd file."""
+        from weight_bridge.checkpoint import CheckpointReader
+
+        t0 = time.perf_counter()
+        with CheckpointReader(path) as reader:
+            self.reload_weights(  # type: ignore[attr-defined]
+                weights_iterator=reader.tensors(), is_checkpoint_format=True
+            )
+        return time.perf_counter() - t0
+
+    def bench_layerwise_file(self, model_dir: str) -> float:
+        """vLLM's layerwise ``reload_weights(weights_path=...)``: vLLM reads the directory.
+
+        vLLM repoints ``model_config.model`` at ``weights_path``; it is restored after.
+        """
+        configs = {id(self.vllm_config.model_config): self.vllm_config.model_config}
+        runner = getattr(self.model_runner, "vllm_config", None)
+        if runner is not None:
+            configs[id(runner.model_config)] = runner.model_config
+        saved = {k: (c.model, c.model_weights, c.revision) for k, c in configs.items()}
+        t0 = time.perf_counter()
+        try:
+            self.reload_weights(  # type: ignore[attr-defined]
+                weights_path=model_dir, is_checkpoint_format=True
+            )
+        finally:
+            for k, c in configs.items():
+                c.model, c.model_weights, c.revision = saved[k]
+        return time.perf_counter() - t0
+
+    def bench_naive_loop(self, path: str) -> float:
+        """What RL libraries commonly do: ``model.load_weights([(name, tensor)])`` per tensor."""
+        from weight_bridge.checkpoint import CheckpointReader
+
+        model = self.model_runner.get_model()
+        t0 = time.perf_counter()
+        with CheckpointReader(path) as reader:
+            for name, t in reader.tensors():
+                model.load_weights([(name, t)])
+        return time.perf_counter() - t0
+
+
+BENCH_EXTENSION = f"{__name__}.BenchWorkerExtension"

@@ -1,0 +1,69 @@
+"""The architecture matrix: every family vLLM's CPU backend serves, pushed against a cold start.
+
+Tiny random models built from ``transformers``' own config classes (dense tied and untied,
+fused qkv / gate_up checkpoints, mixture-of-experts with the CPU experts kernel's prepack, and
+DeepSeek-V2's MLA + MoE). One engine per family: started on A, pushed B in ``direct`` mode,
+then A, then B again in ``auto`` mode; each time greedy tokens and top-3 logprobs equal a cold
+start on the same checkpoint (to 1e-4). A push either equals the cold start or is refused by
+name; here every family is expected to be written directly (MoE experts refreshed).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_parity, greedy, run_engine_check
+
+from weight_bridge.testing.models import (
+    MATRIX,
+    MOE_FAMILIES,
+    build_matrix_model,
+    perturb_checkpoint,
+)
+
+
+@pytest.fixture(scope="module")
+def matrix_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix")
+    out = {}
+    for family in MATRIX:
+        a = build_matrix_model(root / f"{family}_A", family, seed=0)
+        out[family] = (a, perturb_checkpoint(a, root / f"{family}_B", scale=0.3, seed=1))
+    return out
+
+
+@pytest.mark.parametrize("family", list(MATRIX))
+def test_family_push_equals_cold_start_in_direct_and_auto(
+    family, matrix_models, cold, engine_factory
+) -> None:
+    a, b = matrix_models[family]
+    engine = engine_factory(a)
+    addresses = engine.addresses()
+    assert not engine.plan()[0]["problems"], "a family of the matrix is expected writable"
+
+    report = engine.push(b, version=1)
+    assert report.mode == "direct" and report.verified_writes > 0
+    if family in MOE_FAMILIES:
+        assert "cpu MoE prepack" in report.refreshed.values()
+    got_b = greedy(engine)
+    assert_parity(got_b, cold(b))
+    engine.push(a, version=2)
+    assert_parity(greedy(engine), cold(a))
+    assert got_b != cold(a)
+
+    engine.reload_mode = "auto"
+    report = engine.push(b, version=3)
+    assert report.mode == "direct" and not report.reprocessed
+    assert_parity(greedy(engine), cold(b))
+    assert engine.addresses() == addresses
+
+
+@pytest.mark.slow
+def test_moe_push_in_the_default_multiprocess_engine(matrix_models) -> None:
+    """vLLM's default engine (workers in their own processes), MLA + MoE."""
+    a, b = matrix_models["deepseek-v2"]
+    r = run_engine_check("push", str(a), str(b))
+    assert_parity(r["b_pushed"], r["b_cold"])
+    assert_parity(r["a_pushed"], r["a_before"])
+    assert r["b_pushed"] != r["a_before"]
+    assert r["addresses_unchanged"]
+    assert any("cpu MoE prepack" in rep["refreshed"].values() for rep in r["reports"])

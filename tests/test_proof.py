@@ -1,0 +1,141 @@
+"""Proof that a direct write reaches what the model computes with, on toy modules through the
+public API: transformed values and derived state are refused by name with nothing written, a
+refresher makes derived state writable, and the read-back catches a clobbered write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_direct import A, B, IDS, Toy, cold_start, load_by_name, snapshot_bytes
+
+from weight_bridge import (
+    DirectReloadError,
+    Refresher,
+    direct_reload,
+    prove_checkpoint_layout,
+    record_checkpoint_layout,
+)
+from weight_bridge.direct import direct_reload_session, undefined_reason
+from weight_bridge.layout import fingerprint
+
+
+class Processed(Toy):
+    """Toy whose forward reads what post-load processing left: a transposed copy of ``proj``
+    (``proj_t``) when present, and ``other`` scaled by ``other_scale``."""
+
+    other_scale = 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * self.scale
+        proj_t = getattr(self.proj, "weight_t", None)
+        proj_t = self.proj.weight.t() if proj_t is None else proj_t
+        other = torch.nn.functional.linear(h @ proj_t, self.other.weight / self.other_scale)
+        return self.head(torch.tanh(other + self.other.bias))
+
+
+def transpose_into_new_storage(model: Processed) -> None:
+    """Square weight re-stored transposed, same shape and dtype: a transform, not a move."""
+    w = model.proj.weight
+    w.data = w.data.t().contiguous()
+    model.proj.weight_t = model.proj.weight  # forward reads the (already transposed) weight
+
+
+def fold_scale_in_place(model: Processed) -> None:
+    model.other.weight.data.mul_(2.0)
+    model.other_scale = 2.0
+
+
+def derive_transposed_copy(model: Processed) -> None:
+    model.proj.weight_t = model.proj.weight.detach().t().contiguous()
+
+
+def cold(ckpt, process) -> Processed:
+    model = Processed()
+    load_by_name(model, ckpt)
+    record_checkpoint_layout(model)
+    process(model)
+    return model
+
+
+def test_fingerprint_tells_a_transpose_and_a_rescale_from_the_same_values() -> None:
+    w = torch.randn(64, 64)
+    fp = fingerprint(w)
+    assert fp.matches(fingerprint(w.clone()))
+    assert fp.matches(fingerprint(w.t().contiguous().t()))  # same logical values, other strides
+    assert not fp.matches(fingerprint(w.t()))
+    assert not fp.matches(fingerprint(w * 1.001))
+    assert not fp.matches(fingerprint(-w))
+    big = torch.randn(3, 70_000)  # more than one chunk: chunks that swap places differ too
+    assert not fingerprint(big).matches(fingerprint(big.flip(0)))
+
+
+@pytest.mark.parametrize(
+    ("process", "name", "why"),
+    [
+        (transpose_into_new_storage, "proj.weight", "transformed"),
+        (fold_scale_in_place, "other.weight", "transformed"),
+        (derive_transposed_copy, "proj.weight", "weight_t"),
+    ],
+)
+def test_unprovable_writes_are_refused_by_name_before_writing(process, name, why) -> None:
+    model = cold(A, process)
+    want = model(IDS)
+    before = snapshot_bytes(model)
+    with pytest.raises(DirectReloadError, match=why) as info:
+        direct_reload(model, B)
+    assert name in info.value.names
+    assert snapshot_bytes(model) == before
+    assert torch.equal(model(IDS), want)
+    assert undefined_reason(model) is None
+
+
+def test_without_the_proof_the_same_push_would_be_silently_wrong() -> None:
+    """Power of the test above: the values a plain write leaves differ from a cold start."""
+    for process in (transpose_into_new_storage, fold_scale_in_place, derive_transposed_copy):
+        model = cold(A, process)
+        with torch.no_grad():
+            load_by_name(model, B)  # what "moved, same shape -> current offset" writes
+        assert not torch.allclose(model(IDS), cold(B, process)(IDS)), process.__name__
+
+
+class TransposedCopy(Refresher):
+    def refresh(self, module: torch.nn.Module) -> None:
+        module.weight_t.copy_(module.weight.detach().t())
+
+
+def test_a_refresher_makes_derived_state_writable_and_equal_to_a_cold_start() -> None:
+    model = cold(A, derive_transposed_copy)
+    prove_checkpoint_layout(
+        model, {"proj": TransposedCopy("transposed copy", frozenset({"weight_t"}))}
+    )
+    address = model.proj.weight_t.data_ptr()
+    report = direct_reload(model, B)
+    assert report.refreshed == {"proj": "transposed copy"}
+    assert torch.equal(model(IDS), cold(B, derive_transposed_copy)(IDS))
+    assert model.proj.weight_t.data_ptr() == address
+
+
+def test_read_back_catches_a_write_that_a_later_one_overwrote() -> None:
+    model = cold_start(A, lambda m: None)
+
+    def clobbering_load(weights) -> None:
+        for name, t in weights:
+            model.get_parameter(name).data.copy_(t) if name != "scale" else model.scale.copy_(t)
+        model.proj.weight.data.fill_(0.0)  # e.g. a neighbour's write landing on it
+
+    with pytest.raises(DirectReloadError, match="read-back") as info:
+        direct_reload(model, B, load=clobbering_load)
+    assert info.value.names == ["proj.weight"]
+    assert "read-back" in (undefined_reason(model) or "")
+
+
+def test_interrupt_inside_a_session_propagates_and_leaves_the_model_undefined() -> None:
+    model = cold_start(A, lambda m: None)
+    with pytest.raises(KeyboardInterrupt), direct_reload_session(model):
+        load_by_name(model, {"proj.weight": B["proj.weight"]})
+        raise KeyboardInterrupt
+    assert "KeyboardInterrupt" in (undefined_reason(model) or "")
+    with pytest.raises(KeyboardInterrupt):
+        direct_reload(model, B, load=lambda w: (_ for _ in ()).throw(KeyboardInterrupt()))
+    report = direct_reload(model, B)
+    assert report.recovered_from_undefined and undefined_reason(model) is None

@@ -1,0 +1,248 @@
+"""Transactional pushes and typed refusals, in vLLM's default multi-process engine first.
+
+* Every bad-input case of the reliability suite, pushed into a multi-process engine: the
+  project's own error type with the tensor (and file) named, nothing changed, and no traceback
+  or ERROR line in the engine's log.
+* Faults after writing started, in the write (a weight loader raises), in the refresh of
+  derived state (a refresher raises) and in the prefix-cache reset: with rollback (the default)
+  the engine serves the previous version again, equal to its cold start; with rollback off it
+  is undefined until a complete push.
+* An interrupt during a push propagates as ``KeyboardInterrupt``.
+
+FAULT INJECTION: the faults are raised by wrapping a weight loader, a refresher or
+``reset_prefix_cache`` (sent to the workers with ``collective_rpc``): none can be caused from
+outside on a healthy machine. Everything else is a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import ENGINE_KWARGS, TESTS, assert_parity, greedy  # noqa: E402
+
+from weight_bridge.direct import DirectReloadError  # noqa: E402
+
+FAULT_PARAM = "model.layers.1.mlp.down_proj.weight"
+
+
+# -- worker-side callables (sent with collective_rpc) --------------------------------------------
+
+
+def arm_write_fault(worker, action: str = "raise") -> int:
+    """FAULT INJECTION: the next call of one weight loader raises (mid-way through a push)."""
+    param = dict(worker.model_runner.get_model().named_parameters())[FAULT_PARAM]
+    original = param.weight_loader
+
+    def faulty(*args, **kwargs):
+        param.weight_loader = original
+        if action == "interrupt":
+            raise KeyboardInterrupt
+        raise RuntimeError(f"injected fault in the weight loader of {FAULT_PARAM}")
+
+    param.weight_loader = faulty
+    return os.getpid()
+
+
+def arm_refresh_fault(worker) -> str:
+    """FAULT INJECTION: the next refresh of one module's derived state raises."""
+    from weight_bridge.state import bridge_state
+
+    refreshers = bridge_state(worker.model_runner.get_model()).refreshers
+    name = sorted(refreshers)[-1]
+    refresher = refreshers[name]
+    original = refresher.refresh
+
+    def faulty(module):
+        refresher.refresh = original  # type: ignore[method-assign]
+        raise RuntimeError(f"injected fault refreshing {name}")
+
+    refresher.refresh = faulty  # type: ignore[method-assign]
+    return name
+
+
+def arm_cache_fault(engine) -> None:
+    """FAULT INJECTION (caller side): the next prefix-cache reset raises."""
+    llm = engine.llm
+    original = llm.reset_prefix_cache
+
+    def faulty(*args, **kwargs):
+        llm.reset_prefix_cache = original
+        raise RuntimeError("injected fault in reset_prefix_cache")
+
+    llm.reset_prefix_cache = faulty
+
+
+def arm(engine, fault: str) -> None:
+    if fault == "write":
+        engine.llm.collective_rpc(arm_write_fault)
+    elif fault == "refresh":
+        engine.llm.collective_rpc(arm_refresh_fault)
+    else:
+        arm_cache_fault(engine)
+
+
+FAULTS = ("write", "refresh", "cache")
+
+
+def fault_scenarios(model_a: str, model_b: str) -> dict:
+    """One engine: a healthy round, each fault with rollback, each fault without."""
+    from weight_bridge.vllm import ColocatedEngine, EngineUndefinedError
+
+    r: dict = {"rollback": {}, "no_rollback": {}}
+    with ColocatedEngine(model_a, **ENGINE_KWARGS) as engine:
+        r["a_cold"] = greedy(engine)
+        engine.push(model_b, version="B")
+        r["b_pushed"] = greedy(engine)
+        engine.push(model_a, version="A")
+        for fault in FAULTS:
+            arm(engine, fault)
+            case: dict = {}
+            try:
+                engine.push(model_b, version="B")
+                case["error"] = None
+            except Exception as exc:
+                case["error"], case["message"] = type(exc).__name__, str(exc)
+            case["version"], case["undefined"] = engine.version, engine.undefined
+            case["rollback_s"] = engine.last_rollback_s
+            case["served"] = greedy(engine)
+            r["rollback"][fault] = case
+        engine.rollback = False
+        for fault in FAULTS:
+            arm(engine, fault)
+            case = {}
+            try:
+                engine.push(model_b, version="B")
+                case["error"] = None
+            except Exception as exc:
+                case["error"], case["message"] = type(exc).__name__, str(exc)
+            case["undefined"] = engine.undefined
+            try:
+                greedy(engine)
+                case["generate"] = None
+            except EngineUndefinedError as exc:
+                case["generate"] = type(exc).__name__
+            engine.push(model_b, version="B")
+            case["recovered"] = greedy(engine)
+            engine.push(model_a, version="A")
+            r["no_rollback"][fault] = case
+    return r
+
+
+def refusal_scenarios(model_a: str, cases_json: str) -> dict:
+    from weight_bridge.vllm import ColocatedEngine
+
+    cases = json.loads(Path(cases_json).read_text())
+    out: dict = {}
+    with ColocatedEngine(model_a, **ENGINE_KWARGS) as engine:
+        engine.push(model_a, version="A")
+        before = greedy(engine)
+        addresses = engine.addresses()
+        for label, path, kw in cases:
+            try:
+                engine.push(path, version=label, **kw)
+                out[label] = {"type": None}
+            except Exception as exc:
+                problems = getattr(exc, "problems", None)
+                out[label] = {"type": type(exc).__name__, "message": str(exc)}
+                out[label]["problems"] = problems
+            out[label]["unchanged"] = engine.version == "A" and engine.undefined is None
+        out["_served_unchanged"] = greedy(engine) == before
+        out["_addresses_unchanged"] = engine.addresses() == addresses
+    return out
+
+
+def _run(*args: str, multiprocess: bool = True) -> tuple[dict, str]:
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        # Only so that the fault-injecting callables can be sent to the worker process: the
+        # bridge itself calls its worker methods by name and needs no pickling.
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "test_transactions.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+
+
+@pytest.mark.slow
+def test_refusals_are_typed_and_quiet_in_the_multiprocess_engine(models, tmp_path) -> None:
+    from test_reliability import _bad_checkpoints
+
+    cases = _bad_checkpoints(models, tmp_path)
+    spec = [(label, str(path), kw) for label, path, kw, *_ in cases]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    got, log = _run("refusals", str(models["llama_A"]), str(tmp_path / "cases.json"))
+    for label, _, _, error, words, named_file, tensor in cases:
+        r = got[label]
+        assert r["type"] == error.__name__, (label, r)
+        assert words in r["message"], (label, r["message"])
+        assert str(named_file.resolve()) in r["message"] or str(named_file) in r["message"]
+        if tensor is not None and error is DirectReloadError:
+            assert tensor in r["problems"], (label, r)
+        assert r["unchanged"], label
+    assert got["_served_unchanged"] and got["_addresses_unchanged"]
+    assert "Traceback" not in log
+    assert not [ln for ln in log.splitlines() if " ERROR " in ln], log[-3000:]
+
+
+def _check_faults(r: dict) -> None:
+    for fault, case in r["rollback"].items():
+        assert case["error"] == "DirectReloadError", (fault, case)
+        assert "rolled back to version 'A'" in case["message"], (fault, case["message"])
+        assert case["version"] == "A" and case["undefined"] is None, fault
+        assert_parity(case["served"], r["a_cold"])
+        assert case["rollback_s"] is not None
+    for fault, case in r["no_rollback"].items():
+        assert case["error"] == "DirectReloadError", (fault, case)
+        assert case["undefined"] and case["generate"] == "EngineUndefinedError", fault
+        assert_parity(case["recovered"], r["b_pushed"])
+    assert "injected fault in the weight loader" in r["rollback"]["write"]["message"]
+    assert "injected fault refreshing" in r["rollback"]["refresh"]["message"]
+    assert "prefix cache reset failed" in r["rollback"]["cache"]["message"]
+
+
+@pytest.mark.slow
+def test_faults_after_writing_roll_back_in_the_multiprocess_engine(models) -> None:
+    r, _ = _run("faults", str(models["llama_A"]), str(models["llama_B"]))
+    _check_faults(r)
+
+
+def test_faults_after_writing_roll_back_in_process(models) -> None:
+    r, _ = _run("faults", str(models["llama_A"]), str(models["llama_B"]), multiprocess=False)
+    _check_faults(r)
+
+
+def test_interrupt_during_a_push_propagates(models, shared_engine, cold) -> None:
+    a, b = models["llama_A"], models["llama_B"]
+    engine = shared_engine("llama_A")
+    engine.push(a, version="A")
+    engine.llm.collective_rpc(arm_write_fault, args=("interrupt",))
+    with pytest.raises(KeyboardInterrupt):
+        engine.push(b, version="B")
+    assert engine.undefined and engine.version == "A"
+    engine.push(a, version="A")
+    assert engine.undefined is None
+    assert_parity(greedy(engine), cold(a))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "faults":
+        result = fault_scenarios(sys.argv[2], sys.argv[3])
+    else:
+        result = refusal_scenarios(sys.argv[2], sys.argv[3])
+    print("RESULT " + json.dumps(result, default=str), flush=True)

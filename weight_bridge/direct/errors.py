@@ -1,0 +1,39 @@
+"""The error a direct reload raises, and why one weight cannot be written in place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["DirectReloadError", "NotDirectlyReloadable"]
+
+
+class DirectReloadError(RuntimeError):
+    """A direct reload was refused (nothing written) or failed (model marked undefined).
+
+    ``problems`` maps each offending tensor name to what is wrong with it. The error crosses
+    process boundaries as data (:meth:`to_dict` / :meth:`from_dict`), so a caller gets the same
+    type, message and problems from a multi-process engine as from an in-process one.
+    """
+
+    def __init__(self, message: str, problems: Mapping[str, str] | None = None):
+        self.problems = dict(problems or {})
+        self.summary = message
+        if self.problems:
+            listed = "\n".join(f"  {n}: {why}" for n, why in sorted(self.problems.items()))
+            message = f"{message}\n{listed}"
+        super().__init__(message)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.problems)
+
+    def to_dict(self) -> dict:
+        return {"message": self.summary, "problems": dict(self.problems)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> DirectReloadError:
+        return cls(str(data["message"]), dict(data.get("problems") or {}))
+
+
+class NotDirectlyReloadable(Exception):
+    """Why one weight cannot be written in place (raised by :func:`resolve_target`)."""

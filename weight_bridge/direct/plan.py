@@ -1,0 +1,98 @@
+"""A dry run of a direct reload: every name resolved and proven, or refused, nothing written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layout import CheckpointLayout, live_tensors
+from ..state import bridge_state
+from .errors import DirectReloadError, NotDirectlyReloadable
+from .proof import ensure_proof, module_of, write_tensor
+from .resolve import Relocation, ResolvedTarget, overlapping_targets, resolve_target, signature
+
+__all__ = ["ReloadPlan", "plan_direct_reload", "require_layout"]
+
+
+@dataclass
+class ReloadPlan:
+    """What a direct reload would do, per name and per module.
+
+    ``targets``: names written directly, with their views. ``problems``: names refused, why.
+    ``refresh``: module -> kind of derived state re-derived after the write.
+    ``reprocess``: module -> why it is handed to the engine's own per-layer processing instead
+    (only when the caller can re-process, see :func:`plan_direct_reload`).
+    """
+
+    targets: dict[str, ResolvedTarget]
+    problems: dict[str, str]
+    refresh: dict[str, str] = field(default_factory=dict)
+    reprocess: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def relocations(self) -> list[Relocation]:
+        return [t.relocation for t in self.targets.values() if t.relocation is not None]
+
+
+def require_layout(model: torch.nn.Module) -> CheckpointLayout:
+    layout = bridge_state(model).layout
+    if layout is None:
+        raise DirectReloadError(
+            "no checkpoint layout recorded on this model: call record_checkpoint_layout(model) "
+            "right after its weights are first loaded"
+        )
+    return layout
+
+
+def plan_direct_reload(
+    model: torch.nn.Module, reprocessable: set[str] | frozenset[str] = frozenset()
+) -> ReloadPlan:
+    """Resolve and prove every recorded name without writing anything.
+
+    A name is written directly only if its resolved view is the one proven at load to hold the
+    checkpoint's values and its module has no derived state that no refresher accounts for.
+    Modules in ``reprocessable`` (those the caller can hand to the engine's own per-layer
+    processing) that fail either test are planned for re-processing instead of refused.
+    """
+    layout = require_layout(model)
+    state = bridge_state(model)
+    proof = ensure_proof(model)
+    unproven = proof.unproven_modules()
+    live = {name: t for name, t, _ in live_tensors(model)}
+    targets: dict[str, ResolvedTarget] = {}
+    problems: dict[str, str] = {}
+    reprocess: dict[str, str] = {}
+    for name, entry in layout.tensors.items():
+        if entry.is_buffer and name not in layout.checkpoint:
+            continue  # derived buffers (rotary caches...) are never written by a reload
+        module, _ = module_of(name)
+        why = None
+        if name not in live:
+            why = "no longer exists in the model"
+        else:
+            try:
+                target = resolve_target(entry, write_tensor(model, name, live[name]))
+            except NotDirectlyReloadable as exc:
+                why = str(exc)
+            else:
+                if module in unproven:
+                    why = proof.transformed.get(name) or f"its module has {unproven[module]}"
+                elif entry.fingerprint is not None and proof.targets.get(name) != signature(
+                    target.view
+                ):
+                    why = "write target is not the view proven at load to hold its values"
+                else:
+                    targets[name] = target
+        if why is None:
+            continue
+        if module in reprocessable:
+            reprocess[module] = unproven.get(module, why)
+        else:
+            problems[name] = why
+    for name in [n for n in targets if module_of(n)[0] in reprocess]:
+        del targets[name]  # a re-processed module is loaded whole by the engine's own path
+    problems.update(overlapping_targets(targets, layout.aliases()))
+    touched = {module_of(n)[0] for n in targets}
+    refresh = {m: r.kind for m, r in state.refreshers.items() if m in touched}
+    return ReloadPlan(targets, problems, refresh, reprocess)

@@ -1,0 +1,88 @@
+"""Proof after the push: every write read back from live storage and compared with its source.
+
+While the model's own loader runs, a ``TorchFunctionMode`` notes each ``Tensor.copy_`` whose
+destination lies in a storage the reload writes into (the loaders of vLLM and of plain modules
+all end in one), together with the checkpoint tensor being loaded. After the last write, each
+destination is read back and compared with its source: a later write that clobbered an earlier
+one (overlapping targets), a write that went to a copy, or a cast that lost values shows up here
+and names the tensor. ``"sampled"`` compares up to 8 rows per write (first, last, spread
+between), ``"full"`` every element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..layout import storage_ptr
+
+__all__ = ["READBACK_MODES", "ReadBack"]
+
+READBACK_MODES = ("sampled", "full", "off")
+_SAMPLE_ROWS = 8
+
+
+def _rows(n: int) -> list[int]:
+    if n <= _SAMPLE_ROWS:
+        return list(range(n))
+    step = (n - 1) / (_SAMPLE_ROWS - 1)
+    return sorted({round(i * step) for i in range(_SAMPLE_ROWS)})
+
+
+class ReadBack(TorchFunctionMode):
+    """Notes writes into ``storages`` while active; :meth:`verify` compares them afterwards."""
+
+    def __init__(self, storages: set[int], mode: str = "sampled"):
+        super().__init__()
+        if mode not in READBACK_MODES:
+            raise ValueError(f"readback must be one of {READBACK_MODES}, not {mode!r}")
+        self.mode = mode
+        self.storages = storages
+        self.current = ""
+        self.writes: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def track(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+        """Pass ``weights`` through, remembering which checkpoint tensor is being loaded."""
+        for name, t in weights:
+            self.current = name
+            yield name, t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            self.mode != "off"
+            and func is torch.Tensor.copy_
+            and len(args) >= 2
+            and isinstance(args[1], torch.Tensor)
+            and storage_ptr(args[0]) in self.storages
+        ):
+            self.writes.append((self.current, args[0], args[1]))
+        return out
+
+    @torch.no_grad()
+    def verify(self) -> dict[str, str]:
+        """Checkpoint name -> what differs between a written view and its source."""
+        bad: dict[str, str] = {}
+        for name, dst, src in self.writes:
+            if dst.shape != src.shape:
+                src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
+            if self.mode == "sampled" and dst.dim() > 0 and dst.shape[0] > _SAMPLE_ROWS:
+                idx = torch.tensor(_rows(dst.shape[0]), device=dst.device)
+                got, want = dst.index_select(0, idx), src.index_select(0, idx.to(src.device))
+            else:
+                got, want = dst, src
+            want = want.to(device=got.device, dtype=got.dtype)
+            same = (
+                torch.allclose(got, want, rtol=0.0, atol=0.0, equal_nan=True)
+                if got.is_floating_point()
+                else torch.equal(got, want)
+            )
+            if not same:
+                bad[name or "<unnamed>"] = (
+                    "read back after the push differs from the checkpoint "
+                    "(a later write overwrote it, or it went elsewhere)"
+                )
+        return bad

@@ -1,0 +1,96 @@
+"""Validation of a whole checkpoint against the recorded layout, before the first byte."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ..layout import CheckpointLayout, TensorSpec
+from .errors import DirectReloadError
+
+__all__ = ["check_finite", "preflight", "validate_checkpoint"]
+
+
+def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Casts allowed on reload: any float to any float (e.g. fp32 trainer -> bf16 engine)."""
+    if src == dst:
+        return True
+    return src.is_floating_point and dst.is_floating_point
+
+
+def preflight(layout: CheckpointLayout, specs: Mapping[str, TensorSpec]) -> dict[str, str]:
+    """Problems of a checkpoint (name -> shape, dtype) against the recorded one; empty if fits."""
+    problems: dict[str, str] = {}
+    expected = layout.checkpoint
+    aliases = layout.aliases()
+    for name, spec in specs.items():
+        want = expected.get(name)
+        if want is None:
+            problems[name] = "unexpected tensor: the model loaded no tensor of this name"
+        elif tuple(spec.shape) != tuple(want.shape):
+            problems[name] = f"shape {list(spec.shape)} does not match {list(want.shape)}"
+        elif not _convertible(spec.dtype, want.dtype):
+            problems[name] = f"dtype {spec.dtype} cannot be converted to {want.dtype}"
+    for name in expected:
+        if name in specs or name in layout.optional:
+            continue
+        if any(alias in specs for alias in aliases.get(name, ())):
+            continue  # a tied name: its twin carries the bytes
+        problems[name] = "missing from the checkpoint"
+    return problems
+
+
+def check_finite(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    targets: Mapping[str, torch.dtype] | None = None,
+) -> dict[str, str]:
+    """Names of floating tensors holding NaN or Inf, or values the engine's dtype cannot hold.
+
+    A sum in the tensor's own dtype is one vectorised pass with no allocation (NaN and Inf
+    propagate through it; it runs at memory bandwidth, where a float64 sum or ``isfinite`` is
+    5-20x slower); only a non-finite sum (NaN/Inf, or an overflow of a large half-precision
+    tensor) pays for the exact element-wise check. ``targets`` (name -> the dtype the tensor is
+    written into) adds a range check where the cast narrows, e.g. float64 -> float32, since a
+    finite value beyond the target's range would become Inf in the engine.
+    """
+    bad: dict[str, str] = {}
+    for name, t in weights:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if t.element_size() == 1:
+            t = t.float()  # float8 kernels lack sum/isinf; one byte per element is cheap to widen
+        if not torch.isfinite(t.sum()):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            if nan or inf:
+                bad[name] = f"holds {nan} NaN and {inf} Inf values"
+                continue
+        target = (targets or {}).get(name)
+        if target is not None and target.is_floating_point:
+            limit = torch.finfo(target).max
+            if torch.finfo(t.dtype).max > limit and float(t.abs().max()) > limit:
+                bad[name] = f"holds values beyond the range of {target} (would become Inf)"
+    return bad
+
+
+def validate_checkpoint(
+    layout: CheckpointLayout, items: list[tuple[str, torch.Tensor]], finite: bool = True
+) -> None:
+    """Refuse a whole checkpoint that does not fit ``layout``, before anything is written.
+
+    Names, shapes and dtypes against the checkpoint recorded at load, then (``finite``) NaN/Inf
+    and out-of-range values. Every reload path (direct or an engine's own) calls this first.
+    """
+    specs: dict[str, TensorSpec] = {}
+    problems: dict[str, str] = {}
+    for name, t in items:
+        if name in specs:
+            problems[name] = "appears twice in the checkpoint"
+        specs[name] = TensorSpec(tuple(t.shape), t.dtype)
+    problems.update(preflight(layout, specs))
+    if finite and not problems:
+        targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
+        problems.update(check_finite(items, targets))
+    if problems:
+        raise DirectReloadError("checkpoint rejected (nothing was written)", problems)

@@ -1,0 +1,14 @@
+"""Fixtures shared by tests, examples and benchmarks; never imported by the product itself.
+
+* :mod:`.models`: seeded tiny Hugging Face-format models (Llama, Qwen2, and the architecture
+  matrix of dense and mixture-of-experts families), and perturbed copies ("the next policy").
+* :mod:`.architectures`: vLLM test architectures whose post-load processing moves, transforms or
+  derives weights. They are registered only in engines that ask for them:
+  ``ColocatedEngine(..., plugins=[TEST_ARCHITECTURES])``.
+
+Needs the ``dev`` extra (``transformers``, ``tokenizers``).
+"""
+
+TEST_ARCHITECTURES = "weight_bridge.testing.architectures:register"
+
+__all__ = ["TEST_ARCHITECTURES"]

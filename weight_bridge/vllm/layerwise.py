@@ -1,0 +1,67 @@
+"""vLLM's layerwise reload, restricted to the modules a direct write cannot serve.
+
+A push in ``auto`` mode writes every proven weight directly and hands only the modules whose
+state post-load processing transformed or derived (and that vLLM's own per-layer processing
+re-creates: a quantization method's or an attention layer's) to vLLM's layerwise machinery:
+those layers are put back on the meta device, their weights are buffered as ``load_weights``
+streams them, re-processed, and copied into the original storages (addresses unchanged). It
+runs in the same ``load_weights`` pass as the direct writes.
+
+Relies on vLLM internals of ``vllm.model_executor.model_loader.reload`` (0.32):
+``get_layerwise_info``, ``restore_layer_on_meta``, ``initialize_online_processing``,
+``get_layer_params_buffers`` and ``finalize_layerwise_processing``; the per-layer metadata they
+use is recorded by vLLM at model init (``record_metadata_for_reloading``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["LayerwiseReprocessor", "reprocessable_module"]
+
+
+def reprocessable_module(module: torch.nn.Module) -> bool:
+    """Whether vLLM's layerwise path re-runs this module's post-load processing."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase) or bool(
+        is_deferred_attention_layer(module)
+    )
+
+
+class LayerwiseReprocessor:
+    """:class:`~weight_bridge.direct.Reprocessor` over vLLM's layerwise reload internals."""
+
+    def __init__(self, model: torch.nn.Module, model_config: Any):
+        self.model = model
+        self.model_config = model_config
+        self.modules: list[str] = []
+
+    @torch.no_grad()
+    def begin(self, modules: list[str]) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            get_layerwise_info,
+            initialize_online_processing,
+        )
+        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        self.modules = modules
+        for name in modules:
+            layer = self.model.get_submodule(name)
+            info = get_layerwise_info(layer)
+            info.kernel_tensors = get_layer_params_buffers(layer)
+            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+            restore_layer_on_meta(layer, info)
+            initialize_online_processing(layer)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_processing,
+        )
+
+        finalize_layerwise_processing(self.model, self.model_config)

@@ -1,0 +1,102 @@
+"""What crosses the process boundary between a worker and the engine: small dataclasses.
+
+Workers never raise for an expected outcome: a refusal (nothing written), a failure after
+writing started, or a success all come back as a :class:`PushResult` turned into a plain dict
+here, in one place; the engine turns it back and raises the project's own error types, so the
+caller sees the same type, message and problems in-process and multi-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointError
+from ..direct import DirectReloadError
+
+__all__ = ["PushError", "PushResult", "describe", "raise_for_errors"]
+
+
+@dataclass
+class PushError:
+    """A refusal or failure of one worker: the error type's name, message, problems, phase."""
+
+    type: str
+    message: str
+    problems: dict[str, str] = field(default_factory=dict)
+    phase: str = "refused"  # "refused" (nothing written) or "after-write"
+
+
+@dataclass
+class PushResult:
+    """One worker's push (or dry-run plan) in plain values."""
+
+    rank: int = 0
+    mode: str = "direct"
+    tensors: int = 0
+    bytes: int = 0
+    direct: int = 0
+    refreshed: dict[str, str] = field(default_factory=dict)
+    reprocessed: dict[str, str] = field(default_factory=dict)
+    verified_writes: int = 0
+    relocations: list[dict] = field(default_factory=list)
+    preflight_s: float = 0.0
+    write_s: float = 0.0
+    refresh_s: float = 0.0
+    readback_s: float = 0.0
+    undefined: str | None = None
+    error: PushError | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PushResult:
+        known = {f.name for f in fields(cls)}
+        missing = known - set(data)
+        if missing:
+            raise ValueError(f"a worker's push result lacks {sorted(missing)}")
+        values = {k: v for k, v in data.items() if k in known}
+        if values["error"] is not None:
+            values["error"] = PushError(**values["error"])
+        return cls(**values)
+
+
+def describe(result: PushResult) -> str:
+    """One line: how many weights went which way, and why."""
+    parts = [f"{result.direct} weights written directly"]
+    if result.refreshed:
+        kinds = sorted(set(result.refreshed.values()))
+        parts.append(f"{len(result.refreshed)} modules refreshed ({', '.join(kinds)})")
+    if result.reprocessed:
+        first = sorted(result.reprocessed.items())[:2]
+        why = "; ".join(f"{m}: {w}" for m, w in first)
+        parts.append(f"{len(result.reprocessed)} modules re-processed by vLLM ({why})")
+    return ", ".join(parts)
+
+
+def raise_for_errors(
+    results: list[PushResult], checkpoint: str, where: Mapping[str, Path | None]
+) -> None:
+    """Raise the project's own error for the workers' refusals, every rank's problems merged.
+
+    ``where`` (tensor -> shard file) names the file of each problem of a sharded checkpoint.
+    """
+    errors = [r.error for r in results if r.error is not None]
+    if not errors:
+        return
+    first = errors[0]
+    if first.type == "CheckpointError":
+        raise CheckpointError(checkpoint, first.message.removeprefix(f"{checkpoint}: "))
+    head = first.message.splitlines()[0] if first.message else "direct reload failed"
+    if not head.startswith(checkpoint):
+        head = f"{checkpoint}: {head}"
+    problems: dict[str, str] = {}
+    for error in errors:
+        for name, why in error.problems.items():
+            file = where.get(name)
+            named = file is not None and str(file) != checkpoint
+            problems[name] = f"{why} (in {file})" if named else why
+    raise DirectReloadError(head, problems)
