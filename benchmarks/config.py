@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from weight_bridge.testing import parity
+
 DEFAULT_SIZES = ("10m", "100m", "300m")
 DEFAULT_GEN_SIZES = ("100m",)
 QUICK_SIZES = ("1m",)
@@ -11,9 +13,9 @@ ARCH = "llama"  # untied: vLLM's layerwise reload is only right for untied model
 ENGINE_KWARGS: dict[str, Any] = dict(
     dtype="float32", max_model_len=128, seed=0, max_num_seqs=8, enforce_eager=True
 )
-PARITY_PROMPTS = [[1, 20, 21, 22], [1, 5, 9, 30, 31], [1, 100, 101], [1, 7, 7, 7, 7, 7, 7, 8]]
+PARITY_PROMPTS = parity.PROMPTS
 PARITY_TOKENS = 8
-LOGPROB_TOL = 1e-4
+LOGPROB_TOL = parity.LOGPROB_TOL
 GEN_BATCH = 8
 MEM_FIXED_ALLOWANCE = 32 * 2**20  # the "small fixed overhead" of the peak-memory target
 

@@ -15,16 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weight_bridge.testing.procfs import proc_status_fields
+
 
 def _proc_status(pid: int | str = "self") -> dict[str, int]:
     """``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile`` of a process, in bytes."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
+    keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+    return {k: kb * 1024 for k, kb in proc_status_fields(pid, keys).items()}
 
 
 def _reset_hwm(pid: int | str) -> bool:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from weight_bridge.testing import parity
+
 from .config import (
     ARCH,
     DEFAULT_CPU_LINEAR,
@@ -68,19 +70,7 @@ def describe_checkpoint(file: Path) -> dict[str, Any]:
 
 def greedy(engine: Any, max_tokens: int = PARITY_TOKENS) -> list:
     """Greedy tokens and sorted top-3 logprobs per parity prompt."""
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True)
-    outs = engine.generate(token_prompts(PARITY_PROMPTS), sp)
-    return [
-        [
-            list(o.outputs[0].token_ids),
-            [sorted([k, v.logprob] for k, v in lp.items()) for lp in o.outputs[0].logprobs],
-        ]
-        for o in outs
-    ]
+    return parity.greedy(engine, PARITY_PROMPTS, max_tokens, logprobs=3, ignore_eos=True)
 
 
 def _gen_call(engine: Any, tokens: int) -> Callable[[int], float]:

@@ -7,6 +7,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from weight_bridge.testing.parity import check_parity
+
 from .config import (
     DEFAULT_CPU_LINEAR,
     ENGINES,
@@ -91,21 +93,11 @@ def compare(got: list | None, want: list | None) -> dict[str, Any]:
     """Same tokens, same top-3 ids, logprobs within ``LOGPROB_TOL`` (float32 reduction noise)."""
     if got is None or want is None:
         return {"match": False, "why": "no output"}
-    worst = 0.0
-    tokens_equal = len(got) == len(want)
-    for (gt, glp), (wt, wlp) in zip(got, want, strict=False):
-        if list(gt) != list(wt):
-            tokens_equal = False
-            continue
-        for g_step, w_step in zip(glp, wlp, strict=False):
-            if [k for k, _ in g_step] != [k for k, _ in w_step]:
-                tokens_equal = False
-            for (_, g), (_, w) in zip(g_step, w_step, strict=False):
-                worst = max(worst, abs(g - w))
+    p = check_parity(got, want, LOGPROB_TOL)
     return {
-        "match": tokens_equal and worst <= LOGPROB_TOL,
-        "tokens_equal": tokens_equal,
-        "max_logprob_diff": worst,
+        "match": p.match,
+        "tokens_equal": p.tokens_equal,
+        "max_logprob_diff": p.max_logprob_diff,
     }
 
 

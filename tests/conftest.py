@@ -18,10 +18,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from weight_bridge.models import build_tiny_model, perturb_checkpoint  # noqa: E402
+from weight_bridge.testing import TEST_ARCHITECTURES  # noqa: E402
+from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint  # noqa: E402
 
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=128, seed=0, max_num_seqs=8, enforce_eager=True)
-PROMPTS = [[1, 20, 21, 22], [1, 5, 9, 30, 31], [1, 100, 101], [1, 7, 7, 7, 7, 7, 7, 8]]
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=128,
+    seed=0,
+    max_num_seqs=8,
+    enforce_eager=True,
+    plugins=(TEST_ARCHITECTURES,),
+)
+
+from weight_bridge.testing import parity  # noqa: E402
+
+PROMPTS = parity.PROMPTS
 
 
 @pytest.fixture(scope="session")
@@ -38,19 +49,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def greedy(engine, prompts=PROMPTS, max_tokens: int = 12, logprobs: int = 3) -> list:
     """Greedy tokens and top-k logprobs per prompt: what parity is judged on."""
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
-    outs = engine.generate(token_prompts(prompts), sp)
-    return [
-        (
-            list(o.outputs[0].token_ids),
-            [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.outputs[0].logprobs],
-        )
-        for o in outs
-    ]
+    return parity.greedy(engine, prompts, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def assert_parity(got: list, want: list) -> None:
@@ -60,13 +59,8 @@ def assert_parity(got: list, want: list) -> None:
     engine's batch composition (and so its reduction order) can differ between a warm and a
     cold engine; 1e-4 on log-probabilities is far below any weight change we push.
     """
-    assert len(got) == len(want)
-    for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
-        assert gt == wt
-        for g_step, w_step in zip(glp, wlp, strict=True):
-            assert [k for k, _ in g_step] == [k for k, _ in w_step]
-            for (_, g), (_, w) in zip(g_step, w_step, strict=True):
-                assert abs(g - w) <= 1e-4, (g, w)
+    problems = parity.parity_problems(got, want, tol=1e-4)
+    assert not problems, "\n".join(problems)
 
 
 TESTS = Path(__file__).parent

@@ -28,16 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from weight_bridge.testing.parity import greedy, parity_problems  # noqa: E402
+from weight_bridge.testing.procfs import proc_status_fields  # noqa: E402
+
 
 def proc_status() -> dict[str, int]:
     """VmRSS and RssAnon (kB) of this process, open descriptors, OS and Python threads."""
     out = {"fds": len(os.listdir("/proc/self/fd")), "py_threads": threading.active_count()}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "Threads"):
-                out[key] = int(value.split()[0])
-    return out
+    return out | proc_status_fields("self", ("VmRSS", "RssAnon", "Threads"))
 
 
 def _slope_per_1000(xs: list[float], ys: list[float]) -> float:
@@ -64,8 +62,6 @@ def run_soak(
     ``cold`` maps each checkpoint's label to the greedy outputs of a cold start on it. Returns
     the samples, the parity failures and a summary of drift after the warm-up.
     """
-    from conftest import greedy
-
     labels = list(checkpoints)
     tensors = {}
     if resave_dir is not None:
@@ -81,7 +77,7 @@ def run_soak(
     # generate call (vLLM's sampler, a tokenizer thread) do not read as drift.
     engine.push(checkpoints[labels[0]], version=(0, labels[0]))
     checks = 1
-    if not _same(greedy(engine), cold[labels[0]]):
+    if parity_problems(greedy(engine), cold[labels[0]]):
         failures.append({"push": 0, "label": labels[0]})
     started = time.perf_counter()
     for i in range(1, pushes + 1):
@@ -98,7 +94,7 @@ def run_soak(
         if i % check_every == 0 or i == pushes:
             checks += 1
             got = greedy(engine)
-            if not _same(got, cold[label]):
+            if parity_problems(got, cold[label]):
                 failures.append({"push": i, "label": label})
                 log(f"push {i}: PARITY FAILURE against cold {label}")
         if i % sample_every == 0 or i == 1:
@@ -120,20 +116,6 @@ def run_soak(
         "samples": samples,
         "summary": summarize(samples, push_ms),
     }
-
-
-def _same(got: list, want: list, tol: float = 1e-4) -> bool:
-    if len(got) != len(want):
-        return False
-    for (gt, glp), (wt, wlp) in zip(got, want, strict=True):
-        if list(gt) != list(wt):
-            return False
-        for g_step, w_step in zip(glp, wlp, strict=True):
-            if [k for k, _ in g_step] != [k for k, _ in w_step]:
-                return False
-            if any(abs(g - w) > tol for (_, g), (_, w) in zip(g_step, w_step, strict=True)):
-                return False
-    return True
 
 
 def summarize(samples: list[dict], push_ms: list[float]) -> dict:
@@ -207,7 +189,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from conftest import ENGINE_KWARGS, run_engine_check
 
-    from weight_bridge.models import build_tiny_model, perturb_checkpoint
+    from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.vllm import ColocatedEngine
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:

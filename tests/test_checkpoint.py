@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-import weight_bridge.checkpoint as ckpt_mod
+import weight_bridge.checkpoint.write as ckpt_write
 from weight_bridge import DirectReloadError, direct_reload, record_checkpoint_layout
 from weight_bridge.checkpoint import (
     HASH_KEY,
@@ -726,7 +726,7 @@ def test_temp_file_is_owner_only_before_any_data(tmp_path: Path, monkeypatch) ->
     """A spy on the write helper (it observes, injects nothing): at the first write the temp
     file exists, is empty, and is already 0600, even under umask 0."""
     seen: list[tuple[str, int, int]] = []
-    real = ckpt_mod._write_all
+    real = ckpt_write._write_all
 
     def spy(f, data) -> None:
         st_ = os.fstat(f.fileno())
@@ -735,7 +735,7 @@ def test_temp_file_is_owner_only_before_any_data(tmp_path: Path, monkeypatch) ->
         )
         real(f, data)
 
-    monkeypatch.setattr(ckpt_mod, "_write_all", spy)
+    monkeypatch.setattr(ckpt_write, "_write_all", spy)
     old = os.umask(0)
     try:
         save_checkpoint(toy_ckpt(1), tmp_path / "c.safetensors")
@@ -808,7 +808,7 @@ def test_sigkill_mid_write_leaves_previous_checkpoint_intact(tmp_path: Path) -> 
     assert leftovers and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in leftovers)
     assert all(p.stat().st_size <= full for p in leftovers), kills
     # a later save removes a dead writer's leftovers once they are old enough
-    past = time.time() - 2 * ckpt_mod.STALE_TEMP_AGE_S
+    past = time.time() - 2 * ckpt_write.STALE_TEMP_AGE_S
     for p in leftovers:
         os.utime(p, (past, past))
     save_checkpoint(ref, path)
@@ -828,7 +828,7 @@ def test_stale_temp_cleanup_spares_live_writers_and_other_files(tmp_path: Path) 
     live.write_bytes(b"partial")
     unrelated = tmp_path / ".notes.txt.abc12345.tmp"  # not a checkpoint's: never touched
     unrelated.write_bytes(b"x")
-    past = time.time() - 2 * ckpt_mod.STALE_TEMP_AGE_S
+    past = time.time() - 2 * ckpt_write.STALE_TEMP_AGE_S
     for p in (live, unrelated):
         os.utime(p, (past, past))
     with open(live, "rb") as held:  # a writer at work holds the lock (another open file)

@@ -82,7 +82,7 @@ def _build_classes() -> dict[str, type]:
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             with torch.no_grad():
-                layer.weight.mul_(2.0)
+                layer.get_parameter("weight").mul_(2.0)
 
         def apply(self, layer, x, bias=None):
             return torch.nn.functional.linear(x, layer.weight * 0.5, bias)
@@ -91,7 +91,8 @@ def _build_classes() -> dict[str, type]:
         """State-deriving processing: the forward reads a transposed copy of the weight."""
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            layer.register_buffer("weight_t", layer.weight.detach().t().contiguous())
+            weight = layer.get_parameter("weight")
+            layer.register_buffer("weight_t", weight.detach().t().contiguous())
 
         def apply(self, layer, x, bias=None):
             out = x @ layer.weight_t
@@ -105,8 +106,10 @@ def _build_classes() -> dict[str, type]:
 
         def __init__(self, *, vllm_config, prefix: str = ""):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self.get_submodule(TRANSFORMED_MODULE).quant_method = ScaledLinearMethod()
-            self.get_submodule(DERIVED_MODULE).quant_method = TransposedCopyLinearMethod()
+            setattr(self.get_submodule(TRANSFORMED_MODULE), "quant_method", ScaledLinearMethod())  # noqa: B010
+            setattr(  # noqa: B010 (a plain attribute of an nn.Module)
+                self.get_submodule(DERIVED_MODULE), "quant_method", TransposedCopyLinearMethod()
+            )
 
     return {
         ARCHITECTURE: RelocatingLlamaForCausalLM,

@@ -1,0 +1,49 @@
+"""Safetensors checkpoints: atomic, hashed, owner-only writes; validated, zero-copy reads.
+
+Reads never unpickle and never trust the file: the header is parsed and checked (size bounds,
+dtypes, shapes against byte ranges, ranges inside the file, no duplicate names) before any
+tensor is touched, and tensors are handed out as views of a private memory map, so a push reads
+each byte once, from the page cache straight into the engine's storage. Each file is opened
+once: its header is read from, and its map made of, the same open file, so a file renamed over
+the path in between cannot pair one file's header with another's bytes. A file that is not
+safetensors (a ``torch.save`` zip or pickle renamed, say) is refused by its first bytes.
+
+Writes go to an owner-only (0600) temporary file in the target directory, locked while it is
+written, and are renamed into place, so a reader never sees a partial file, a file an engine
+has mapped is never overwritten in place, and a write that fails (disk full, file too large)
+leaves the previous file untouched and removes its temporary file. The temporary file of a
+writer that was killed (SIGKILL) is left behind, hidden, under a name no reader picks up; a
+later save into the same directory removes it once its lock is free and it is a minute old.
+
+Limitation: a file that another program truncates *in place* while an engine has it mapped
+makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-place writers
+(like :func:`save_checkpoint`) are safe to run beside a push.
+
+Modules: :mod:`.errors` (the exceptions), :mod:`.format` (dtype names, limits, the content
+hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard index,
+:class:`CheckpointReader`), :mod:`.write` (:func:`save_checkpoint`). Tests that inject faults
+patch the module that looks the name up (``weight_bridge.checkpoint.write`` for the writer).
+"""
+
+from __future__ import annotations
+
+from .errors import CheckpointError, CheckpointWriteError
+from .format import DTYPE_NAMES as DTYPE_NAMES
+from .format import DTYPES as DTYPES
+from .format import HASH_KEY
+from .format import INDEX_NAME as INDEX_NAME
+from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
+from .read import CheckpointReader, resolve_checkpoint_files
+from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
+from .write import SavedCheckpoint, save_checkpoint
+
+__all__ = [
+    "HASH_KEY",
+    "CheckpointError",
+    "CheckpointReader",
+    "CheckpointWriteError",
+    "SavedCheckpoint",
+    "resolve_checkpoint_files",
+    "save_checkpoint",
+]
