@@ -35,6 +35,11 @@ TARGETS: dict[str, dict[str, Any]] = {
         "value": 100.0,
         "what": "cold restart (engine start only) / in-process push",
     },
+    "readback_cost": {
+        "op": "<=",
+        "value": 1.1,
+        "what": "push with the sampled read-back (default) / push with readback=off",
+    },
     "save_vs_raw_disk": {
         "op": "<=",
         "value": 1.5,

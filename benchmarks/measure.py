@@ -91,9 +91,21 @@ def generation_rate(engine: Any, tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
-def _push(engine: Any, ckpt: Path, version: Any, finite: bool = True, verify: bool = False):
-    """One ``ColocatedEngine.push``; ``finite=False`` turns the NaN/Inf guard off."""
-    report = engine.push(ckpt, version=version, verify_hash=verify, check_finite=finite)
+def _push(
+    engine: Any,
+    ckpt: Path,
+    version: Any,
+    finite: bool = True,
+    verify: bool = False,
+    readback: str = "sampled",
+):
+    """One ``ColocatedEngine.push``; ``finite=False`` turns the NaN/Inf guard off,
+    ``readback`` sets the read-back proof of the writes (the default is ``"sampled"``)."""
+    engine.readback = readback
+    try:
+        report = engine.push(ckpt, version=version, verify_hash=verify, check_finite=finite)
+    finally:
+        engine.readback = "sampled"
     if report.mode != "direct":
         raise RuntimeError(f"push went {report.mode}: {report.reason}")
     return {
@@ -135,6 +147,8 @@ def reload_methods(engine: Any, a: Path, b: Path) -> dict[str, Callable[[int], A
         "direct": lambda rep: _push(engine, file(rep), rep),
         "direct_no_finite": lambda rep: _push(engine, file(rep), rep, finite=False),
         "direct_verify_hash": lambda rep: _push(engine, file(rep), rep, verify=True),
+        "direct_readback_off": lambda rep: _push(engine, file(rep), rep, readback="off"),
+        "direct_readback_full": lambda rep: _push(engine, file(rep), rep, readback="full"),
         "layerwise_file": lambda rep: _rpc_reload(engine, "bench_layerwise_file", folder(rep)),
         "layerwise_iter": lambda rep: _rpc_reload(engine, "bench_layerwise_iter", str(file(rep))),
         "naive_loop": lambda rep: _rpc_reload(engine, "bench_naive_loop", str(file(rep))),
@@ -169,6 +183,9 @@ def measure_engine(
         out[name] = rounds.result(name)
     out["copy"]["rate_bytes_per_s"] = ratio(nbytes, median(out["copy"]))
 
+    log(f"  rollbacks ({reps}): a loader fault mid-push, the previous version re-written")
+    out["rollback"] = measure_rollback(engine, fa, fb, reps)
+
     log("  memory probes (one sampled run each)")
     out["memory"] = {
         "read_copy": memory_probe(pids, lambda: _rpc(engine, "bench_read_copy", str(fb))),
@@ -198,6 +215,28 @@ def measure_engine(
     outputs["direct"] = greedy(engine)
     out["outputs"] = outputs
     return out
+
+
+def measure_rollback(engine: Any, fa: Path, fb: Path, reps: int) -> dict[str, Any]:
+    """Seconds from a failed push's error to the previous version served again (the engine's
+    ``last_rollback_s``), with a fault armed in one weight loader (``bench_arm_fault``)."""
+    from weight_bridge.direct import DirectReloadError
+
+    times = []
+    for rep in range(reps):
+        engine.push(fa, version=f"A{rep}")
+        engine.llm.collective_rpc("bench_arm_fault")
+        try:
+            engine.push(fb, version="B")
+        except DirectReloadError as exc:
+            if "rolled back" not in str(exc):
+                raise
+        else:
+            raise RuntimeError("the armed fault did not fire")
+        if engine.version != f"A{rep}" or engine.undefined is not None:
+            raise RuntimeError(f"rollback left version {engine.version!r}: {engine.undefined}")
+        times.append(engine.last_rollback_s)
+    return stats(times)
 
 
 def start_engine(model: Path, **kwargs: Any) -> Any:

@@ -41,6 +41,9 @@ TIME_ROWS = [
     ("**push** (default guards)", "direct"),
     ("push, check_finite=False", "direct_no_finite"),
     ("push, verify_hash=True", "direct_verify_hash"),
+    ("push, readback=off", "direct_readback_off"),
+    ("push, readback=full", "direct_readback_full"),
+    ("rollback after a failed push (the previous version re-written)", "rollback"),
     ("vLLM layerwise reload_weights(weights_path=dir)", "layerwise_file"),
     ("vLLM layerwise reload_weights(weights_iterator=file)", "layerwise_iter"),
     ("naive per-tensor model.load_weights loop", "naive_loop"),
@@ -144,6 +147,13 @@ def render_markdown(results: dict[str, Any]) -> str:
             (f"{title}: push without NaN check / read+copy", eng, "direct_no_finite_vs_read_copy"),
             (f"{title}: NaN-check cost (push / push without)", eng, "finite_guard_cost"),
             (f"{title}: hash cost (push+verify / push)", eng, "verify_hash_cost"),
+            (
+                f"{title}: read-back cost (push / push readback=off, target ≤ 1.1)",
+                eng,
+                "readback_cost",
+            ),
+            (f"{title}: full read-back cost (readback=full / off)", eng, "readback_full_cost"),
+            (f"{title}: rollback / push", eng, "rollback_vs_direct"),
             (f"{title}: faster layerwise / push (target ≥ 3)", eng, "layerwise_vs_direct"),
             (f"{title}: naive loop / push", eng, "naive_vs_direct"),
             (

@@ -126,6 +126,11 @@ def engine_ratios(e: dict[str, Any], largest: int) -> dict[str, float | None]:
         "read_copy_vs_copy": ratio(read_copy, median(e.get("copy"))),
         "finite_guard_cost": ratio(direct, median(e.get("direct_no_finite"))),
         "verify_hash_cost": ratio(median(e.get("direct_verify_hash")), direct),
+        "readback_cost": ratio(direct, median(e.get("direct_readback_off"))),
+        "readback_full_cost": ratio(
+            median(e.get("direct_readback_full")), median(e.get("direct_readback_off"))
+        ),
+        "rollback_vs_direct": ratio(median(e.get("rollback")), direct),
         "layerwise_vs_direct": ratio(lw_best, direct),
         "layerwise_file_vs_direct": ratio(lw_file, direct),
         "layerwise_iter_vs_direct": ratio(lw_iter, direct),
@@ -158,7 +163,12 @@ def analyse(size: dict[str, Any]) -> None:
     size["ratios"] = ratios
     targets: dict[str, Any] = {}
     for eng in ENGINES:
-        for name in ("direct_vs_read_copy", "layerwise_vs_direct", "peak_anon_vs_largest"):
+        for name in (
+            "direct_vs_read_copy",
+            "layerwise_vs_direct",
+            "peak_anon_vs_largest",
+            "readback_cost",
+        ):
             targets[f"{eng}.{name}"] = _target(name, ratios[eng].get(name))
     targets["inprocess.cold_vs_direct"] = _target(
         "cold_vs_direct", ratios["inprocess"].get("cold_vs_direct")

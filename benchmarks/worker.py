@@ -25,6 +25,20 @@ class BenchWorkerExtension(WeightBridgeWorkerExtension):
     def bench_pid(self) -> int:
         return os.getpid()
 
+    def bench_arm_fault(self) -> None:
+        """FAULT INJECTION: the next call of the last layer's down_proj loader raises, so a push
+        fails after writing started (what a rollback recovers from)."""
+        model = self.model_runner.get_model()
+        name = [n for n, _ in model.named_parameters() if n.endswith("mlp.down_proj.weight")][-1]
+        param = dict(model.named_parameters())[name]
+        original = param.weight_loader
+
+        def faulty(*args, **kwargs):
+            param.weight_loader = original
+            raise RuntimeError(f"benchmark fault in the weight loader of {name}")
+
+        param.weight_loader = faulty
+
     def bench_prepare_limits(self, path: str) -> int:
         """In-memory copies of ``path``'s tensors and preallocated (touched) targets."""
         import torch

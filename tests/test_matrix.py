@@ -2,9 +2,10 @@
 
 Tiny random models built from ``transformers``' own config classes (dense tied and untied,
 fused qkv / gate_up checkpoints, mixture-of-experts with the CPU experts kernel's prepack, and
-DeepSeek-V2's MLA + MoE). One engine per family: started on A, pushed B in ``direct`` mode,
-then A, then B again in ``auto`` mode; each time greedy tokens and top-3 logprobs equal a cold
-start on the same checkpoint (to 1e-4). A push either equals the cold start or is refused by
+DeepSeek-V2's MLA + MoE). One engine per family: started on A (its outputs then are A's cold
+start), pushed B in ``direct`` mode, then A, then B again in ``auto`` mode; each time greedy
+tokens and top-3 logprobs equal a cold start on the same checkpoint (to 1e-4; B's in a fresh
+engine of its own). A push either equals the cold start or is refused by
 name; here every family is expected to be written directly (MoE experts refreshed).
 """
 
@@ -37,6 +38,7 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
 ) -> None:
     a, b = matrix_models[family]
     engine = engine_factory(a)
+    cold_a = greedy(engine)  # the engine has just loaded A: its own cold start
     addresses = engine.addresses()
     assert not engine.plan()[0]["problems"], "a family of the matrix is expected writable"
 
@@ -46,9 +48,9 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
         assert "cpu MoE prepack" in report.refreshed.values()
     got_b = greedy(engine)
     assert_parity(got_b, cold(b))
+    assert got_b != cold_a
     engine.push(a, version=2)
-    assert_parity(greedy(engine), cold(a))
-    assert got_b != cold(a)
+    assert_parity(greedy(engine), cold_a)
 
     engine.reload_mode = "auto"
     report = engine.push(b, version=3)
@@ -59,8 +61,12 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
 
 @pytest.mark.slow
 def test_moe_push_in_the_default_multiprocess_engine(matrix_models) -> None:
-    """vLLM's default engine (workers in their own processes), MLA + MoE."""
-    a, b = matrix_models["deepseek-v2"]
+    """vLLM's default engine (workers in their own processes), MoE with the CPU prepack.
+
+    Qwen3-MoE, not DeepSeek-V2: vLLM 0.32's CPU MLA is not deterministic in the multi-process
+    engine (measured: two cold starts of the same checkpoint give different greedy tokens),
+    so a cold start is no reference there; MLA + MoE is proven in-process above."""
+    a, b = matrix_models["qwen3-moe"]
     r = run_engine_check("push", str(a), str(b))
     assert_parity(r["b_pushed"], r["b_cold"])
     assert_parity(r["a_pushed"], r["a_before"])

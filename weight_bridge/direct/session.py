@@ -194,7 +194,14 @@ def finish_direct_reload(
     started = time.perf_counter()
     modules = dict(model.named_modules())
     for module_name, kind in session.plan.refresh.items():
-        state.refreshers[module_name].refresh(modules[module_name])
+        try:
+            state.refreshers[module_name].refresh(modules[module_name])
+        except Exception as exc:
+            state.undefined = (
+                f"refreshing the {kind} of {module_name} after the write failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise DirectReloadError(state.undefined) from exc
         report.refreshed[module_name] = kind
     report.refresh_s = time.perf_counter() - started
     report.recovered_from_undefined = session.was_undefined
