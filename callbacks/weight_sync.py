@@ -29,6 +29,7 @@ from weight_bridge.checkpoint import save_checkpoint
 from weight_bridge.vllm.engine import ColocatedEngine
 
 from .canary import CanaryError, default_probe, logprob_gap
+from .names import CheckpointNames
 
 __all__ = ["VLLMWeightSync"]
 
@@ -141,9 +142,8 @@ class VLLMWeightSync(Callback):
         self.source = source
         self.strip_prefix = strip_prefix
         self.rename = dict(rename or {})
-        self._rename = [(re.compile(p), r) for p, r in self.rename.items()]
         self.dtype = dtype
-        self._dtype = _parse_dtype(dtype) if dtype is not None else None
+        self._names = CheckpointNames(strip_prefix, self.rename, dtype)
         self.dirpath = dirpath
         self.ram_dir = ram_dir
         self.keep_last_k = keep_last_k
@@ -368,33 +368,9 @@ class VLLMWeightSync(Callback):
             state = getattr(pl_module, self.module_attr).state_dict()
         else:
             state = trainer.strategy.lightning_module_state_dict()
-        out: dict[str, torch.Tensor] = {}
         if not self._is_writer(trainer):
-            return out, ""  # the state dict call above may be collective; only writers save
-        origin: dict[str, str] = {}
-        seen: set[tuple] = set()
-        source_dtype = ""
-        for name, t in state.items():
-            if not isinstance(t, torch.Tensor):
-                continue
-            if t.numel():
-                # Tied weights (embeddings and lm_head) are one storage: vLLM and Hugging Face
-                # both expect it written once, under its first name.
-                key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
-                if key in seen:
-                    continue
-                seen.add(key)
-            new = self._hf_name(name)
-            if new in out:
-                raise ValueError(f"{origin[new]!r} and {name!r} both map to {new!r}")
-            origin[new] = name
-            t = t.detach()
-            if t.is_floating_point():
-                source_dtype = source_dtype or str(t.dtype).removeprefix("torch.")
-                if self._dtype is not None:
-                    t = t.to(self._dtype)
-            out[new] = t.cpu()
-        return out, source_dtype
+            return {}, ""  # the state dict call above may be collective; only writers save
+        return self._names.checkpoint_tensors(state)
 
     def _canary_gap(self, pl_module: pl.LightningModule) -> float:
         model = getattr(pl_module, self.module_attr) if self.module_attr else pl_module
@@ -409,13 +385,6 @@ class VLLMWeightSync(Callback):
                 "what the trainer computes"
             )
         return gap
-
-    def _hf_name(self, name: str) -> str:
-        if self.strip_prefix and name.startswith(self.strip_prefix):
-            name = name[len(self.strip_prefix) :]
-        for pattern, replacement in self._rename:
-            name = pattern.sub(replacement, name)
-        return name
 
     def _recover(self) -> None:
         """After a failed push in warn mode, put half-written weights back to the last good."""
@@ -473,10 +442,3 @@ def _resolve_enabled(enabled: bool, env_var: str) -> bool:
     if raw:
         rank_zero_warn(f"ignoring {env_var}={raw!r}: expected one of {sorted(_ON | _OFF)}")
     return enabled
-
-
-def _parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must name a floating torch dtype such as 'bfloat16', not {name!r}")
-    return dtype

@@ -66,8 +66,14 @@ def assert_parity(got: list, want: list) -> None:
 TESTS = Path(__file__).parent
 
 
-def run_engine_check(*args: str, multiprocess: bool = True, env: dict | None = None) -> dict:
-    """Run ``tests/engine_check.py`` in its own process and return its JSON result."""
+def run_script(
+    script: str, *args: str, multiprocess: bool = True, env: dict | None = None
+) -> tuple[dict, str]:
+    """Run ``tests/<script>`` in its own process; its last ``RESULT {json}`` line and stderr.
+
+    vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` once per process, so each engine mode gets a
+    process of its own.
+    """
     import json
     import subprocess
     import sys
@@ -75,7 +81,7 @@ def run_engine_check(*args: str, multiprocess: bool = True, env: dict | None = N
     flag = "1" if multiprocess else "0"
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": flag, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "engine_check.py"), *args],
+        [sys.executable, str(TESTS / script), *args],
         env=full_env,
         capture_output=True,
         text=True,
@@ -83,7 +89,12 @@ def run_engine_check(*args: str, multiprocess: bool = True, env: dict | None = N
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+
+
+def run_engine_check(*args: str, multiprocess: bool = True, env: dict | None = None) -> dict:
+    """Run ``tests/engine_check.py`` in its own process and return its JSON result."""
+    return run_script("engine_check.py", *args, multiprocess=multiprocess, env=env)[0]
 
 
 _cold_cache: dict[tuple, list] = {}

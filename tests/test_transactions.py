@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import ENGINE_KWARGS, TESTS, assert_parity, greedy  # noqa: E402
+from conftest import ENGINE_KWARGS, assert_parity, greedy, run_script  # noqa: E402
 
 from weight_bridge.direct import DirectReloadError  # noqa: E402
 
@@ -160,23 +159,10 @@ def refusal_scenarios(model_a: str, cases_json: str) -> dict:
 
 
 def _run(*args: str, multiprocess: bool = True) -> tuple[dict, str]:
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-        # Only so that the fault-injecting callables can be sent to the worker process: the
-        # bridge itself calls its worker methods by name and needs no pickling.
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "test_transactions.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+    # Only so that the fault-injecting callables can be sent to the worker process: the
+    # bridge itself calls its worker methods by name and needs no pickling.
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    return run_script("test_transactions.py", *args, multiprocess=multiprocess, env=env)
 
 
 @pytest.mark.slow

@@ -177,26 +177,31 @@ def build_tiny_model(
     and are saved with ``save_pretrained`` so the tensor names are exactly the Hugging Face ones
     a trainer would write.
     """
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     shape = SIZES[size] if isinstance(size, str) else size
     config = hf_config(arch, shape, tie_word_embeddings, architecture_name)
+    path = _save_seeded(config, Path(path), seed, dtype, shape.vocab_size)
+    if architecture_name is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["architectures"] = [architecture_name]
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def _save_seeded(config: Any, path: Path, seed: int, dtype: torch.dtype, vocab: int) -> Path:
+    """A model of ``config`` initialised under ``seed``, saved with a tokenizer at ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         # transformers initialises with std 0.02; a wider spread makes the tiny model's greedy
         # choices depend on every weight, which makes parity checks sharper.
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
-    if architecture_name is not None:
-        cfg = json.loads((path / "config.json").read_text())
-        cfg["architectures"] = [architecture_name]
-        (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    _write_tokenizer(path, shape.vocab_size)
+    _write_tokenizer(path, vocab)
     return path
 
 
@@ -294,20 +299,10 @@ MOE_FAMILIES = ("qwen3-moe", "qwen2-moe", "mixtral", "olmoe", "deepseek-v2")
 
 def build_matrix_model(path: str | Path, family: str, seed: int = 0) -> Path:
     """Write a seeded tiny model of one family of :data:`MATRIX` at ``path``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if family not in MATRIX:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(MATRIX)}")
     model_type, overrides = MATRIX[family]
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model(model_type, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path, int(overrides["vocab_size"]))
-    return path
+    return _save_seeded(config, Path(path), seed, torch.float32, int(overrides["vocab_size"]))

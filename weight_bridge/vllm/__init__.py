@@ -2,9 +2,13 @@
 
 Limitations:
 1. Only vLLM's default safetensors loader is bridged (the checkpoint is captured as it loads).
-2. Direct reload writes weights only; state derived from them by post-load processing is
-   refreshed for the CPU backend's packed linears and nothing else.
-3. Each worker reads the checkpoint from a path it can open: colocated means same filesystem.
+2. Derived state is refreshed for the CPU backend's packed linears and its unquantized MoE
+   experts prepack; other derived state or transformed weights are re-processed by vLLM's
+   layerwise path (``auto``, for modules whose own processing made the change) or refused.
+3. Kernel objects created by processing on modules that hold no weight (e.g. a MoE kernel
+   built from the configuration) are taken as not holding weight values; a kernel that copied
+   weights into one would be missed by the proof (the callback's canary would catch it).
+4. Each worker reads the checkpoint from a path it can open: colocated means same filesystem.
 """
 
 from .engine import (

@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +43,7 @@ from ..direct import READBACK_MODES, DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
 from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES, PLUGINS_ENV, run_engine_plugins
-from .results import PushResult, describe, raise_for_errors
+from .results import PushReport, PushResult, describe, raise_for_errors
 
 __all__ = [
     "ColocatedEngine",
@@ -61,35 +61,6 @@ _DEFAULT: Any = object()
 
 class EngineUndefinedError(RuntimeError):
     """The engine's weights are half-written; it refuses to generate until a push succeeds."""
-
-
-@dataclass
-class PushReport:
-    """What one push wrote, how, and how long it took (seconds; the slowest worker's).
-
-    ``mode``: ``direct``, ``hybrid`` (direct writes plus vLLM's layerwise processing of the
-    modules in ``reprocessed``) or ``layerwise``. ``direct``: weights written in place;
-    ``refreshed``: module -> kind of derived state re-derived after the write;
-    ``verified_writes``: writes read back and found equal to the checkpoint (every rank's).
-    """
-
-    checkpoint: str
-    version: Any
-    mode: str
-    reason: str = ""
-    tensors: int = 0
-    bytes: int = 0
-    read_s: float = 0.0
-    write_s: float = 0.0
-    elapsed_s: float = 0.0
-    direct: int = 0
-    refreshed: dict[str, str] = field(default_factory=dict)
-    reprocessed: dict[str, str] = field(default_factory=dict)
-    verified_writes: int = 0
-    refresh_s: float = 0.0
-    readback_s: float = 0.0
-    relocations: list[dict] = field(default_factory=list)
-    workers: int = 1
 
 
 class ColocatedEngine:
@@ -228,22 +199,25 @@ class ColocatedEngine:
         self.version = version
         self.checkpoint = path
         first = results[0]
+        reports = [r.report for r in results]
         report = PushReport(
             checkpoint=path,
             version=version,
             mode=first.mode,
-            reason=describe(first),
-            tensors=first.tensors,
-            bytes=first.bytes,
-            direct=first.direct,
-            refreshed=first.refreshed,
-            reprocessed=first.reprocessed,
-            verified_writes=sum(r.verified_writes for r in results),
-            read_s=max(r.preflight_s for r in results),
-            write_s=max(r.write_s for r in results),
-            refresh_s=max(r.refresh_s for r in results),
-            readback_s=max(r.readback_s for r in results),
-            relocations=[{**rel, "rank": r.rank} for r in results for rel in r.relocations],
+            reason=describe(first.report),
+            tensors=first.report.tensors,
+            bytes=first.report.bytes,
+            direct=first.report.direct,
+            refreshed=first.report.refreshed,
+            reprocessed=first.report.reprocessed,
+            verified_writes=sum(r.verified_writes for r in reports),
+            read_s=max(r.preflight_s for r in reports),
+            write_s=max(r.write_s for r in reports),
+            refresh_s=max(r.refresh_s for r in reports),
+            readback_s=max(r.readback_s for r in reports),
+            relocations=[
+                {**asdict(rel), "rank": r.rank} for r in results for rel in r.report.relocations
+            ],
             workers=len(results),
         )
         report.elapsed_s = time.perf_counter() - started

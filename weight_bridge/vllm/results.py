@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError
-from ..direct import DirectReloadError
+from ..direct import DirectReloadError, ReloadReport, Relocation
 
-__all__ = ["PushError", "PushResult", "describe", "raise_for_errors"]
+__all__ = ["PushError", "PushReport", "PushResult", "describe", "raise_for_errors"]
 
 
 @dataclass
@@ -31,21 +31,11 @@ class PushError:
 
 @dataclass
 class PushResult:
-    """One worker's push (or dry-run plan) in plain values."""
+    """One worker's push in plain values: the core's report, or the error, and the state left."""
 
     rank: int = 0
     mode: str = "direct"
-    tensors: int = 0
-    bytes: int = 0
-    direct: int = 0
-    refreshed: dict[str, str] = field(default_factory=dict)
-    reprocessed: dict[str, str] = field(default_factory=dict)
-    verified_writes: int = 0
-    relocations: list[dict] = field(default_factory=list)
-    preflight_s: float = 0.0
-    write_s: float = 0.0
-    refresh_s: float = 0.0
-    readback_s: float = 0.0
+    report: ReloadReport = field(default_factory=ReloadReport)
     undefined: str | None = None
     error: PushError | None = None
 
@@ -59,21 +49,53 @@ class PushResult:
         if missing:
             raise ValueError(f"a worker's push result lacks {sorted(missing)}")
         values = {k: v for k, v in data.items() if k in known}
+        report = dict(values["report"])
+        report["relocations"] = [Relocation(**r) for r in report["relocations"]]
+        values["report"] = ReloadReport(**report)
         if values["error"] is not None:
             values["error"] = PushError(**values["error"])
         return cls(**values)
 
 
-def describe(result: PushResult) -> str:
+@dataclass
+class PushReport:
+    """What one push wrote, how, and how long it took (seconds; the slowest worker's).
+
+    ``mode``: ``direct``, ``hybrid`` (direct writes plus vLLM's layerwise processing of the
+    modules in ``reprocessed``) or ``layerwise``. ``direct``: weights written in place;
+    ``refreshed``: module -> kind of derived state re-derived after the write;
+    ``verified_writes``: writes read back and found equal to the checkpoint (every rank's).
+    """
+
+    checkpoint: str
+    version: Any
+    mode: str
+    reason: str = ""
+    tensors: int = 0
+    bytes: int = 0
+    read_s: float = 0.0
+    write_s: float = 0.0
+    elapsed_s: float = 0.0
+    direct: int = 0
+    refreshed: dict[str, str] = field(default_factory=dict)
+    reprocessed: dict[str, str] = field(default_factory=dict)
+    verified_writes: int = 0
+    refresh_s: float = 0.0
+    readback_s: float = 0.0
+    relocations: list[dict] = field(default_factory=list)
+    workers: int = 1
+
+
+def describe(report: ReloadReport) -> str:
     """One line: how many weights went which way, and why."""
-    parts = [f"{result.direct} weights written directly"]
-    if result.refreshed:
-        kinds = sorted(set(result.refreshed.values()))
-        parts.append(f"{len(result.refreshed)} modules refreshed ({', '.join(kinds)})")
-    if result.reprocessed:
-        first = sorted(result.reprocessed.items())[:2]
+    parts = [f"{report.direct} weights written directly"]
+    if report.refreshed:
+        kinds = sorted(set(report.refreshed.values()))
+        parts.append(f"{len(report.refreshed)} modules refreshed ({', '.join(kinds)})")
+    if report.reprocessed:
+        first = sorted(report.reprocessed.items())[:2]
         why = "; ".join(f"{m}: {w}" for m, w in first)
-        parts.append(f"{len(result.reprocessed)} modules re-processed by vLLM ({why})")
+        parts.append(f"{len(report.reprocessed)} modules re-processed by vLLM ({why})")
     return ", ".join(parts)
 
 

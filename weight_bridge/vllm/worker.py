@@ -75,7 +75,9 @@ class WeightBridgeWorkerExtension:
             except Exception as exc:
                 mark_undefined(model, f"runner cache reset failed after a push: {exc}")
                 raise DirectReloadError(str(undefined_reason(model))) from exc
-            _fill(result, report, items)
+            report.tensors = len(items)
+            report.bytes = sum(t.numel() * t.element_size() for _, t in items)
+            result.report = report
         except DirectReloadError as exc:
             after = undefined_reason(model)
             phase = "after-write" if after is not None and after != before else "refused"
@@ -175,20 +177,6 @@ class WeightBridgeWorkerExtension:
     def weight_bridge_undefined(self) -> str | None:
         """Why this worker's weights are half-written, or None."""
         return undefined_reason(self._bridge_model())
-
-
-def _fill(result: PushResult, report: ReloadReport, items: list) -> None:
-    result.tensors = len(items)
-    result.bytes = sum(t.numel() * t.element_size() for _, t in items)
-    result.direct = report.direct
-    result.refreshed = dict(report.refreshed)
-    result.reprocessed = dict(report.reprocessed)
-    result.verified_writes = report.verified_writes
-    result.relocations = [asdict(r) for r in report.relocations]
-    result.preflight_s = report.preflight_s
-    result.write_s = report.write_s
-    result.refresh_s = report.refresh_s
-    result.readback_s = report.readback_s
 
 
 def _shared_parameter_modules(model: torch.nn.Module) -> set[str]:
