@@ -70,18 +70,28 @@ def _position_weights(device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def fingerprint(t: torch.Tensor) -> Fingerprint:
-    """The :class:`Fingerprint` of ``t``'s values (any float or integer dtype, any strides)."""
+    """The :class:`Fingerprint` of ``t``'s values (any float or integer dtype, any strides).
+
+    Blocks of 64 chunks are widened to float64 at a time (a bounded temporary), and the sums
+    stay on the tensor's device until the end: one synchronisation per tensor on a GPU.
+    """
     flat = t.detach().reshape(-1)
     w = _position_weights(flat.device)
-    total = weighted = squares = 0.0
-    for i, start in enumerate(range(0, flat.numel(), _CHUNK)):
-        part = flat[start : start + _CHUNK].to(torch.float64)
-        k = part.numel()
-        total += float(part.sum())
+    zero = torch.zeros((), dtype=torch.float64, device=flat.device)
+    total, weighted, squares = zero.clone(), zero.clone(), zero.clone()
+    block = 64 * _CHUNK
+    for start in range(0, flat.numel(), block):
+        part = flat[start : start + block].to(torch.float64)
+        first = start // _CHUNK
+        rows = -(-part.numel() // _CHUNK)
+        padded = torch.nn.functional.pad(part, (0, rows * _CHUNK - part.numel()))
+        per_chunk = padded.view(rows, _CHUNK) @ w  # each chunk's position-weighted sum
         # each chunk also gets its own factor, so chunks that swap places change the sum
-        weighted += float(part @ w[:k]) * (1.0 + 0.001 * i)
-        squares += float(part @ part)
-    return Fingerprint(total, weighted, squares, flat.numel())
+        factors = 1.0 + 0.001 * torch.arange(first, first + rows, device=flat.device)
+        total += part.sum()
+        weighted += per_chunk @ factors.to(torch.float64)
+        squares += part @ part
+    return Fingerprint(float(total), float(weighted), float(squares), flat.numel())
 
 
 def storage_ptr(t: torch.Tensor) -> int:

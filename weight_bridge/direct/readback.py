@@ -53,8 +53,7 @@ class ReadBack(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (
-            self.mode != "off"
-            and func is torch.Tensor.copy_
+            func is torch.Tensor.copy_
             and len(args) >= 2
             and isinstance(args[1], torch.Tensor)
             and storage_ptr(args[0]) in self.storages

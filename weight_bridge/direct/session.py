@@ -235,8 +235,9 @@ def direct_reload_session(
     plan = begin_direct_reload(model, reprocessor, reprocessable, readback)
     session: _Session = bridge_state(model).session
     handle = OpenReload(plan, session.readback)
+    watch = session.readback if readback != "off" else contextlib.nullcontext()
     try:
-        with session.readback:
+        with watch:
             yield handle
     except BaseException as exc:
         finish_direct_reload(

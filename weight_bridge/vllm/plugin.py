@@ -81,6 +81,14 @@ def torch_linear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _sampled(t: torch.Tensor) -> Any:
+    """Fingerprint of at most 64 Ki evenly spaced values: enough to see that a later step
+    rewrote a weight (a transform rewrites nearly every value), at a fraction of a full pass."""
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // 65536)
+    return fingerprint(flat[::step])
+
+
 def _watch_processing(model: torch.nn.Module) -> tuple[dict[int, Any], list]:
     """Note each module's state right after its own processing step (see point 3 above)."""
     from .layerwise import reprocessable_module
@@ -89,7 +97,7 @@ def _watch_processing(model: torch.nn.Module) -> tuple[dict[int, Any], list]:
     undo: list = []
 
     def note(module: torch.nn.Module) -> None:
-        prints = {n: fingerprint(p) for n, p in module.named_parameters(recurse=False)}
+        prints = {n: _sampled(p) for n, p in module.named_parameters(recurse=False)}
         after_own[id(module)] = (snapshot_module(module), prints)
 
     for module in model.modules():
@@ -125,7 +133,7 @@ def _reprocessable(model: torch.nn.Module, after_own: dict[int, Any]) -> set[str
         if noted is None:
             continue
         snap, prints = noted
-        now = {n: fingerprint(p) for n, p in module.named_parameters(recurse=False)}
+        now = {n: _sampled(p) for n, p in module.named_parameters(recurse=False)}
         same_values = now.keys() == prints.keys() and all(prints[n].matches(now[n]) for n in prints)
         if snapshot_module(module) == snap and same_values:
             out.add(name)
