@@ -65,6 +65,7 @@ from .config import (
     ENGINES,
     GEN_BATCH,
     QUICK_SIZES,
+    REAL_MODEL,
     TARGETS,
 )
 from .machine import CpuLoad, fs_type, machine_info, versions
@@ -156,7 +157,11 @@ def _env() -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results.json"), help="JSON results")
-    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help="model sizes, comma-separated")
+    p.add_argument(
+        "--sizes",
+        default=",".join(DEFAULT_SIZES),
+        help=f"model sizes, comma-separated; {REAL_MODEL!r} is the real SmolLM2-135M-Instruct",
+    )
     p.add_argument("--reps", type=int, default=5, help="repetitions of every measurement")
     p.add_argument(
         "--gen-sizes",
@@ -185,9 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.gen_sizes = [s.strip() for s in args.gen_sizes.split(",") if s.strip()]
     from weight_bridge.testing.models import SIZES
 
-    unknown = [s for s in args.sizes if s not in SIZES]
+    known = [*SIZES, REAL_MODEL]
+    unknown = [s for s in args.sizes if s not in known]
     if unknown:
-        p.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+        p.error(f"unknown sizes {unknown}; choose from {known}")
     if args.reps < 1:
         p.error("--reps must be at least 1")
     return args

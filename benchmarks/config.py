@@ -6,7 +6,8 @@ from typing import Any
 
 from weight_bridge.testing import parity
 
-DEFAULT_SIZES = ("10m", "100m", "300m")
+REAL_MODEL = "smollm2"  # SmolLM2-135M-Instruct, see weight_bridge.testing.real_model
+DEFAULT_SIZES = ("10m", "100m", "300m", REAL_MODEL)
 DEFAULT_GEN_SIZES = ("100m",)
 QUICK_SIZES = ("1m",)
 ARCH = "llama"  # untied: vLLM's layerwise reload is only right for untied models on CPU

