@@ -25,7 +25,7 @@ handles and empties:
   the packed form is derived again. Generation runs at vLLM's own speed; memory holds each
   linear twice (weight and packed copy).
 * ``"torch"``: the weight is kept and computed with by ``torch.nn.functional.linear``; nothing
-  derived to refresh, but generation is slower (measured 0.58x stock by ``make bench``).
+  derived to refresh, but generation is slower (measured 0.53-0.58x stock by ``make bench``).
 * ``"stock"``: vLLM's own behaviour; the emptied weights are re-processed by vLLM's layerwise
   path in ``auto`` mode and refused in ``direct`` mode.
 """
