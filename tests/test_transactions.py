@@ -232,3 +232,25 @@ if __name__ == "__main__":
     else:
         result = refusal_scenarios(sys.argv[2], sys.argv[3])
     print("RESULT " + json.dumps(result, default=str), flush=True)
+
+
+def test_rollback_reads_a_served_checkpoint_deleted_meanwhile(
+    models, shared_engine, cold, tmp_path
+) -> None:
+    """The engine holds a descriptor on the file it serves: deleted by something else, its
+    bytes still roll a failed push back."""
+    import shutil
+
+    a, b = models["llama_A"], models["llama_B"]
+    served = tmp_path / "step-A.safetensors"
+    shutil.copy(a / "model.safetensors", served)
+    engine = shared_engine("llama_A")
+    engine.push(served, version="A")
+    served.unlink()
+    engine.llm.collective_rpc(arm_write_fault)
+    with pytest.raises(DirectReloadError, match="rolled back to version 'A'"):
+        engine.push(b, version="B")
+    assert engine.version == "A" and engine.undefined is None
+    assert engine.checkpoint == str(served)
+    assert_parity(greedy(engine), cold(a))
+    engine.push(a, version="A")

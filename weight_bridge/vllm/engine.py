@@ -78,7 +78,9 @@ class ColocatedEngine:
     ``check_finite`` refuses checkpoints holding NaN/Inf; ``verify_hash`` checks the content hash
     written by :func:`~weight_bridge.checkpoint.save_checkpoint` (both overridable per push).
     ``rollback`` (default on) re-writes the previous version after a push that failed
-    after writing started (``last_rollback_s`` says how long it took).
+    after writing started (``last_rollback_s`` says how long it took), from its checkpoint
+    file, on which the engine holds a descriptor: a served file deleted meanwhile still rolls
+    back.
     ``worker_extension_cls`` may name a subclass of the bridge's worker extension (your own
     worker methods beside the bridge's); anything else is refused.
     ``rpc_timeout_s`` bounds every call into the workers (``None``: wait indefinitely); it is
@@ -125,6 +127,7 @@ class ColocatedEngine:
         self.rpc_timeout_s = rpc_timeout_s
         self.version: Any = None
         self.checkpoint: str | None = None
+        self._served_fd: int | None = None  # open on self.checkpoint (a file) for a rollback
         self._undefined: str | None = None
         self._lock = threading.RLock()
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
@@ -198,6 +201,7 @@ class ColocatedEngine:
         self._undefined = None
         self.version = version
         self.checkpoint = path
+        self._hold(path)
         first = results[0]
         reports = [r.report for r in results]
         report = PushReport(
@@ -225,7 +229,10 @@ class ColocatedEngine:
 
     def _roll_back(self, failure: Exception) -> Exception:
         """Re-write the last version served completely; the error to raise for ``failure``."""
-        target = self.checkpoint or self.model
+        served = target = self.checkpoint or self.model
+        if self._served_fd is not None and not os.path.exists(served):
+            # deleted since it was pushed: its bytes live on behind the descriptor we hold
+            target = f"/proc/{os.getpid()}/fd/{self._served_fd}"
         version = self.version
         started = time.perf_counter()
         try:
@@ -238,12 +245,23 @@ class ColocatedEngine:
                 f"{type(again).__name__}: {again}"
             )
             return _amended(failure, f"rolling back to version {version!r} failed: {again}")
+        self.checkpoint = served  # the name it was pushed under (its descriptor is held anew)
         self.last_rollback_s = time.perf_counter() - started
         return _amended(
             failure,
             f"the push failed after writing started; the engine rolled back to version "
             f"{version!r} ({target}) in {self.last_rollback_s:.2f} s and serves it",
         )
+
+    def _hold(self, path: str | None) -> None:
+        """Keep a descriptor open on the served checkpoint file, so that a rollback can re-read
+        it even if something deleted it meanwhile (a directory of shards is re-read by path)."""
+        if self._served_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._served_fd)
+            self._served_fd = None
+        if path is not None and os.path.isfile(path):
+            self._served_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def _after_failure(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, (EngineCoreDeadError, TimeoutError)):
@@ -345,6 +363,7 @@ class ColocatedEngine:
             if locked:
                 self._lock.release()
         shutdown_engine(llm)
+        self._hold(None)
         del llm
         gc.collect()
 
