@@ -8,12 +8,8 @@ once: its header is read from, and its map made of, the same open file, so a fil
 the path in between cannot pair one file's header with another's bytes. A file that is not
 safetensors (a ``torch.save`` zip or pickle renamed, say) is refused by its first bytes.
 
-Writes go to an owner-only (0600) temporary file in the target directory, locked while it is
-written, and are renamed into place, so a reader never sees a partial file, a file an engine
-has mapped is never overwritten in place, and a write that fails (disk full, file too large)
-leaves the previous file untouched and removes its temporary file. The temporary file of a
-writer that was killed (SIGKILL) is left behind, hidden, under a name no reader picks up; a
-later save into the same directory removes it once its lock is free and it is a minute old.
+Writes are atomic (a temporary file renamed into place), owner-only and hashed; how, and what a
+failed or killed writer leaves behind: :mod:`.write`.
 
 Limitation: a file that another program truncates *in place* while an engine has it mapped
 makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-place writers
