@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +33,7 @@ __all__ = [
     "direct_reload_session",
     "finish_direct_reload",
     "mark_undefined",
+    "refresh_derived_state",
     "undefined_reason",
 ]
 
@@ -192,21 +193,31 @@ def finish_direct_reload(
         state.undefined = "read-back after the push differs from the checkpoint"
         raise DirectReloadError("read-back failed: the engine does not hold the checkpoint", bad)
     started = time.perf_counter()
-    modules = dict(model.named_modules())
-    for module_name, kind in session.plan.refresh.items():
-        try:
-            state.refreshers[module_name].refresh(modules[module_name])
-        except Exception as exc:
-            state.undefined = (
-                f"refreshing the {kind} of {module_name} after the write failed: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            raise DirectReloadError(state.undefined) from exc
-        report.refreshed[module_name] = kind
+    report.refreshed = refresh_derived_state(model, session.plan.refresh)
     report.refresh_s = time.perf_counter() - started
     report.recovered_from_undefined = session.was_undefined
     state.undefined = None
     return report
+
+
+def refresh_derived_state(model: torch.nn.Module, modules: Iterable[str]) -> dict[str, str]:
+    """Re-derive the state of ``modules`` from their written weights with their refreshers;
+    module -> kind refreshed. A failure leaves the model undefined, naming the module."""
+    state = bridge_state(model)
+    live = dict(model.named_modules())
+    done: dict[str, str] = {}
+    for name in modules:
+        refresher = state.refreshers[name]
+        try:
+            refresher.refresh(live[name])
+        except Exception as exc:
+            state.undefined = (
+                f"refreshing the {refresher.kind} of {name} after the write failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise DirectReloadError(state.undefined) from exc
+        done[name] = refresher.kind
+    return done
 
 
 @dataclass

@@ -19,6 +19,7 @@ from ..checkpoint import CheckpointError, CheckpointReader
 from ..direct import (
     DirectReloadError,
     ReloadReport,
+    clear_undefined,
     direct_reload,
     mark_undefined,
     plan_direct_reload,
@@ -27,6 +28,7 @@ from ..direct import (
 )
 from ..direct.plan import require_layout
 from ..direct.proof import module_of
+from ..direct.session import refresh_derived_state
 from ..layout import live_tensors
 from ..state import bridge_state
 from .layerwise import LayerwiseReprocessor
@@ -75,8 +77,6 @@ class WeightBridgeWorkerExtension:
             except Exception as exc:
                 mark_undefined(model, f"runner cache reset failed after a push: {exc}")
                 raise DirectReloadError(str(undefined_reason(model))) from exc
-            report.tensors = len(items)
-            report.bytes = sum(t.numel() * t.element_size() for _, t in items)
             result.report = report
         except DirectReloadError as exc:
             after = undefined_reason(model)
@@ -131,14 +131,13 @@ class WeightBridgeWorkerExtension:
         except Exception as exc:
             mark_undefined(model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
             raise DirectReloadError(str(undefined_reason(model))) from exc
-        state = bridge_state(model)
-        modules = dict(model.named_modules())
-        report = ReloadReport()
-        for name, refresher in state.refreshers.items():
-            refresher.refresh(modules[name])
-            report.refreshed[name] = refresher.kind
-        report.reprocessed = {"<all>": "whole-model layerwise reload"}
-        state.undefined = None
+        report = ReloadReport(
+            tensors=len(items),
+            bytes=sum(t.numel() * t.element_size() for _, t in items),
+            refreshed=refresh_derived_state(model, bridge_state(model).refreshers),
+            reprocessed={"<all>": "whole-model layerwise reload"},
+        )
+        clear_undefined(model)
         return report
 
     def weight_bridge_plan(self, mode: str = "direct") -> dict:
