@@ -182,3 +182,4 @@ def test_explain_names_refreshed_and_reprocessed_modules(processing) -> None:
     assert "re-processed by vLLM layerwise: weight values changed" in text
     assert "weight_t" in text and "moved, resolved" in text and "refresh cpu packed linear" in text
     assert "2 modules re-processed, 0 not directly reloadable" in text
+    assert "noted, not blocking (no weight there):" in text and "_k_scale_cpu" in text

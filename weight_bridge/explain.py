@@ -52,6 +52,8 @@ def format_plan(plan: dict[str, Any], rank: int = 0) -> str:
     width = max((len(r[0]) for r in rows), default=4)
     lines = [f"worker {rank}: {plan.get('options')}", f"{'weight':<{width}}  {'shape':<12}  status"]
     lines += [f"{n:<{width}}  {s:<12}  {st}" for n, s, st in rows]
+    for module, items in sorted(plan.get("noted", {}).items()):
+        lines.append(f"noted, not blocking (no weight there): {module}: {', '.join(items)}")
     moved = sum(1 for t in targets.values() if t.get("relocation"))
     refreshed = {module_of(n)[0] for n, t in targets.items() if t.get("refresh")}
     lines.append(

@@ -163,6 +163,7 @@ class WeightBridgeWorkerExtension:
             "reprocess": dict(plan.reprocess),
             "transformed": dict(proof.transformed) if proof else {},
             "derived": dict(proof.derived) if proof else {},
+            "noted": dict(proof.noted) if proof else {},
             "options": bridge_options(self.vllm_config),
         }
 
