@@ -571,7 +571,62 @@ def test_soak_short(models, shared_engine, cold) -> None:
     engine.push(a, version="A")
 
 
+def _start_and_die(model: str) -> None:
+    """Start a multi-process engine, print its processes, and die by SIGKILL (no cleanup)."""
+    from weight_bridge.vllm import ColocatedEngine
+
+    engine = ColocatedEngine(model, **ENGINE_KWARGS)
+    greedy(engine)
+    pids = [int(line.split()[0]) for line in _engine_children()]
+    print("PIDS " + json.dumps(pids), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_processes_end_when_the_process_that_started_them_is_killed(models) -> None:
+    """SIGKILL of the trainer process (the OOM killer; Lightning ending every rank of a DDP job
+    after one failed) must not leave its engine core and workers holding memory and pipes."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "test_reliability.py"), "die", str(models["llama_A"])],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # an orphan holding a pipe must not block this test
+        text=True,
+    )
+    assert proc.stdout is not None
+    pids: list[int] = []
+    for line in proc.stdout:  # ends at the PIDS line, or at EOF if the script failed
+        if line.startswith("PIDS "):
+            pids = json.loads(line[len("PIDS ") :])
+            break
+    assert proc.wait(timeout=240) == -signal.SIGKILL
+    assert pids, "the engine did not start"
+    deadline = time.monotonic() + 60
+    left = [p for p in pids if _alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = [p for p in pids if _alive(p)]
+    took = 60 - (deadline - time.monotonic())
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"engine processes {left} outlived the process that started them"
+    print(f"\n{len(pids)} engine processes ended {took:.1f} s after their parent was killed")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dead-worker":
         out = _dead_worker_scenarios(sys.argv[2], sys.argv[3])
         print("RESULT " + json.dumps(out, default=str), flush=True)
+    elif sys.argv[1] == "die":
+        _start_and_die(sys.argv[2])

@@ -42,6 +42,7 @@ from ..checkpoint import CheckpointError, CheckpointReader
 from ..direct import READBACK_MODES, DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
+from .lifeline import FRONTEND_ENV
 from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES, PLUGINS_ENV, run_engine_plugins
 from .results import PushReport, PushResult, describe, raise_for_errors
 
@@ -137,7 +138,7 @@ class ColocatedEngine:
         )
         llm_kwargs = colocated_llm_kwargs(self.model, llm_kwargs, kv_cache_gb)
         started = time.perf_counter()
-        with _engine_plugins(plugins):
+        with _engine_environment(plugins):
             self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
         self.startup_s = time.perf_counter() - started
 
@@ -375,23 +376,25 @@ class ColocatedEngine:
 
 
 @contextlib.contextmanager
-def _engine_plugins(plugins: Sequence[str]) -> Iterator[None]:
-    """Run ``plugins`` here and in the engine processes started inside this block (they
-    inherit the environment), and in no other engine."""
-    if not plugins:
-        yield
-        return
-    before = os.environ.get(PLUGINS_ENV)
-    joined = ",".join([*filter(None, (before or "").split(",")), *plugins])
-    os.environ[PLUGINS_ENV] = joined
+def _engine_environment(plugins: Sequence[str]) -> Iterator[None]:
+    """The environment the engine processes started inside this block inherit: ``plugins``
+    (run here too, and in no other engine) and this process's id, which the engine core
+    watches so that it does not outlive this process (:mod:`weight_bridge.vllm.lifeline`)."""
+    values = {FRONTEND_ENV: str(os.getpid())}
+    if plugins:
+        before = os.environ.get(PLUGINS_ENV)
+        values[PLUGINS_ENV] = ",".join([*filter(None, (before or "").split(",")), *plugins])
+        run_engine_plugins(values[PLUGINS_ENV])
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
-        run_engine_plugins(joined)
         yield
     finally:
-        if before is None:
-            os.environ.pop(PLUGINS_ENV, None)
-        else:
-            os.environ[PLUGINS_ENV] = before
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _worker_extension(requested: str | None) -> str:

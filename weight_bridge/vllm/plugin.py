@@ -43,6 +43,7 @@ from ..direct import prove_checkpoint_layout
 from ..direct.proof import snapshot_module
 from ..layout import TensorSpec, fingerprint, record_checkpoint_layout
 from ..state import bridge_state
+from .lifeline import follow_parent
 
 __all__ = [
     "BRIDGE_KEY",
@@ -208,6 +209,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    follow_parent()
     _patch_loader()
     from vllm.platforms import current_platform
 
