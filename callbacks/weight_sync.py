@@ -25,10 +25,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import save_checkpoint
+from weight_bridge.checkpoint import BASE_VERSION_KEY, save_checkpoint
 from weight_bridge.vllm.engine import ColocatedEngine
 
 from .canary import CanaryError, default_probe, logprob_gap
+from .changed import sync_state
 from .names import CheckpointNames
 
 __all__ = ["VLLMWeightSync"]
@@ -86,6 +87,13 @@ class VLLMWeightSync(Callback):
     with ``on_error="warn"``). It catches what the bridge's own proofs cannot: derived state it
     does not know, names mapped onto the wrong weights (see :mod:`callbacks.canary`).
     Metrics ``weight_sync/{save_s,push_s,bytes,version}`` go to the trainer's loggers.
+
+    Only what can change is sent (``skip_frozen=True``, see :mod:`callbacks.changed`): after a
+    complete first push (on train start, on resume, after any failed sync, and every
+    ``full_every_k``-th sync if set), a sync saves a *partial* checkpoint holding only the
+    parameters that require grad, the buffers, and the merged weight of each PEFT LoRA layer,
+    applied by the engine on top of the version it serves. PEFT-wrapped modules are always
+    pushed under the base model's names with their adapters merged, partial or not.
     """
 
     def __init__(
@@ -113,6 +121,8 @@ class VLLMWeightSync(Callback):
         canary: bool = False,
         canary_prompts: list[list[int]] | None = None,
         canary_tolerance: float = 1e-3,
+        skip_frozen: bool = True,
+        full_every_k: int | None = None,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, not {every_n_train_steps}")
@@ -120,6 +130,8 @@ class VLLMWeightSync(Callback):
             raise ValueError(f"at_steps must be non-negative, not {at_steps}")
         if keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1, not {keep_last_k}")
+        if full_every_k is not None and full_every_k < 1:
+            raise ValueError(f"full_every_k must be >= 1 or None, not {full_every_k}")
         if canary_tolerance <= 0:
             raise ValueError(f"canary_tolerance must be positive, not {canary_tolerance}")
         if on_error not in ("raise", "warn"):
@@ -153,6 +165,9 @@ class VLLMWeightSync(Callback):
         self.canary = canary or canary_prompts is not None
         self.canary_prompts = canary_prompts
         self.canary_tolerance = canary_tolerance
+        self.skip_frozen = skip_frozen
+        self.full_every_k = full_every_k
+        self._partials_in_row: int | None = None  # None: the next sync must be complete
         self.last_pushed_step: int | None = None
         self.last_checkpoint: str | None = None
         self.history: list[dict[str, Any]] = []
@@ -239,6 +254,7 @@ class VLLMWeightSync(Callback):
             return
         step = trainer.global_step
         self._seen_step = step
+        self._partials_in_row = None
         resumed = step > 0 or trainer.ckpt_path is not None
         if self.push_on_train_start or resumed or step in self.at_steps:
             self._sync(trainer, pl_module, step)
@@ -288,20 +304,24 @@ class VLLMWeightSync(Callback):
         error: BaseException | None = None
         nbytes = 0
         started = time.perf_counter()
+        partial = False
         try:
-            tensors, source_dtype = self._gather(trainer, pl_module)
+            tensors, source_dtype, partial = self._gather(trainer, pl_module)
             if self._is_writer(trainer):
                 metadata = {
                     "step": str(step),
                     "version": str(step),
                     "source_dtype": source_dtype,
                 }
+                if partial:
+                    metadata[BASE_VERSION_KEY] = str(self.last_pushed_step)
                 nbytes = save_checkpoint(tensors, path, metadata).bytes
             del tensors
         except Exception as exc:
             error = exc
         save_s = time.perf_counter() - started
         if not strategy.reduce_boolean_decision(error is None, all=True):
+            self._partials_in_row = None
             self._fail(step, "save", error)
             return
         if not self.node_local:
@@ -317,6 +337,7 @@ class VLLMWeightSync(Callback):
                 self._recover()
         push_s = time.perf_counter() - started
         if not strategy.reduce_boolean_decision(error is None, all=True):
+            self._partials_in_row = None
             self._fail(step, "push", error)
             return
         gap = None
@@ -326,15 +347,18 @@ class VLLMWeightSync(Callback):
             except Exception as exc:
                 error = exc
         if not strategy.reduce_boolean_decision(error is None, all=True):
+            self._partials_in_row = None
             self._fail(step, "canary", error)
             return
 
         self.last_pushed_step = step
         self.last_checkpoint = str(path)
+        self._partials_in_row = (self._partials_in_row or 0) + 1 if partial else 0
         record = {
             "step": step,
             "checkpoint": str(path),
             "bytes": nbytes,
+            "partial": partial,
             "save_s": save_s,
             "push_s": push_s,
             "mode": report.mode if report is not None else None,
@@ -354,6 +378,7 @@ class VLLMWeightSync(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
         mode = f", {report.mode}" if report is not None else ", no engine on rank 0"
+        mode += ", partial" if partial else ""
         rank_zero_info(
             f"weight_sync: step {step} -> {path.name} ({nbytes / 2**20:.1f} MiB, "
             f"save {save_s:.2f} s, push {push_s:.2f} s{mode})"
@@ -361,16 +386,28 @@ class VLLMWeightSync(Callback):
 
     def _gather(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> tuple[dict[str, torch.Tensor], str]:
+    ) -> tuple[dict[str, torch.Tensor], str, bool]:
+        """The tensors to save, their source dtype, and whether they are a partial set."""
+        root: torch.nn.Module | None = None
         if self.source is not None:
             state: Mapping[str, Any] = self.source(pl_module)
         elif self.module_attr:
-            state = getattr(pl_module, self.module_attr).state_dict()
+            root = getattr(pl_module, self.module_attr)
+            state = root.state_dict()
         else:
+            root = pl_module
             state = trainer.strategy.lightning_module_state_dict()
         if not self._is_writer(trainer):
-            return {}, ""  # the state dict call above may be collective; only writers save
-        return self._names.checkpoint_tensors(state)
+            return {}, "", False  # the state dict call above may be collective; writers save
+        changing = sync_state(root, state, changing_only=self._partial_due())
+        tensors, source_dtype = self._names.checkpoint_tensors(changing)
+        return tensors, source_dtype, changing.partial
+
+    def _partial_due(self) -> bool:
+        """Whether this sync may leave out what cannot change (see the class docstring)."""
+        if not self.skip_frozen or self._partials_in_row is None:
+            return False
+        return self.full_every_k is None or self._partials_in_row + 1 < self.full_every_k
 
     def _canary_gap(self, pl_module: pl.LightningModule) -> float:
         model = getattr(pl_module, self.module_attr) if self.module_attr else pl_module
@@ -387,16 +424,17 @@ class VLLMWeightSync(Callback):
         return gap
 
     def _recover(self) -> None:
-        """After a failed push in warn mode, put half-written weights back to the last good."""
+        """After a failed push in warn mode, put half-written weights back to the last good
+        version (its complete checkpoint, then the partial ones on top of it)."""
         engine = self._engine
         if self.on_error != "warn" or engine is None or engine.undefined is None:
             return
-        if self.last_checkpoint is None or not Path(self.last_checkpoint).is_file():
-            return
+        chain = engine.served_checkpoints
         try:
-            engine.push(self.last_checkpoint, version=self.last_pushed_step)
+            for path in chain:
+                engine.push(path)
         except Exception as exc:
-            message = f"weight_sync: restoring {self.last_checkpoint} failed: {exc}"
+            message = f"weight_sync: restoring {chain} failed: {exc}"
             warnings.warn(message, stacklevel=2)
 
     def _fail(self, step: int, what: str, error: BaseException | None) -> None:
@@ -415,8 +453,8 @@ class VLLMWeightSync(Callback):
         """Delete all but the newest ``keep_last_k`` checkpoints, never one that is served."""
         assert self._dir is not None
         keep = {current.resolve()}
-        if self._engine is not None and self._engine.checkpoint is not None:
-            keep.add(Path(self._engine.checkpoint).resolve())
+        if self._engine is not None:
+            keep.update(Path(p).resolve() for p in self._engine.served_checkpoints)
         found = []
         for f in self._dir.glob("step-*.safetensors"):
             m = _STEP_FILE.match(f.name)

@@ -24,9 +24,9 @@ patch the module that looks the name up (``weight_bridge.checkpoint.write`` for 
 from __future__ import annotations
 
 from .errors import CheckpointError, CheckpointWriteError
+from .format import BASE_VERSION_KEY, HASH_KEY
 from .format import DTYPE_NAMES as DTYPE_NAMES
 from .format import DTYPES as DTYPES
-from .format import HASH_KEY
 from .format import INDEX_NAME as INDEX_NAME
 from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
@@ -35,6 +35,7 @@ from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
 from .write import SavedCheckpoint, save_checkpoint
 
 __all__ = [
+    "BASE_VERSION_KEY",
     "HASH_KEY",
     "CheckpointError",
     "CheckpointReader",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "BASE_VERSION_KEY",
     "DTYPES",
     "DTYPE_NAMES",
     "FOREIGN_MAGIC",
@@ -16,6 +17,9 @@ __all__ = [
 ]
 
 HASH_KEY = "weight_bridge.blake3"
+# A checkpoint whose metadata names a base version is *partial*: it holds only some tensors and
+# applies on top of exactly that version (see ColocatedEngine.push).
+BASE_VERSION_KEY = "base_version"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 MAX_INDEX_BYTES = 100 * 1024 * 1024

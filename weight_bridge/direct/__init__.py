@@ -92,6 +92,7 @@ def direct_reload(
     reprocessor: Reprocessor | None = None,
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
+    partial: bool = False,
 ) -> ReloadReport:
     """Write ``weights`` into ``model``'s live storages: validate, plan, write, prove, refresh.
 
@@ -102,15 +103,17 @@ def direct_reload(
     undefined and raises :class:`DirectReloadError` (an interrupt such as ``KeyboardInterrupt``
     propagates as itself, the model likewise undefined). ``reprocessor`` handles the modules of
     ``reprocessable`` that cannot be written directly; ``readback`` is ``"sampled"``,
-    ``"full"`` or ``"off"``.
+    ``"full"`` or ``"off"``. ``partial`` weights (a subset, applied on top of what the model
+    holds) may leave names out; only the modules they write into are refreshed, and a partial
+    push that would need re-processing by the engine is refused.
     """
     started = time.perf_counter()
     layout = require_layout(model)
     items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    validate_checkpoint(layout, items, finite)
+    validate_checkpoint(layout, items, finite, partial)
     preflight_s = time.perf_counter() - started
     try:
-        with direct_reload_session(model, reprocessor, reprocessable, readback) as reload:
+        with direct_reload_session(model, reprocessor, reprocessable, readback, partial) as reload:
             if load is None:
                 own = getattr(model, "load_weights", None)
                 load = own if callable(own) else _copy_by_name(reload.plan)

@@ -6,7 +6,11 @@ all end in one), together with the checkpoint tensor being loaded. After the las
 destination is read back and compared with its source: a later write that clobbered an earlier
 one (overlapping targets), a write that went to a copy, or a cast that lost values shows up here
 and names the tensor. ``"sampled"`` compares up to 8 rows per write (first, last, spread
-between), ``"full"`` every element.
+between), ``"full"`` every element, ``"off"`` none.
+
+Every in-place write into those storages (``copy_``, indexing assignment, any other in-place
+op) is also noted in :attr:`ReadBack.touched`, whatever the mode: a partial push refreshes the
+derived state of the modules it wrote into, and only those.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ __all__ = ["READBACK_MODES", "ReadBack"]
 
 READBACK_MODES = ("sampled", "full", "off")
 _SAMPLE_ROWS = 8
+_INPLACE_DUNDERS = frozenset(
+    f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow")
+)
 
 
 def _rows(n: int) -> list[int]:
@@ -43,6 +50,7 @@ class ReadBack(TorchFunctionMode):
         self.storages = storages
         self.current = ""
         self.writes: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.touched: list[torch.Tensor] = []
 
     def track(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
         """Pass ``weights`` through, remembering which checkpoint tensor is being loaded."""
@@ -52,19 +60,34 @@ class ReadBack(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
         if (
-            func is torch.Tensor.copy_
-            and len(args) >= 2
-            and isinstance(args[1], torch.Tensor)
+            (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_")))
+            and args
+            and isinstance(args[0], torch.Tensor)
             and storage_ptr(args[0]) in self.storages
         ):
-            self.writes.append((self.current, args[0], args[1]))
+            self.touched.append(args[0])
+            if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+                self.writes.append((self.current, args[0], args[1]))
         return out
+
+    def wrote_into(self, view: torch.Tensor) -> bool:
+        """Whether a noted write overlaps ``view``'s memory."""
+        start, end = _span(view)
+        for t in self.touched:
+            if storage_ptr(t) == storage_ptr(view):
+                lo, hi = _span(t)
+                if lo < end and start < hi:
+                    return True
+        return False
 
     @torch.no_grad()
     def verify(self) -> dict[str, str]:
         """Checkpoint name -> what differs between a written view and its source."""
         bad: dict[str, str] = {}
+        if self.mode == "off":
+            return bad
         for name, dst, src in self.writes:
             if dst.shape != src.shape:
                 src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
@@ -85,3 +108,11 @@ class ReadBack(TorchFunctionMode):
                     "(a later write overwrote it, or it went elsewhere)"
                 )
         return bad
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch: from its first element to one past its last."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()

@@ -21,6 +21,7 @@ from ..layout import live_tensors, storage_ptr
 from ..state import bridge_state
 from .errors import DirectReloadError
 from .plan import ReloadPlan, plan_direct_reload
+from .proof import module_of
 from .readback import ReadBack
 from .resolve import Relocation
 
@@ -76,6 +77,7 @@ class _Session:
     was_undefined: str | None
     readback: ReadBack
     reprocessor: Reprocessor | None
+    partial: bool = False
 
 
 def undefined_reason(model: torch.nn.Module) -> str | None:
@@ -105,11 +107,14 @@ def begin_direct_reload(
     reprocessor: Reprocessor | None = None,
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
+    partial: bool = False,
 ) -> ReloadPlan:
     """Point every directly written parameter at its target; refuse by name what cannot be.
 
     Nothing has been written when this raises. From here the model is undefined until
-    :func:`finish_direct_reload` with ``complete=True`` succeeds.
+    :func:`finish_direct_reload` with ``complete=True`` succeeds. A ``partial`` reload writes a
+    subset on top of what the model holds; the engine's re-processing loads whole modules
+    from what it is given, so a partial reload that needs it is refused.
     """
     state = bridge_state(model)
     if state.session is not None:
@@ -121,6 +126,12 @@ def begin_direct_reload(
             "not directly reloadable (nothing was written)"
             + (f"; the model is still undefined: {was_undefined}" if was_undefined else ""),
             plan.problems,
+        )
+    if partial and plan.reprocess:
+        raise DirectReloadError(
+            "a partial checkpoint cannot be re-processed by the engine, which needs whole "
+            "modules: push a complete checkpoint (nothing was written)",
+            {module: f"needs re-processing: {why}" for module, why in plan.reprocess.items()},
         )
     addresses = _addresses(model)
     live = {name: t for name, t, _ in live_tensors(model)}
@@ -140,6 +151,7 @@ def begin_direct_reload(
         was_undefined,
         ReadBack(storages, readback),
         reprocessor,
+        partial,
     )
     if reprocessor is not None and plan.reprocess:
         reprocessor.begin(sorted(plan.reprocess))
@@ -179,9 +191,12 @@ def finish_direct_reload(
     if changed:
         state.undefined = "a reload changed parameter addresses"
         raise DirectReloadError("audit failed: the reload moved storages", changed)
+    targets = session.plan.targets
+    if session.partial:  # what it wrote into, not what it could have
+        targets = {n: t for n, t in targets.items() if session.readback.wrote_into(t.view)}
     report = ReloadReport(
-        direct=len(session.plan.targets),
-        relocations=session.plan.relocations,
+        direct=len(targets),
+        relocations=[t.relocation for t in targets.values() if t.relocation is not None],
         reprocessed=dict(session.plan.reprocess),
         write_s=time.perf_counter() - session.started,
     )
@@ -193,7 +208,9 @@ def finish_direct_reload(
         state.undefined = "read-back after the push differs from the checkpoint"
         raise DirectReloadError("read-back failed: the engine does not hold the checkpoint", bad)
     started = time.perf_counter()
-    report.refreshed = refresh_derived_state(model, session.plan.refresh)
+    written = {module_of(name)[0] for name in targets}
+    refresh = {m: kind for m, kind in session.plan.refresh.items() if m in written}
+    report.refreshed = refresh_derived_state(model, refresh)
     report.refresh_s = time.perf_counter() - started
     report.recovered_from_undefined = session.was_undefined
     state.undefined = None
@@ -235,6 +252,7 @@ def direct_reload_session(
     reprocessor: Reprocessor | None = None,
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
+    partial: bool = False,
 ) -> Iterator[OpenReload]:
     """``with direct_reload_session(model) as reload: model.load_weights(...)``.
 
@@ -243,10 +261,11 @@ def direct_reload_session(
     it by an exception restores the views, keeps the model undefined and lets the exception
     propagate untouched.
     """
-    plan = begin_direct_reload(model, reprocessor, reprocessable, readback)
+    plan = begin_direct_reload(model, reprocessor, reprocessable, readback, partial)
     session: _Session = bridge_state(model).session
     handle = OpenReload(plan, session.readback)
-    watch = session.readback if readback != "off" else contextlib.nullcontext()
+    # a partial reload needs the noted writes to know which modules to refresh
+    watch = session.readback if readback != "off" or partial else contextlib.nullcontext()
     try:
         with watch:
             yield handle

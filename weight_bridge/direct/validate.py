@@ -19,8 +19,13 @@ def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point and dst.is_floating_point
 
 
-def preflight(layout: CheckpointLayout, specs: Mapping[str, TensorSpec]) -> dict[str, str]:
-    """Problems of a checkpoint (name -> shape, dtype) against the recorded one; empty if fits."""
+def preflight(
+    layout: CheckpointLayout, specs: Mapping[str, TensorSpec], partial: bool = False
+) -> dict[str, str]:
+    """Problems of a checkpoint (name -> shape, dtype) against the recorded one; empty if fits.
+
+    A ``partial`` checkpoint (applied on top of a version the model holds) may leave names out.
+    """
     problems: dict[str, str] = {}
     expected = layout.checkpoint
     aliases = layout.aliases()
@@ -32,6 +37,8 @@ def preflight(layout: CheckpointLayout, specs: Mapping[str, TensorSpec]) -> dict
             problems[name] = f"shape {list(spec.shape)} does not match {list(want.shape)}"
         elif not _convertible(spec.dtype, want.dtype):
             problems[name] = f"dtype {spec.dtype} cannot be converted to {want.dtype}"
+    if partial:
+        return problems
     for name in expected:
         if name in specs or name in layout.optional:
             continue
@@ -75,12 +82,16 @@ def check_finite(
 
 
 def validate_checkpoint(
-    layout: CheckpointLayout, items: list[tuple[str, torch.Tensor]], finite: bool = True
+    layout: CheckpointLayout,
+    items: list[tuple[str, torch.Tensor]],
+    finite: bool = True,
+    partial: bool = False,
 ) -> None:
     """Refuse a whole checkpoint that does not fit ``layout``, before anything is written.
 
     Names, shapes and dtypes against the checkpoint recorded at load, then (``finite``) NaN/Inf
-    and out-of-range values. Every reload path (direct or an engine's own) calls this first.
+    and out-of-range values; a ``partial`` checkpoint may leave names out. Every reload path
+    (direct or an engine's own) calls this first.
     """
     specs: dict[str, TensorSpec] = {}
     problems: dict[str, str] = {}
@@ -88,7 +99,7 @@ def validate_checkpoint(
         if name in specs:
             problems[name] = "appears twice in the checkpoint"
         specs[name] = TensorSpec(tuple(t.shape), t.dtype)
-    problems.update(preflight(layout, specs))
+    problems.update(preflight(layout, specs, partial))
     if finite and not problems:
         targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
         problems.update(check_finite(items, targets))

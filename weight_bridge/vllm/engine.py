@@ -28,23 +28,22 @@ it only for what the bridge does not offer, never concurrently with a push.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from ..checkpoint import CheckpointError, CheckpointReader
+from ..checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
 from ..direct import READBACK_MODES, DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
-from .lifeline import FRONTEND_ENV
-from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES, PLUGINS_ENV, run_engine_plugins
-from .results import PushReport, PushResult, describe, raise_for_errors
+from .launch import engine_environment, worker_extension
+from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES
+from .results import PushReport, PushResult, raise_for_errors
+from .served import ServedCheckpoint, hold
 
 __all__ = [
     "ColocatedEngine",
@@ -55,7 +54,6 @@ __all__ = [
 ]
 
 ReloadMode = Literal["direct", "layerwise", "auto"]
-WORKER_EXTENSION = "weight_bridge.vllm.worker.WeightBridgeWorkerExtension"
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
 
@@ -127,18 +125,19 @@ class ColocatedEngine:
         self.verify_hash = verify_hash
         self.rpc_timeout_s = rpc_timeout_s
         self.version: Any = None
-        self.checkpoint: str | None = None
-        self._served_fd: int | None = None  # open on self.checkpoint (a file) for a rollback
+        self._served: list[
+            ServedCheckpoint
+        ] = []  # the full checkpoint, then the partials on top of it
         self._undefined: str | None = None
         self._lock = threading.RLock()
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra[BRIDGE_KEY] = {"cpu_linear": cpu_linear}
-        llm_kwargs["worker_extension_cls"] = _worker_extension(
+        llm_kwargs["worker_extension_cls"] = worker_extension(
             llm_kwargs.get("worker_extension_cls")
         )
         llm_kwargs = colocated_llm_kwargs(self.model, llm_kwargs, kv_cache_gb)
         started = time.perf_counter()
-        with _engine_environment(plugins):
+        with engine_environment(plugins):
             self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
         self.startup_s = time.perf_counter() - started
 
@@ -158,29 +157,72 @@ class ColocatedEngine:
         :class:`CheckpointError` before anything is written; the engine keeps serving the
         previous version. A failure after writing started is rolled back to the previous
         version (see the module docstring); the error raised says whether that worked.
-        ``verify_hash`` and ``check_finite`` default to the engine's settings.
+        ``version`` (what outputs report as ``policy_version``) defaults to the ``version``
+        entry of the checkpoint's metadata. ``verify_hash`` and ``check_finite`` default to the
+        engine's settings.
+
+        A *partial* checkpoint (metadata ``base_version``, see
+        :data:`~weight_bridge.checkpoint.BASE_VERSION_KEY`) holds a subset of the tensors and is
+        written only when the engine serves exactly that base version; otherwise it is refused,
+        naming both versions, before anything is written. It is written directly (never by
+        vLLM's layerwise path), and only the modules it writes into are refreshed. A complete
+        checkpoint is a valid base at any time.
         """
         path = str(Path(checkpoint).resolve())
         # Every header (and shard index) is checked here first, so a broken file is refused in
         # the caller's process with its own error type; each worker checks its mapping again.
         with CheckpointReader(path) as reader:
             where = {name: reader.file_of(name) for name in reader.specs()}
+            base = reader.metadata.get(BASE_VERSION_KEY)
+            if version is None:
+                version = reader.metadata.get("version")
         verify = self.verify_hash if verify_hash is None else verify_hash
         finite = self.check_finite if check_finite is None else check_finite
         with self._lock:
+            if base is not None:
+                self._check_base(path, base)
             was_defined = self._undefined is None
             try:
-                return self._push(path, version, verify, finite, where)
+                report = self._push(path, version, verify, finite, where, base is not None)
             except (DirectReloadError, CheckpointError) as exc:
                 if self._undefined is None or not was_defined or not self.rollback:
                     raise
                 raise self._roll_back(exc) from exc
+            self._serve(path, version, partial=base is not None)
+            return report
 
-    def _push(self, path: str, version: Any, verify: bool, finite: bool, where: dict) -> PushReport:
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint last pushed completely (a partial one: see :attr:`served_checkpoints`)."""
+        return self._served[-1].path if self._served else None
+
+    @property
+    def served_checkpoints(self) -> list[str]:
+        """What the served version is made of: its full checkpoint, then each partial one pushed
+        on top of it, in order (all needed to roll back to it; empty before the first push)."""
+        return [link.path for link in self._served]
+
+    def _check_base(self, path: str, base: str) -> None:
+        """A partial checkpoint applies on top of exactly its base version, or not at all."""
+        if self._undefined is not None:
+            served = f"no version: its weights are undefined ({self._undefined})"
+        elif not self._served or str(self.version) != base:
+            served = f"version {self.version!r}" if self._served else "the weights it started with"
+        else:
+            return
+        raise DirectReloadError(
+            f"partial checkpoint {path} applies on top of version {base!r}, but the engine serves "
+            f"{served}; push a complete checkpoint (nothing was written)"
+        )
+
+    def _push(
+        self, path: str, version: Any, verify: bool, finite: bool, where: dict, partial: bool
+    ) -> PushReport:
         method = "weight_bridge_push"
         started = time.perf_counter()
+        args = (path, finite, verify, self.reload_mode, self.readback, partial)
         try:
-            raw = self._rpc(method, (path, finite, verify, self.reload_mode, self.readback))
+            raw = self._rpc(method, args)
             results = [PushResult.from_dict(r) for r in raw]
         except BaseException as exc:
             self._after_failure(exc, method)
@@ -201,68 +243,42 @@ class ColocatedEngine:
             raise DirectReloadError(self._undefined) from exc
         self._undefined = None
         self.version = version
-        self.checkpoint = path
-        self._hold(path)
-        first = results[0]
-        reports = [r.report for r in results]
-        report = PushReport(
-            checkpoint=path,
-            version=version,
-            mode=first.mode,
-            reason=describe(first.report),
-            tensors=first.report.tensors,
-            bytes=first.report.bytes,
-            direct=first.report.direct,
-            refreshed=first.report.refreshed,
-            reprocessed=first.report.reprocessed,
-            verified_writes=sum(r.verified_writes for r in reports),
-            read_s=max(r.preflight_s for r in reports),
-            write_s=max(r.write_s for r in reports),
-            refresh_s=max(r.refresh_s for r in reports),
-            readback_s=max(r.readback_s for r in reports),
-            relocations=[
-                {**asdict(rel), "rank": r.rank} for r in results for rel in r.report.relocations
-            ],
-            workers=len(results),
-        )
+        report = PushReport.merged(results, path, version, partial)
         report.elapsed_s = time.perf_counter() - started
         return report
 
     def _roll_back(self, failure: Exception) -> Exception:
-        """Re-write the last version served completely; the error to raise for ``failure``."""
-        served = target = self.checkpoint or self.model
-        if self._served_fd is not None and not os.path.exists(served):
-            # deleted since it was pushed: its bytes live on behind the descriptor we hold
-            target = f"/proc/{os.getpid()}/fd/{self._served_fd}"
+        """Re-write the last version served completely (its full checkpoint, then each partial
+        one on top of it); the error to raise for ``failure``."""
+        chain = self._served or [ServedCheckpoint(self.model, self.version)]
         version = self.version
         started = time.perf_counter()
         try:
-            with CheckpointReader(target) as reader:
-                where = {name: reader.file_of(name) for name in reader.specs()}
-            self._push(target, version, False, False, where)
+            for i, link in enumerate(chain):
+                target = link.readable()
+                with CheckpointReader(target) as reader:
+                    where = {name: reader.file_of(name) for name in reader.specs()}
+                self._push(target, link.version, False, False, where, partial=i > 0)
         except Exception as again:
             self._undefined = (
-                f"{self._undefined}; rolling back to version {version!r} ({target}) failed too: "
-                f"{type(again).__name__}: {again}"
+                f"{self._undefined}; rolling back to version {version!r} ({chain[-1].path}) "
+                f"failed too: {type(again).__name__}: {again}"
             )
             return _amended(failure, f"rolling back to version {version!r} failed: {again}")
-        self.checkpoint = served  # the name it was pushed under (its descriptor is held anew)
         self.last_rollback_s = time.perf_counter() - started
         return _amended(
             failure,
             f"the push failed after writing started; the engine rolled back to version "
-            f"{version!r} ({target}) in {self.last_rollback_s:.2f} s and serves it",
+            f"{version!r} ({chain[-1].path}) in {self.last_rollback_s:.2f} s and serves it",
         )
 
-    def _hold(self, path: str | None) -> None:
-        """Keep a descriptor open on the served checkpoint file, so that a rollback can re-read
-        it even if something deleted it meanwhile (a directory of shards is re-read by path)."""
-        if self._served_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._served_fd)
-            self._served_fd = None
-        if path is not None and os.path.isfile(path):
-            self._served_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def _serve(self, path: str, version: Any, partial: bool) -> None:
+        """Record ``path`` as (the last part of) what the engine serves."""
+        if not partial:
+            for link in self._served:
+                link.release()
+            self._served = []
+        self._served.append(ServedCheckpoint(path, version, hold(path)))
 
     def _after_failure(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, (EngineCoreDeadError, TimeoutError)):
@@ -364,7 +380,8 @@ class ColocatedEngine:
             if locked:
                 self._lock.release()
         shutdown_engine(llm)
-        self._hold(None)
+        for link in getattr(self, "_served", ()):
+            link.release()
         del llm
         gc.collect()
 
@@ -373,50 +390,6 @@ class ColocatedEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _engine_environment(plugins: Sequence[str]) -> Iterator[None]:
-    """The environment the engine processes started inside this block inherit: ``plugins``
-    (run here too, and in no other engine) and this process's id, which the engine core
-    watches so that it does not outlive this process (:mod:`weight_bridge.vllm.lifeline`)."""
-    values = {FRONTEND_ENV: str(os.getpid())}
-    if plugins:
-        before = os.environ.get(PLUGINS_ENV)
-        values[PLUGINS_ENV] = ",".join([*filter(None, (before or "").split(",")), *plugins])
-        run_engine_plugins(values[PLUGINS_ENV])
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _worker_extension(requested: str | None) -> str:
-    """The bridge's worker extension, or the user's if it extends the bridge's.
-
-    vLLM mixes exactly one extension class into its workers; one that does not subclass the
-    bridge's would silently drop the bridge's methods, so it is refused with the way out.
-    """
-    if requested is None or requested == WORKER_EXTENSION:
-        return WORKER_EXTENSION
-    import importlib
-
-    from .worker import WeightBridgeWorkerExtension
-
-    module, _, name = requested.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, WeightBridgeWorkerExtension)):
-        raise ValueError(
-            f"worker_extension_cls={requested!r} would replace the bridge's worker methods: "
-            f"make it a subclass of {WORKER_EXTENSION} (both sets of methods are then available)"
-        )
-    return requested
 
 
 def _amended(error: Exception, note: str) -> Exception:

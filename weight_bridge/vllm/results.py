@@ -65,6 +65,7 @@ class PushReport:
     modules in ``reprocessed``) or ``layerwise``. ``direct``: weights written in place;
     ``refreshed``: module -> kind of derived state re-derived after the write;
     ``verified_writes``: writes read back and found equal to the checkpoint (every rank's).
+    ``partial``: the checkpoint held a subset of tensors, written on top of its base version.
     """
 
     checkpoint: str
@@ -84,6 +85,37 @@ class PushReport:
     readback_s: float = 0.0
     relocations: list[dict] = field(default_factory=list)
     workers: int = 1
+    partial: bool = False
+
+    @classmethod
+    def merged(
+        cls, results: list[PushResult], checkpoint: str, version: Any, partial: bool
+    ) -> PushReport:
+        """One report for every rank's result: rank 0's counts, the slowest rank's times,
+        every rank's relocations and read-backs."""
+        first = results[0].report
+        reports = [r.report for r in results]
+        return cls(
+            checkpoint=checkpoint,
+            version=version,
+            mode=results[0].mode,
+            reason=describe(first),
+            tensors=first.tensors,
+            bytes=first.bytes,
+            direct=first.direct,
+            refreshed=first.refreshed,
+            reprocessed=first.reprocessed,
+            verified_writes=sum(r.verified_writes for r in reports),
+            read_s=max(r.preflight_s for r in reports),
+            write_s=max(r.write_s for r in reports),
+            refresh_s=max(r.refresh_s for r in reports),
+            readback_s=max(r.readback_s for r in reports),
+            relocations=[
+                {**asdict(rel), "rank": r.rank} for r in results for rel in r.report.relocations
+            ],
+            workers=len(results),
+            partial=partial,
+        )
 
 
 def describe(report: ReloadReport) -> str:

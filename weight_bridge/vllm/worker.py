@@ -61,8 +61,10 @@ class WeightBridgeWorkerExtension:
         verify_hash: bool = False,
         mode: str = "direct",
         readback: str = "sampled",
+        partial: bool = False,
     ) -> dict:
-        """Reload ``checkpoint`` into this worker's model (``mode``: direct, auto, layerwise)."""
+        """Reload ``checkpoint`` into this worker's model (``mode``: direct, auto, layerwise);
+        ``partial``: a subset of tensors written on top of what the model holds."""
         model = self._bridge_model()
         result = PushResult(rank=int(getattr(self, "rank", 0)), mode=mode)
         before = undefined_reason(model)
@@ -71,7 +73,7 @@ class WeightBridgeWorkerExtension:
                 if verify_hash:
                     reader.verify_hash()
                 items = list(reader.tensors())
-                report = self._reload(model, items, finite, mode, readback, result)
+                report = self._reload(model, items, finite, mode, readback, partial, result)
             try:
                 self._reset_runner_caches()
             except Exception as exc:
@@ -95,25 +97,31 @@ class WeightBridgeWorkerExtension:
         finite: bool,
         mode: str,
         readback: str,
+        partial: bool,
         result: PushResult,
     ) -> ReloadReport:
-        if mode == "layerwise":
-            return self._layerwise(model, items, finite)
         if mode == "direct":
-            return direct_reload(model, items, finite=finite, readback=readback)
-        reprocessable = _auto_reprocessable(model)
-        plan = plan_direct_reload(model, reprocessable)
-        if plan.targets or plan.problems:
-            result.mode = "hybrid" if plan.reprocess else "direct"
-            return direct_reload(
-                model,
-                items,
-                finite=finite,
-                reprocessor=LayerwiseReprocessor(model, self.vllm_config.model_config),
-                reprocessable=reprocessable,
-                readback=readback,
+            return direct_reload(model, items, finite=finite, readback=readback, partial=partial)
+        if mode != "layerwise":
+            reprocessable = _auto_reprocessable(model)
+            plan = plan_direct_reload(model, reprocessable)
+            if plan.targets or plan.problems:
+                result.mode = "hybrid" if plan.reprocess else "direct"
+                return direct_reload(
+                    model,
+                    items,
+                    finite=finite,
+                    reprocessor=LayerwiseReprocessor(model, self.vllm_config.model_config),
+                    reprocessable=reprocessable,
+                    readback=readback,
+                    partial=partial,
+                )
+        if partial:
+            raise DirectReloadError(
+                "a partial checkpoint is written directly; vLLM's layerwise reload needs whole "
+                "layers: push a complete checkpoint (nothing was written)"
             )
-        result.mode = "layerwise"  # nothing at all can be written directly
+        result.mode = "layerwise"  # asked for, or nothing at all can be written directly
         return self._layerwise(model, items, finite)
 
     def _layerwise(self, model: torch.nn.Module, items: list, finite: bool) -> ReloadReport:
