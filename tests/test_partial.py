@@ -121,6 +121,7 @@ def test_partial_refused_before_any_full_push_and_in_layerwise_mode(
     assert_parity(greedy(engine), before)
 
 
+@pytest.mark.slow
 def test_partial_touching_one_moe_expert_refreshes_its_prepack(
     cold, engine_factory, tmp_path
 ) -> None:

@@ -1,0 +1,161 @@
+"""Pushing only what changed from a real ``Trainer``: frozen layers, and PEFT LoRA adapters.
+
+After every sync the engine must equal a cold start on the trainer's *full* weights as the
+engine's model sees them (LoRA merged: PEFT's own ``merge_and_unload`` on a copy), although
+only the first sync carried every tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_parity, greedy
+from lightning.pytorch.callbacks import Callback
+from test_callback import TinyLM, trainer
+
+from callbacks import VLLMWeightSync
+from callbacks.changed import sync_state
+from callbacks.names import CheckpointNames
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
+
+FROZEN = ("model.embed_tokens.", "model.layers.0.")
+
+
+class FullWeights(Callback):
+    """Listed after the sync: at each push, the engine's outputs and the trainer's full weights
+    under the engine's names (``merge``: PEFT's merge on a deep copy)."""
+
+    def __init__(self, sync: VLLMWeightSync, merge: bool = False) -> None:
+        self.sync, self.merge = sync, merge
+        self.pushes: list[dict] = []
+
+    def _look(self, pl_module) -> None:
+        if len(self.sync.history) == len(self.pushes):
+            return
+        model = pl_module.model
+        if self.merge:
+            model = copy.deepcopy(model).merge_and_unload()
+        tensors, _ = CheckpointNames("", {}, None).checkpoint_tensors(model.state_dict())
+        tensors = {name: t.clone() for name, t in tensors.items()}  # training goes on in place
+        assert self.sync.engine is not None
+        self.pushes.append(
+            {**self.sync.history[-1], "full": tensors, "greedy": greedy(self.sync.engine)}
+        )
+
+    def on_train_start(self, trainer, pl_module):
+        self._look(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._look(pl_module)
+
+
+def checkpoint_names(path: str) -> tuple[set[str], dict[str, str]]:
+    with CheckpointReader(path) as reader:
+        return set(reader.specs()), reader.metadata
+
+
+def cold_reference(config_dir: Path, tensors: dict, dst: Path) -> Path:
+    shutil.copytree(config_dir, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_checkpoint(tensors, dst / "model.safetensors")
+    return dst
+
+
+def run_and_check(recorder: FullWeights, config_dir: Path, cold, tmp_path: Path) -> None:
+    """Every push equal to a cold start on the full weights it stood for."""
+    for i, push in enumerate(recorder.pushes):
+        reference = cold_reference(config_dir, push["full"], tmp_path / f"cold-{push['step']}")
+        try:
+            assert_parity(push["greedy"], cold(reference))
+        except AssertionError as exc:
+            raise AssertionError(f"push {i} (step {push['step']}): {exc}") from None
+        if i:
+            assert push["greedy"] != recorder.pushes[i - 1]["greedy"]  # training moved it
+
+
+@pytest.mark.slow
+def test_frozen_layers_are_never_pushed_after_the_first_sync(
+    models, shared_engine, cold, tmp_path
+) -> None:
+    engine = shared_engine("llama_A")
+    module = TinyLM(str(models["llama_A"]), lr=0.05)
+    for name, p in module.model.named_parameters():
+        p.requires_grad_(not name.startswith(FROZEN))
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, keep_last_k=10, full_every_k=3)
+    recorder = FullWeights(sync)
+    trainer(tmp_path, [sync, recorder], max_steps=6).fit(module)
+
+    assert [(h["step"], h["partial"]) for h in sync.history] == [
+        (0, False),
+        (2, True),
+        (4, True),
+        (6, False),  # full_every_k=3: every third sync is complete
+    ]
+    full_names, _ = checkpoint_names(sync.history[0]["checkpoint"])
+    names, meta = checkpoint_names(sync.history[1]["checkpoint"])
+    assert meta[BASE_VERSION_KEY] == "0" and meta["version"] == "2"
+    assert names == {n for n in full_names if not n.startswith(FROZEN)}
+    assert sync.history[1]["bytes"] < sync.history[0]["bytes"]
+    run_and_check(recorder, models["llama_A"], cold, tmp_path)
+
+
+@pytest.fixture
+def lora_module(models):
+    peft = pytest.importorskip("peft")
+
+    def make(targets: list[str]) -> TinyLM:
+        module = TinyLM(str(models["qwen2_A"]), lr=0.5)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+        module.model = peft.get_peft_model(module.model, config)
+        return module
+
+    return make
+
+
+@pytest.mark.slow
+def test_lora_pushes_merged_adapted_weights_under_base_names(
+    models, shared_engine, cold, lora_module, tmp_path
+) -> None:
+    """Qwen2: tied embeddings; q_proj and v_proj are slices of the engine's fused qkv_proj,
+    gate_proj half of its fused gate_up_proj."""
+    engine = shared_engine("qwen2_A")
+    module = lora_module(["q_proj", "v_proj", "gate_proj"])
+    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, keep_last_k=10)
+    recorder = FullWeights(sync, merge=True)
+    trainer(tmp_path, [sync, recorder], max_steps=4).fit(module)
+
+    assert [(h["step"], h["partial"]) for h in sync.history] == [(0, False), (2, True), (4, True)]
+    full_names, _ = checkpoint_names(sync.history[0]["checkpoint"])
+    assert not any(
+        "lora_" in n or "base_layer" in n or n.startswith("base_model") for n in full_names
+    )
+    names, meta = checkpoint_names(sync.history[2]["checkpoint"])
+    assert meta[BASE_VERSION_KEY] == "2"
+    layers = module.model.base_model.model.config.num_hidden_layers
+    assert names == {
+        f"model.layers.{i}.{proj}.weight"
+        for i in range(layers)
+        for proj in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj")
+    }
+    run_and_check(recorder, models["qwen2_A"], cold, tmp_path)
+
+
+def test_lora_on_a_tied_embedding_is_refused_by_name(lora_module) -> None:
+    module = lora_module(["embed_tokens"])
+    with pytest.raises(ValueError, match=r"embed_tokens: a LoRA adapter on a tied weight"):
+        sync_state(module.model, module.model.state_dict(), changing_only=True)
+
+
+def test_sync_state_without_peft_keeps_names_and_drops_only_frozen(models) -> None:
+    module = TinyLM(str(models["qwen2_A"]))
+    module.model.model.embed_tokens.weight.requires_grad_(False)  # tied: lm_head too
+    state = module.model.state_dict()
+    everything = sync_state(module.model, state, changing_only=False)
+    assert not everything.partial and set(everything) == set(state)
+    changing = sync_state(module.model, state, changing_only=True)
+    assert changing.partial
+    assert set(state) - set(changing) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(changing[k], state[k]) for k in changing)
