@@ -25,6 +25,7 @@ from .config import (
     REAL_MODEL,
 )
 from .machine import RssSampler, descendants, proc_name
+from .partial import measure_partial
 from .stats import Rounds, compare, median, ratio, stats
 from .worker import BENCH_EXTENSION
 
@@ -321,6 +322,7 @@ def child_multiprocess(spec: dict[str, Any]) -> dict[str, Any]:
         # The engine's processes (engine core, worker) are this process's descendants.
         pids = descendants(os.getpid())
         out = measure_engine(engine, a, b, reps, pids, log)
+        out["partial"] = measure_partial(engine, a, b, a.parent, reps, log)
         out["process_names"] = [proc_name(p) for p in pids]
         out["worker_pids"] = engine.llm.collective_rpc("bench_pid")
         gen = spec.get("gen")

@@ -15,6 +15,10 @@ def _fmt_s(d: dict | None) -> str:
     return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}–{d['max']:.{digits}f}]"
 
 
+def _count(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
+
+
 def _fmt_x(x: float | None, digits: int = 2) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}×"
 
@@ -217,6 +221,32 @@ def render_markdown(results: dict[str, Any]) -> str:
             + f" | {_fmt_x(r.get('gen_repack_vs_stock'))}"
             + f" | {_fmt_x(r.get('gen_repack_vs_torch'))} |"
         )
+
+    lines += [
+        "",
+        "## Partial pushes (multi-process engine)",
+        "",
+        "A full push of B against partial checkpoints on top of it: `quarter` (the top layers, "
+        "a quarter of the bytes: frozen lower layers) and `lora_attention` (every attention "
+        "projection: LoRA adapters on attention, merged by the callback). Push time median "
+        "[min–max]; bytes and time as a fraction of the full push, same engine, same run.",
+        "",
+        "| size | push | tensors | MiB | bytes / full | time (s) | time / full "
+        "| modules refreshed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        part = dig(sizes[n], "multiprocess", "partial") or {}
+        for kind in ("full", "quarter", "lora_attention"):
+            p = part.get(kind)
+            if not p:
+                continue
+            lines.append(
+                f"| {n} | {kind} | {_count(dig(p, 'tensors', 'median'))} "
+                f"| {_mib(dig(p, 'bytes', 'median'))} | {_fmt_x(p.get('bytes_vs_full', 1.0))} "
+                f"| {_fmt_s(p)} | {_fmt_x(p.get('time_vs_full', 1.0))} "
+                f"| {_count(dig(p, 'refreshed', 'median'))} |"
+            )
 
     lines += ["", "## Correctness (greedy output after the push vs a cold start on B)", ""]
     checks = list(sizes[names[0]]["correctness"]["checks"])

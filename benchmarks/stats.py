@@ -190,9 +190,13 @@ def analyse(size: dict[str, Any]) -> None:
         checks[f"direct_{OTHER_CPU_LINEAR}_multiprocess"] = mp[f"engine_{OTHER_CPU_LINEAR}"].get(
             "parity_vs_own_cold", {"match": False}
         )
+    if "partial" in mp:
+        checks["partial_chain_multiprocess"] = mp["partial"].get("parity_vs_cold", {"match": False})
     a_out = ip.get("outputs", {}).get("A")
     discriminates = a_out is not None and cold is not None and a_out != cold
-    required = ("direct_inprocess", "direct_multiprocess")
+    required = ["direct_inprocess", "direct_multiprocess"]
+    if "partial" in mp:
+        required.append("partial_chain_multiprocess")
     size["correctness"] = {
         "reference": "greedy output of a cold in-process start on B (same engine settings)",
         "prompts": PARITY_PROMPTS,
