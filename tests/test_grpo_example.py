@@ -33,9 +33,15 @@ def _recipe() -> ModuleType:
     return module
 
 
-def _config(tmp_path: Path, steps: int, **sync: object) -> Path:
-    """``config.yaml`` with every path under ``tmp_path`` and the callback's options overridden."""
+def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: object) -> Path:
+    """``config.yaml`` (with an ``overlay``'s model and callback options) with every path under
+    ``tmp_path`` and the callback's options overridden."""
     cfg = yaml.safe_load((RECIPE / "config.yaml").read_text())
+    if overlay is not None:
+        extra = yaml.safe_load((RECIPE / overlay).read_text())
+        cfg["model"].update(extra.get("model", {}))
+        for cb in extra["trainer"].get("callbacks", []):
+            sync = {**cb["init_args"], **sync}
     run, model_dir = tmp_path / "run", tmp_path / "policy-init"
     trainer = cfg["trainer"]
     trainer["max_steps"] = steps
@@ -50,11 +56,17 @@ def _config(tmp_path: Path, steps: int, **sync: object) -> Path:
     return path
 
 
-def _fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, steps: int, **sync: object):
+def _fit(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    steps: int,
+    overlay: str | None = None,
+    **sync: object,
+):
     close_engine()  # one in-process vLLM engine at a time
     monkeypatch.setattr(sys, "argv", [str(RECIPE / "train.py")])  # not pytest's arguments
     monkeypatch.delenv("WEIGHT_BRIDGE_SYNC", raising=False)  # the YAML decides
-    cli = _recipe().main(["fit", "--config", str(_config(tmp_path, steps, **sync))])
+    cli = _recipe().main(["fit", "--config", str(_config(tmp_path, steps, overlay, **sync))])
     (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "VLLMWeightSync"]
     # The callback closes the engine it built at teardown, the module the one it built itself.
     assert callback.engine is None and cli.model._own_engine is None
@@ -118,3 +130,21 @@ def test_sync_off_samples_from_the_initial_policy(
     assert history[0]["logprob_gap"] < 1e-3 < history[-1]["logprob_gap"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["sync"]["enabled"] is False
+
+
+def test_lora_overlay_pushes_only_merged_adapted_weights_and_stays_on_policy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    steps = 4
+    cli, callback = _fit(monkeypatch, tmp_path, steps, "lora.yaml")
+    history = cli.model.history
+    assert [h["policy_version"] for h in history] == list(range(steps))
+    # The trainer computes with base + adapters, the engine with the merged weights.
+    assert max(h["logprob_gap"] for h in history) < 1e-3
+    pushes = callback.history
+    assert [p["partial"] for p in pushes] == [False] + [True] * steps
+    assert all(p["bytes"] < pushes[0]["bytes"] / 2 for p in pushes[1:])
+    saved = load_file(str(callback.last_checkpoint))
+    assert saved and all(n.endswith("_proj.weight") for n in saved)  # base names, merged
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["partial_pushes"] == steps

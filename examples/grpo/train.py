@@ -212,6 +212,10 @@ class GRPO(pl.LightningModule):
         digit_credit: reward per non-target digit token (0: only the right digit counts).
         strict_on_policy: raise when a rollout's version is not the last pushed step.
         push_log_every: print the sync callback's push line every this many steps.
+        lora_rank: 0 trains every weight; above 0, PEFT LoRA adapters of this rank on
+            ``lora_targets`` (the base stays frozen; the sync callback pushes only the merged
+            adapted weights after its first, complete push).
+        lora_alpha, lora_targets: the adapters' scale numerator and target module names.
         run_dir: where ``reward.png`` and ``summary.json`` go.
         data_seed: seed of the prompt stream.
     """
@@ -237,6 +241,9 @@ class GRPO(pl.LightningModule):
         push_log_every: int = 50,
         run_dir: str = "runs/grpo",
         data_seed: int = 0,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -261,6 +268,13 @@ class GRPO(pl.LightningModule):
             # Before fit, so the callback's setup finds it when it starts the engine.
             build_tiny_model(path, arch=arch, size=size, seed=init_seed)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(
+                r=lora_rank, lora_alpha=lora_alpha, target_modules=list(lora_targets)
+            )
+            self.model = get_peft_model(self.model, config)
         self.model.train()
         self.ref_model = None
         if kl_coef > 0:
@@ -289,9 +303,8 @@ class GRPO(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # The real model's 135 M parameters: the fused CPU kernel is several times faster.
         fused = True if self.hparams.model_source != "tiny" else None
-        return torch.optim.AdamW(
-            self.model.parameters(), lr=self.hparams.lr, weight_decay=0.0, fused=fused
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trained, lr=self.hparams.lr, weight_decay=0.0, fused=fused)
 
     # -- the engine and its sync callback ------------------------------------------------------
 
@@ -602,10 +615,15 @@ class GRPO(pl.LightningModule):
             "last_checkpoint": str(getattr(cb, "last_checkpoint", None) or ""),
             "plot": str(run_dir / "reward.png"),
         }
-        pushes = [h["push_s"] for h in getattr(cb, "history", None) or []] if synced else []
+        records = (getattr(cb, "history", None) or []) if synced else []
+        pushes = [h["push_s"] for h in records]
         if pushes:
             summary["push_s_median"] = sorted(pushes)[len(pushes) // 2]
             summary["push_s_max"] = max(pushes)
+            sizes = sorted(h["bytes"] for h in records)
+            summary["push_bytes_first"] = records[0]["bytes"]
+            summary["push_bytes_median"] = sizes[len(sizes) // 2]
+            summary["partial_pushes"] = sum(bool(h.get("partial")) for h in records)
         samples = [h["sample"] for h in self.history if "sample" in h]
         if samples:
             summary["sample_first"], summary["sample_last"] = samples[0], samples[-1]
