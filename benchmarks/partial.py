@@ -58,8 +58,9 @@ def measure_partial(
         a_tensors = {n: t.clone() for n, t in reader.tensors()}
     kinds = _selections(a_tensors)
     files: dict[tuple[str, str], Path] = {}
-    root = workdir / "partial"
-    root.mkdir(parents=True, exist_ok=True)
+    root = workdir / f"partial-{a.name}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
 
     def partial_file(kind: str, base: str) -> Path:
         if (kind, base) not in files:

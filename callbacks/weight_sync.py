@@ -10,9 +10,6 @@ engine serves after a push is exactly what a fresh engine on that file would ser
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -31,12 +28,12 @@ from weight_bridge.vllm.engine import ColocatedEngine
 from .canary import CanaryError, default_probe, logprob_gap
 from .changed import sync_state
 from .names import CheckpointNames
+from .retention import prune, release, sync_dir
 
 __all__ = ["VLLMWeightSync"]
 
 _OFF = {"0", "false", "off", "no"}
 _ON = {"1", "true", "on", "yes"}
-_STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
 
 
 class VLLMWeightSync(Callback):
@@ -204,19 +201,13 @@ class VLLMWeightSync(Callback):
             if self._engine is None and self.model_path is not None:
                 self._engine = ColocatedEngine(self.model_path, **self.engine_kwargs)
                 self._owns_engine = True
-            self._dir = Path(trainer.strategy.broadcast(str(self._resolve_dir(trainer))))
+            where = sync_dir(
+                self.ram_dir, self.dirpath, trainer.log_dir or trainer.default_root_dir
+            )
+            self._dir = Path(trainer.strategy.broadcast(str(where)))
             if self.node_local:
                 self._dir = self._dir / f"node{trainer.node_rank}"
         _expose(pl_module, self._engine)
-
-    def _resolve_dir(self, trainer: pl.Trainer) -> Path:
-        if self.ram_dir:
-            shm = Path("/dev/shm")
-            root = shm if shm.is_dir() else Path(tempfile.gettempdir())
-            return root / f"weight_bridge-{os.getpid()}"
-        if self.dirpath is not None:
-            return Path(self.dirpath)
-        return Path(trainer.log_dir or trainer.default_root_dir) / "weight_sync"
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -238,13 +229,7 @@ class VLLMWeightSync(Callback):
             self._owns_engine = False
             _expose(pl_module, None)
         if self.ram_dir and self._dir is not None and self._is_writer(trainer):
-            served = self._engine.checkpoint if self._engine is not None else None
-            if served is None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-            else:
-                for f in self._dir.glob("step-*.safetensors"):
-                    if str(f.resolve()) != served:
-                        f.unlink(missing_ok=True)
+            release(self._dir, self._engine.served_checkpoints if self._engine else ())
 
     # -- cadence -----------------------------------------------------------------------------
 
@@ -366,7 +351,9 @@ class VLLMWeightSync(Callback):
         }
         self.history.append(record)
         if self._is_writer(trainer):
-            self._prune(path)
+            served = self._engine.served_checkpoints if self._engine is not None else []
+            assert self._dir is not None
+            prune(self._dir, path, self.keep_last_k, served)
             metrics = {
                 "weight_sync/save_s": save_s,
                 "weight_sync/push_s": push_s,
@@ -448,22 +435,6 @@ class VLLMWeightSync(Callback):
             f"{type(error).__name__}: {error}"
         )
         rank_zero_warn(message)
-
-    def _prune(self, current: Path) -> None:
-        """Delete all but the newest ``keep_last_k`` checkpoints, never one that is served."""
-        assert self._dir is not None
-        keep = {current.resolve()}
-        if self._engine is not None:
-            keep.update(Path(p).resolve() for p in self._engine.served_checkpoints)
-        found = []
-        for f in self._dir.glob("step-*.safetensors"):
-            m = _STEP_FILE.match(f.name)
-            if m:
-                found.append((int(m.group(1)), f))
-        found.sort()
-        for _, f in found[: -self.keep_last_k]:
-            if f.resolve() not in keep:
-                f.unlink(missing_ok=True)
 
 
 def _expose(pl_module: pl.LightningModule, engine: ColocatedEngine | None) -> None:

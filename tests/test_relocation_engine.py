@@ -12,6 +12,7 @@ from conftest import assert_parity, greedy, run_engine_check
 from safetensors.torch import load_file
 
 import weight_bridge.direct.plan as plan_mod
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
 from weight_bridge.direct import DirectReloadError, ResolvedTarget
 from weight_bridge.testing import TEST_ARCHITECTURES
 from weight_bridge.testing.architectures import (
@@ -165,6 +166,22 @@ def test_transformed_and_derived_weights_refused_in_direct_reprocessed_in_auto(
     engine.push(a, version=3)
     assert_parity(greedy(engine), before)
     assert engine.addresses() == addresses
+
+    # A partial checkpoint cannot feed vLLM's re-processing, which loads whole modules.
+    name = "model.layers.1.mlp.down_proj.weight"  # untouched by the processing
+    partial = save_partial(b, name, base="3", path=a.parent / "partial.safetensors")
+    with pytest.raises(DirectReloadError, match="cannot be re-processed") as info:
+        engine.push(partial)
+    assert set(info.value.problems) == {TRANSFORMED_MODULE, DERIVED_MODULE}
+    assert engine.version == 3 and engine.undefined is None
+    assert_parity(greedy(engine), before)
+
+
+def save_partial(model_dir, name: str, base: str, path) -> str:
+    with CheckpointReader(model_dir / "model.safetensors") as reader:
+        tensor = reader.tensor(name).clone()
+    save_checkpoint({name: tensor}, path, {BASE_VERSION_KEY: base, "version": "partial"})
+    return str(path)
 
 
 def test_explain_names_refreshed_and_reprocessed_modules(processing) -> None:
