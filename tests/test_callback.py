@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 import weight_bridge.checkpoint.write as checkpoint_write
 from callbacks import VLLMWeightSync
 from callbacks.canary import CanaryError
+from callbacks.retention import prune
 from weight_bridge.checkpoint import CheckpointReader
 from weight_bridge.vllm import ColocatedEngine
 
@@ -280,7 +281,7 @@ def test_keeps_the_last_k_and_never_the_served_one(models, shared_engine, tmp_pa
     # An engine serving an older file (pushed by someone else) keeps it across pruning.
     shutil.copy(out / names[4], out / names[1])
     engine.push(out / names[1], version="rollback")
-    sync._prune(out / names[5])
+    prune(out, out / names[5], 2, engine.served_checkpoints)
     assert step_files(out) == [names[1], names[4], names[5]]
 
 
