@@ -162,10 +162,10 @@ def test_compiled_engine_push_matches_cold_start(models) -> None:
 def test_a_foreign_worker_extension_is_refused_and_a_subclass_composes(models) -> None:
     """vLLM mixes one extension class into its workers: one that does not extend the bridge's
     would silently drop the bridge's methods, so it is refused before an engine starts."""
-    from weight_bridge.vllm.engine import WORKER_EXTENSION, _worker_extension
+    from weight_bridge.vllm.launch import WORKER_EXTENSION, worker_extension
 
     with pytest.raises(ValueError, match="subclass of weight_bridge"):
         ColocatedEngine(models["llama_A"], worker_extension_cls="collections.OrderedDict")
     mine = "benchmarks.worker.BenchWorkerExtension"  # the benchmark's: the bridge's + its own
-    assert _worker_extension(mine) == mine
-    assert _worker_extension(None) == WORKER_EXTENSION
+    assert worker_extension(mine) == mine
+    assert worker_extension(None) == WORKER_EXTENSION
