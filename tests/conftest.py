@@ -74,7 +74,6 @@ def run_script(
     vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` once per process, so each engine mode gets a
     process of its own.
     """
-    import json
     import subprocess
     import sys
 
@@ -87,9 +86,29 @@ def run_script(
         text=True,
         timeout=900,
     )
+    return result_of(proc), proc.stderr
+
+
+def result_of(proc) -> dict:
+    """The last ``RESULT {json}`` line a finished test script printed; fails with its stderr if
+    it exited non-zero or printed none."""
+    import json
+
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def model_dir_with(config_dir: Path, tensors: dict, dst: Path) -> Path:
+    """A model directory (``config_dir``'s config and tokenizer) holding ``tensors``: what a
+    reference cold start loads."""
+    import shutil
+
+    from weight_bridge.checkpoint import save_checkpoint
+
+    shutil.copytree(config_dir, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_checkpoint(tensors, dst / "model.safetensors")
+    return dst
 
 
 def run_engine_check(*args: str, multiprocess: bool = True, env: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import result_of
 
 from weight_bridge.testing import real_model
 from weight_bridge.vllm.memory import (
@@ -169,9 +170,7 @@ def test_plain_script_engine_stays_within_its_budget(tmp_path: Path) -> None:
         text=True,
         timeout=600,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
+    r = result_of(proc)
 
     kv = int(CPU_DEFAULT_KV_CACHE_GB * GiB)
     assert r["kv_cache_memory_bytes"] == kv

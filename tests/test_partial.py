@@ -12,11 +12,10 @@ FAULT INJECTION (the rollback case only): one weight loader raises mid-push, as 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_parity, greedy
+from conftest import assert_parity, greedy, model_dir_with
 from test_transactions import FAULT_PARAM, arm_write_fault
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
@@ -39,13 +38,11 @@ def partial_checkpoint(src: Path, names: list[str], base: str, version: str, pat
 
 def equivalent_full(base_dir: Path, parts: list[tuple[Path, list[str]]], dst: Path) -> Path:
     """A model directory holding ``base_dir``'s weights with each part's names replaced."""
-    shutil.copytree(base_dir, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     tensors = tensors_of(base_dir)
     for src, names in parts:
         other = tensors_of(src)
         tensors.update({n: other[n] for n in names})
-    save_checkpoint(tensors, dst / "model.safetensors")
-    return dst
+    return model_dir_with(base_dir, tensors, dst)
 
 
 def test_partials_in_sequence_equal_cold_starts_and_a_wrong_base_is_refused(

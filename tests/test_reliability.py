@@ -27,7 +27,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import ENGINE_KWARGS, PROMPTS, TESTS, assert_parity, greedy  # noqa: E402
+from conftest import (  # noqa: E402
+    ENGINE_KWARGS,
+    PROMPTS,
+    TESTS,
+    assert_parity,
+    greedy,
+    result_of,
+)
 
 from weight_bridge.checkpoint import INDEX_NAME, CheckpointError  # noqa: E402
 from weight_bridge.direct import DirectReloadError  # noqa: E402
@@ -509,9 +516,7 @@ def test_worker_death_or_hang_is_a_bounded_error(models) -> None:
         text=True,
         timeout=800,  # the test itself can never hang
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    results = json.loads(lines[-1][len("RESULT ") :])
+    results = result_of(proc)
     for action, r in results.items():
         if action == "core-killed":
             print(
