@@ -86,7 +86,7 @@ def sync_state(
     """
     out = SyncState()
     if root is None:
-        out.update((k, v) for k, v in state.items() if isinstance(v, torch.Tensor))
+        out.update(state)
         return out
     params = dict(root.named_parameters(remove_duplicate=False))
     counts: dict[int, int] = {}

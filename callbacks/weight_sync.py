@@ -306,7 +306,6 @@ class VLLMWeightSync(Callback):
             error = exc
         save_s = time.perf_counter() - started
         if not strategy.reduce_boolean_decision(error is None, all=True):
-            self._partials_in_row = None
             self._fail(step, "save", error)
             return
         if not self.node_local:
@@ -322,7 +321,6 @@ class VLLMWeightSync(Callback):
                 self._recover()
         push_s = time.perf_counter() - started
         if not strategy.reduce_boolean_decision(error is None, all=True):
-            self._partials_in_row = None
             self._fail(step, "push", error)
             return
         gap = None
@@ -332,7 +330,6 @@ class VLLMWeightSync(Callback):
             except Exception as exc:
                 error = exc
         if not strategy.reduce_boolean_decision(error is None, all=True):
-            self._partials_in_row = None
             self._fail(step, "canary", error)
             return
 
@@ -425,6 +422,7 @@ class VLLMWeightSync(Callback):
             warnings.warn(message, stacklevel=2)
 
     def _fail(self, step: int, what: str, error: BaseException | None) -> None:
+        self._partials_in_row = None  # the next sync is complete
         if error is None:
             error = RuntimeError(f"weight sync of step {step} failed on another rank ({what})")
         if self.on_error == "raise":

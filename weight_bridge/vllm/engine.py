@@ -125,9 +125,8 @@ class ColocatedEngine:
         self.verify_hash = verify_hash
         self.rpc_timeout_s = rpc_timeout_s
         self.version: Any = None
-        self._served: list[
-            ServedCheckpoint
-        ] = []  # the full checkpoint, then the partials on top of it
+        # what the served version is made of: a complete checkpoint, then partials on top of it
+        self._served: list[ServedCheckpoint] = []
         self._undefined: str | None = None
         self._lock = threading.RLock()
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
@@ -193,7 +192,8 @@ class ColocatedEngine:
 
     @property
     def checkpoint(self) -> str | None:
-        """The checkpoint last pushed completely (a partial one: see :attr:`served_checkpoints`)."""
+        """The checkpoint pushed last (after partial pushes, the last partial one; the whole
+        chain is :attr:`served_checkpoints`)."""
         return self._served[-1].path if self._served else None
 
     @property
