@@ -341,6 +341,19 @@ def test_bad_arguments_are_refused_up_front(models) -> None:
 # -- failures ------------------------------------------------------------------------------
 
 
+def crash_before_rename(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A mock: a crash after the data is written and fsynced but before the rename cannot be
+    caused for real from inside a test, so the rename to ``name`` raises as a crash would."""
+    real_replace = os.replace
+
+    def crash(src, dst):
+        if Path(dst).name == name:
+            raise OSError("injected crash before rename")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_write.os, "replace", crash)
+
+
 @pytest.mark.parametrize("on_error", ["raise", "warn"])
 def test_crash_between_write_and_rename_leaves_the_previous_checkpoint(
     models, shared_engine, tmp_path, monkeypatch, on_error
@@ -348,16 +361,7 @@ def test_crash_between_write_and_rename_leaves_the_previous_checkpoint(
     engine = shared_engine("llama_A")
     out = tmp_path / "ws"
     sync = VLLMWeightSync(engine=engine, dirpath=str(out), keep_last_k=5, on_error=on_error)
-    real_replace = os.replace
-
-    # A mock: a crash after the data is written and fsynced but before the rename cannot be
-    # caused for real from inside the test, so the rename of step 2 raises as a crash would.
-    def crash(src, dst):
-        if Path(dst).name == "step-00000002.safetensors":
-            raise OSError("injected crash before rename")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(checkpoint_write.os, "replace", crash)
+    crash_before_rename(monkeypatch, "step-00000002.safetensors")
     module = TinyLM(str(models["llama_A"]))
     run = trainer(tmp_path, [sync], max_steps=3)
     if on_error == "raise":

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import assert_parity, greedy, model_dir_with
 from lightning.pytorch.callbacks import Callback
-from test_callback import TinyLM, trainer
+from test_callback import TinyLM, crash_before_rename, trainer
 
 from callbacks import VLLMWeightSync
 from callbacks.changed import sync_state
@@ -98,21 +98,8 @@ def test_frozen_layers_are_never_pushed_after_the_first_sync(
 def test_a_failed_sync_makes_the_next_one_complete(
     models, shared_engine, tmp_path, monkeypatch
 ) -> None:
-    import os
-
-    import weight_bridge.checkpoint.write as checkpoint_write
-
     engine = shared_engine("llama_A")
-    real_replace = os.replace
-
-    # A mock: the save of step 2 fails (as in test_callback's crash test); a failed sync cannot
-    # be caused for real from inside the test.
-    def crash(src, dst):
-        if Path(dst).name == "step-00000002.safetensors":
-            raise OSError("injected crash before rename")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(checkpoint_write.os, "replace", crash)
+    crash_before_rename(monkeypatch, "step-00000002.safetensors")  # a mock: the save fails
     module = TinyLM(str(models["llama_A"]))
     module.model.model.embed_tokens.weight.requires_grad_(False)
     sync = VLLMWeightSync(engine=engine, dirpath=str(tmp_path / "ws"), on_error="warn")
