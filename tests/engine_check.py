@@ -5,9 +5,11 @@ default) and tensor parallelism are tested from their own processes through this
 
     python tests/engine_check.py push MODEL_A MODEL_B [--tp 2] [--compile]
     python tests/engine_check.py cold MODEL [--cpu-linear stock]
+    python tests/engine_check.py partial MODEL_A PARTIAL [--tp 2]
 
 ``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
-greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts.
+greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts;
+``partial`` pushes A's own checkpoint (version 0), then the partial checkpoint on top of it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["cold", "push"])
+    parser.add_argument("scenario", choices=["cold", "push", "partial"])
     parser.add_argument("model_a")
     parser.add_argument("model_b", nargs="?")
     parser.add_argument("--tp", type=int, default=1)
@@ -45,6 +47,16 @@ def main() -> None:
         with ColocatedEngine(args.model_a, **kwargs) as engine:
             result["cold"] = greedy(engine)
             result["startup_s"] = engine.startup_s
+        print("RESULT " + json.dumps(result, default=str))
+        return
+    if args.scenario == "partial":
+        with ColocatedEngine(args.model_a, **kwargs) as engine:
+            addresses = engine.addresses()
+            engine.push(Path(args.model_a) / "model.safetensors", version=0)
+            report = engine.push(args.model_b)
+            result["report"] = report.__dict__
+            result["pushed"] = greedy(engine)
+            result["addresses_unchanged"] = engine.addresses() == addresses
         print("RESULT " + json.dumps(result, default=str))
         return
     with ColocatedEngine(args.model_a, reload_mode=args.reload_mode, **kwargs) as engine:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import assert_parity, greedy, model_dir_with
+from conftest import assert_parity, greedy, model_dir_with, run_engine_check
 from test_transactions import FAULT_PARAM, arm_write_fault
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
@@ -131,3 +131,21 @@ def test_partial_touching_one_moe_expert_refreshes_its_prepack(
     report = engine.push(partial_checkpoint(b, names, "1", "2", tmp_path / "p.safetensors"))
     assert report.partial and list(report.refreshed.values()) == ["cpu MoE prepack"]
     assert_parity(greedy(engine), cold(equivalent_full(a, [(b, names)], tmp_path / "m")))
+
+
+@pytest.mark.slow
+def test_partial_push_in_the_multiprocess_tensor_parallel_engine(models, cold, tmp_path) -> None:
+    """vLLM's default multi-process engine, two tensor-parallel ranks: each rank notes its own
+    writes (the tied, vocabulary-sharded embedding and a fused slice) and refreshes them."""
+    a, b = models["qwen2_A"], models["qwen2_B"]
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    partial = partial_checkpoint(b, names, "0", "1", tmp_path / "p.safetensors")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = run_engine_check("partial", str(a), str(partial), "--tp", "2", env=env)
+    assert r["report"]["partial"] and r["report"]["workers"] == 2
+    assert r["report"]["tensors"] == 2 and r["addresses_unchanged"]
+    reference = run_engine_check(
+        "cold", str(equivalent_full(a, [(b, names)], tmp_path / "m")), "--tp", "2", env=env
+    )
+    assert_parity(r["pushed"], reference["cold"])
+    assert r["pushed"] != cold(a)
