@@ -38,7 +38,7 @@ def main() -> None:
 
     import lightning.pytorch as pl
     import torch
-    from conftest import ENGINE_KWARGS, greedy
+    from helpers import ENGINE_KWARGS, greedy
     from transformers import AutoModelForCausalLM
 
     from callbacks import VLLMWeightSync

@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=1, help="B/A push rounds")
     args = parser.parse_args()
 
-    from conftest import ENGINE_KWARGS, greedy
+    from helpers import ENGINE_KWARGS, greedy
 
     from weight_bridge.vllm import ColocatedEngine
 

@@ -187,7 +187,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from conftest import ENGINE_KWARGS, run_engine_check
+    from helpers import ENGINE_KWARGS, run_engine_check
 
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.vllm import ColocatedEngine

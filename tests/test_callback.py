@@ -7,65 +7,28 @@ The reference for what the engine serves is a cold start on the very checkpoint 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import ENGINE_KWARGS, assert_parity, close_engine, greedy
+from helpers import (
+    ENGINE_KWARGS,
+    TinyLM,
+    assert_parity,
+    close_engine,
+    crash_before_rename,
+    greedy,
+    trainer,
+)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
 
-import weight_bridge.checkpoint.write as checkpoint_write
 from callbacks import VLLMWeightSync
 from callbacks.canary import CanaryError
 from callbacks.retention import prune
 from weight_bridge.checkpoint import CheckpointReader
-from weight_bridge.vllm import ColocatedEngine
-
-VOCAB = 512
-
-
-class TinyLM(pl.LightningModule):
-    """A Hugging Face causal LM trained with plain SGD on seeded random tokens.
-
-    ``rollout=True`` makes every training step generate with ``self.vllm_engine``, as an RL
-    step would, and records which policy version answered.
-    """
-
-    vllm_engine: ColocatedEngine | None  # set by VLLMWeightSync.setup
-
-    def __init__(self, model_path: str, lr: float = 1e-2, rollout: bool = False) -> None:
-        super().__init__()
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.lr = lr
-        self.rollout = rollout
-        self.rollout_versions: list[object] = []
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        if self.rollout:
-            from vllm import SamplingParams
-
-            from weight_bridge.vllm import token_prompts
-
-            assert self.vllm_engine is not None
-            outs = self.vllm_engine.generate(
-                token_prompts([[1, 20, 21]]), SamplingParams(max_tokens=2)
-            )
-            self.rollout_versions.append(outs[0].policy_version)
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-    def train_dataloader(self) -> DataLoader:
-        tokens = torch.randint(4, VOCAB, (64, 16), generator=torch.Generator().manual_seed(0))
-        return DataLoader(tokens, batch_size=4)  # type: ignore[arg-type]
 
 
 class Recorder(Callback):
@@ -100,20 +63,6 @@ class Recorder(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self._look(trainer, pl_module)
-
-
-def trainer(tmp_path: Path, callbacks: list, max_steps: int, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    return pl.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
 
 
 def step_files(directory: Path) -> list[str]:
@@ -339,19 +288,6 @@ def test_bad_arguments_are_refused_up_front(models) -> None:
 
 
 # -- failures ------------------------------------------------------------------------------
-
-
-def crash_before_rename(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """A mock: a crash after the data is written and fsynced but before the rename cannot be
-    caused for real from inside a test, so the rename to ``name`` raises as a crash would."""
-    real_replace = os.replace
-
-    def crash(src, dst):
-        if Path(dst).name == name:
-            raise OSError("injected crash before rename")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(checkpoint_write.os, "replace", crash)
 
 
 @pytest.mark.parametrize("on_error", ["raise", "warn"])

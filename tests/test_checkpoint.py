@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Evil
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -108,16 +109,6 @@ def write_raw(path: Path, header: object, data: bytes = b"", pad: bool = True) -
         text += b" " * (-(8 + len(text)) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
     return path
-
-
-class Evil:
-    """Unpickling this writes a marker file: proof of whether a pickle was ever executed."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 # -- bad inputs: each a real file, refused by name before a byte is written --------------------

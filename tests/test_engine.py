@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_KWARGS, assert_parity, close_engine, greedy, run_engine_check
+from helpers import ENGINE_KWARGS, assert_parity, close_engine, greedy, run_engine_check
 
 from weight_bridge.checkpoint import CheckpointError
 from weight_bridge.direct import DirectReloadError

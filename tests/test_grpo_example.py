@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 import yaml
-from conftest import close_engine
+from helpers import close_engine
 from safetensors.torch import load_file
 
 RECIPE = Path(__file__).resolve().parents[1] / "examples" / "grpo"

@@ -12,7 +12,7 @@ name; here every family is expected to be written directly (MoE experts refreshe
 from __future__ import annotations
 
 import pytest
-from conftest import assert_parity, greedy, run_engine_check
+from helpers import assert_parity, greedy, run_engine_check
 
 from weight_bridge.testing.models import (
     MATRIX,

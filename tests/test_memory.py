@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import result_of
+from helpers import result_of
 
 from weight_bridge.testing import real_model
 from weight_bridge.vllm.memory import (

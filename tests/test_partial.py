@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import assert_parity, greedy, model_dir_with, run_engine_check
+from helpers import assert_parity, greedy, model_dir_with, run_engine_check
 from test_transactions import FAULT_PARAM, arm_write_fault
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_parity, greedy, model_dir_with
+from helpers import TinyLM, assert_parity, crash_before_rename, greedy, model_dir_with, trainer
 from lightning.pytorch.callbacks import Callback
-from test_callback import TinyLM, crash_before_rename, trainer
 
 from callbacks import VLLMWeightSync
 from callbacks.changed import sync_state

@@ -242,7 +242,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
 ) -> None:
     import lightning.pytorch as pl
     import torch
-    from conftest import close_engine
+    from helpers import close_engine
     from lightning.pytorch.callbacks import Callback
     from safetensors.torch import load_file
     from torch.utils.data import DataLoader

@@ -27,7 +27,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
     ENGINE_KWARGS,
     PROMPTS,
     TESTS,
@@ -151,7 +151,7 @@ def _bad_checkpoints(models: dict[str, Path], tmp: Path) -> list[tuple]:
     zipped = tmp / "torch-save.safetensors"
     import pickle
 
-    from test_checkpoint import Evil
+    from helpers import Evil
 
     torch.save({"evil": Evil(tmp / "PWNED"), **b}, zipped)
     out.append(("torch.save zip", zipped, {}, CheckpointError, "zip archive", zipped, None))

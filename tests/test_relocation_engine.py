@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_parity, greedy, run_engine_check
+from helpers import assert_parity, greedy, run_engine_check
 from safetensors.torch import load_file
 
 import weight_bridge.direct.plan as plan_mod

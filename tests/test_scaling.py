@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, assert_parity, run_engine_check
+from helpers import TESTS, assert_parity, run_engine_check
 
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 

@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import ENGINE_KWARGS, assert_parity, greedy, run_script  # noqa: E402
+from helpers import ENGINE_KWARGS, assert_parity, greedy, run_script  # noqa: E402
 
 from weight_bridge.direct import DirectReloadError  # noqa: E402
 
