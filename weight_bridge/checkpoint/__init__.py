@@ -1,4 +1,5 @@
-"""Safetensors checkpoints: atomic, hashed, owner-only writes; validated, zero-copy reads.
+"""Safetensors checkpoints: streamed, atomic, hashed, owner-only writes; validated, zero-copy
+reads.
 
 Reads never unpickle and never trust the file: the header is parsed and checked (size bounds,
 dtypes, shapes against byte ranges, ranges inside the file, no duplicate names) before any
@@ -8,8 +9,9 @@ once: its header is read from, and its map made of, the same open file, so a fil
 the path in between cannot pair one file's header with another's bytes. A file that is not
 safetensors (a ``torch.save`` zip or pickle renamed, say) is refused by its first bytes.
 
-Writes are atomic (a temporary file renamed into place), owner-only and hashed; how, and what a
-failed or killed writer leaves behind: :mod:`.write`.
+Writes are streamed (the header from shapes and dtypes first, then one tensor at a time, so a
+sharded trainer never holds the whole model), atomic (a temporary file renamed into place),
+owner-only and hashed; how, and what a failed or killed writer leaves behind: :mod:`.write`.
 
 Limitation: a file that another program truncates *in place* while an engine has it mapped
 makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-place writers
@@ -17,8 +19,9 @@ makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-
 
 Modules: :mod:`.errors` (the exceptions), :mod:`.format` (dtype names, limits, the content
 hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard index,
-:class:`CheckpointReader`), :mod:`.write` (:func:`save_checkpoint`). Tests that inject faults
-patch the module that looks the name up (``weight_bridge.checkpoint.write`` for the writer).
+:class:`CheckpointReader`), :mod:`.write` (:class:`CheckpointWriter`, :func:`save_checkpoint`).
+Tests that inject faults patch the module that looks the name up
+(``weight_bridge.checkpoint.write`` for the writer).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
 from .read import CheckpointReader, resolve_checkpoint_files
 from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
-from .write import SavedCheckpoint, save_checkpoint
+from .write import CheckpointWriter, SavedCheckpoint, save_checkpoint
 
 __all__ = [
     "BASE_VERSION_KEY",
@@ -40,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "CheckpointWriteError",
+    "CheckpointWriter",
     "SavedCheckpoint",
     "resolve_checkpoint_files",
     "save_checkpoint",

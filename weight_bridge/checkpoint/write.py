@@ -1,11 +1,20 @@
-"""Writing checkpoints: atomic, hashed, owner-only.
+"""Writing checkpoints: streamed, atomic, hashed, owner-only.
+
+One write path, :class:`CheckpointWriter`: the header (names, shapes, dtypes, byte offsets) is
+computed from metadata before any tensor exists, so a sharded trainer can gather one tensor at a
+time, hand it over, and free it; the writer never holds more than the tensor it is writing.
+Tensors arrive in header order; each is checked against its entry (name, shape, dtype), written
+at its offset and folded into the blake3 hash of the data section; :meth:`~CheckpointWriter.finish`
+writes the hash into the header, fsyncs and renames. :func:`save_checkpoint` is the same writer
+fed from a mapping.
 
 Writes go to an owner-only (0600) temporary file in the target directory, locked while it is
 written, and are renamed into place, so a reader never sees a partial file, a file an engine
-has mapped is never overwritten in place, and a write that fails (disk full, file too large)
-leaves the previous file untouched and removes its temporary file. The temporary file of a
-writer that was killed (SIGKILL) is left behind, hidden, under a name no reader picks up; a
-later save into the same directory removes it once its lock is free and it is a minute old.
+has mapped is never overwritten in place, and a write that fails (disk full, file too large, a
+refused tensor, an abort) leaves the previous file untouched and removes its temporary file. The
+temporary file of a writer that was killed (SIGKILL) is left behind, hidden, under a name no
+reader picks up; a later save into the same directory removes it once its lock is free and it
+is a minute old.
 """
 
 from __future__ import annotations
@@ -14,22 +23,24 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import stat
 import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from .errors import CheckpointError, CheckpointWriteError
 from .format import DTYPE_NAMES, HASH_KEY
 
-__all__ = ["STALE_TEMP_AGE_S", "SavedCheckpoint", "save_checkpoint"]
+__all__ = ["STALE_TEMP_AGE_S", "CheckpointWriter", "SavedCheckpoint", "save_checkpoint"]
 
 STALE_TEMP_AGE_S = 60.0  # an unlocked temporary file this old belongs to a dead writer
 _TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")  # mkstemp's 8 characters
@@ -79,14 +90,222 @@ def _remove_stale_temps(path: Path) -> None:
             os.close(fd)
 
 
+class TensorMeta(Protocol):
+    """What the header needs of a tensor: a ``torch.Tensor``, a meta tensor, a ``TensorSpec``."""
+
+    @property
+    def shape(self) -> torch.Size | tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """A checkpoint written by :func:`save_checkpoint`."""
+    """A checkpoint written by :class:`CheckpointWriter` or :func:`save_checkpoint`."""
 
     path: Path
     bytes: int
     hash: str
     elapsed_s: float
+
+
+@dataclass(frozen=True)
+class _Planned:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    begin: int
+    end: int
+
+
+def _plan(
+    path: Path, specs: Iterable[tuple[str, TensorMeta]], metadata: Mapping[str, str] | None
+) -> tuple[dict[str, _Planned], bytes, int]:
+    """Each tensor's byte range, the encoded header (hash placeholder, 8-byte aligned) and
+    where in the file the hash's 64 hex digits go."""
+    planned: dict[str, _Planned] = {}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, spec in specs:
+        if name in planned:
+            raise CheckpointError(path, "named twice", name)
+        if name == "__metadata__":
+            raise CheckpointError(path, "reserved name", name)
+        if spec.dtype not in DTYPE_NAMES:
+            raise CheckpointError(path, f"dtype {spec.dtype} has no safetensors name", name)
+        shape = tuple(int(s) for s in spec.shape)
+        n = math.prod(shape) * spec.dtype.itemsize
+        planned[name] = _Planned(shape, spec.dtype, offset, offset + n)
+        header[name] = {
+            "dtype": DTYPE_NAMES[spec.dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    meta[HASH_KEY] = "0" * 64
+    header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # align the data section to 8 bytes
+    marker = json.dumps({HASH_KEY: meta[HASH_KEY]}, separators=(",", ":"))[1:-1].encode()
+    hash_at = 8 + raw.index(marker) + len(marker) - 65
+    return planned, struct.pack("<Q", len(raw)) + raw, hash_at
+
+
+class CheckpointWriter:
+    """One safetensors file streamed to ``path``: header first, then tensors in header order.
+
+    ``specs`` (name -> anything with ``shape`` and ``dtype``, or such pairs) fixes the header
+    before any tensor exists; constructing the writer creates the temporary file and writes the
+    header. Then :meth:`write` each tensor in that order, and :meth:`finish`. A tensor out of
+    order, unknown, of another shape or dtype, a write error, :meth:`abort`, or leaving a
+    ``with`` block without :meth:`finish` aborts: the temporary file is removed and the file at
+    ``path`` stays as it was. The writer keeps no reference to a tensor once :meth:`write`
+    returns, so the caller's peak memory is one tensor (plus a contiguous copy of a
+    non-contiguous one).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: Mapping[str, TensorMeta] | Iterable[tuple[str, TensorMeta]],
+        metadata: Mapping[str, str] | None = None,
+        fsync: bool = True,
+    ) -> None:
+        self._started = time.perf_counter()
+        self.path = Path(path)
+        self.fsync = fsync
+        pairs = specs.items() if isinstance(specs, Mapping) else specs
+        self._planned, head, self._hash_at = _plan(self.path, pairs, metadata)
+        self._order = list(self._planned)
+        self._next = 0
+        self.nbytes = max((p.end for p in self._planned.values()), default=0)
+        self._total = len(head) + self.nbytes
+        self._hash = _hasher()
+        self._state = "open"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(self.path)
+        # mkstemp creates the file 0600 (owner-only) with O_EXCL, whatever the umask: no byte is
+        # ever readable by others, and os.replace keeps the mode.
+        fd, self._tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
+        self._file = os.fdopen(fd, "wb", buffering=0)
+        self._guard(lambda: self._open(head))
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors of the header, in the order :meth:`write` takes them."""
+        return list(self._order)
+
+    @property
+    def pending(self) -> list[str]:
+        """The tensors still to be written, in order."""
+        return self._order[self._next :]
+
+    def _open(self, head: bytes) -> None:
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)  # marks the file as a live writer's
+        _write_all(self._file, head)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor of the header; anything else aborts and raises by name."""
+        self._check_open()
+        expected = self._order[self._next] if self._next < len(self._order) else None
+        if name != expected:
+            if name not in self._planned:
+                problem = "not in the header"
+            elif self._order.index(name) < self._next:
+                problem = "written twice"
+            else:
+                problem = f"out of order: {expected!r} comes first"
+            self._refuse(problem, name)
+        p = self._planned[name]
+        if tensor.dtype != p.dtype or tuple(tensor.shape) != p.shape:
+            got = f"{tuple(tensor.shape)} {tensor.dtype}"
+            self._refuse(f"{got} does not match the header's {p.shape} {p.dtype}", name)
+        self._guard(lambda: self._write_tensor(tensor))
+        self._next += 1
+
+    def _write_tensor(self, tensor: torch.Tensor) -> None:
+        if tensor.numel():
+            data = _bytes_of(tensor.detach().to("cpu"))
+            self._hash.update(data)
+            _write_all(self._file, data)
+
+    def finish(self) -> SavedCheckpoint:
+        """Check every tensor was written, write the hash, fsync, rename into place."""
+        self._check_open()
+        if self._next < len(self._order):
+            missing = self._order[self._next :]
+            self._refuse(f"never written ({len(missing)} tensors missing)", missing[0])
+        digest = self._hash.hexdigest()
+        self._guard(lambda: self._commit(digest))
+        self._state = "finished"
+        if self.fsync:
+            _fsync_dir(self.path.parent)
+        return SavedCheckpoint(self.path, self.nbytes, digest, time.perf_counter() - self._started)
+
+    def _commit(self, digest: str) -> None:
+        os.pwrite(self._file.fileno(), digest.encode(), self._hash_at)
+        if self.fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Remove the temporary file; the file at ``path`` stays as it was. Idempotent."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise CheckpointError(self.path, f"the writer is {self._state}; start a new one")
+
+    def _refuse(self, problem: str, name: str) -> None:
+        self.abort()
+        raise CheckpointError(self.path, problem + "; nothing was written", name)
+
+    def _guard(self, step) -> None:
+        """Run one I/O step; on any failure abort, and report an OSError as a write error."""
+        try:
+            step()
+        except BaseException as exc:
+            written = 0
+            with contextlib.suppress(OSError):
+                written = os.stat(self._tmp).st_size
+            self.abort()
+            if isinstance(exc, OSError):
+                raise CheckpointWriteError(
+                    self.path,
+                    f"save failed after {written} of {self._total} bytes: "
+                    f"{exc.strerror or exc}; the previous file at this path is untouched and "
+                    "the temporary file was removed",
+                    exc.errno,
+                ) from exc
+            raise
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._state != "open":
+            return
+        self.abort()
+        if exc_type is None:
+            raise CheckpointError(
+                self.path, "the writer was left without finish(); nothing was written"
+            )
+
+
+def _hasher():
+    import blake3
+
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 
 def save_checkpoint(
@@ -99,14 +318,11 @@ def save_checkpoint(
 
     The header carries ``metadata`` plus a blake3 hash of the data section, so a push can tell a
     swapped or torn file. Tensors must not share storage (write tied weights once). A failed
-    write raises :class:`CheckpointWriteError` and leaves the file at ``path`` as it was.
+    write raises :class:`CheckpointWriteError` and leaves the file at ``path`` as it was. The
+    same writer as :class:`CheckpointWriter`, fed from a mapping already in memory.
     """
-    started = time.perf_counter()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ptrs: dict[tuple[int, int], str] = {}
-    header: dict[str, object] = {}
-    offset = 0
+    owners: dict[tuple[int, int], str] = {}
     cpu: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
@@ -114,67 +330,16 @@ def save_checkpoint(
         t = t.detach().to("cpu")
         if t.numel():
             key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
-            if key in ptrs:
+            if key in owners:
                 raise CheckpointError(
-                    path, f"shares storage with {ptrs[key]!r}; write it once", name
+                    path, f"shares storage with {owners[key]!r}; write it once", name
                 )
-            ptrs[key] = name
-        n = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
+            owners[key] = name
         cpu[name] = t
-    import blake3
-
-    # The hash is computed while the data is written (one pass over the bytes) and then
-    # written over a placeholder of the same length in the header.
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    meta[HASH_KEY] = "0" * 64
-    header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # align the data section to 8 bytes
-    marker = json.dumps({HASH_KEY: meta[HASH_KEY]}, separators=(",", ":"))[1:-1].encode()
-    hash_at = 8 + raw.index(marker) + len(marker) - 65
-    total = 8 + len(raw) + offset
-    _remove_stale_temps(path)
-    # mkstemp creates the file 0600 (owner-only) with O_EXCL, whatever the umask: no byte is
-    # ever readable by others, and os.replace keeps the mode.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    written = 0
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # marks the file as a live writer's
-            _write_all(f, struct.pack("<Q", len(raw)) + raw)
-            for t in cpu.values():
-                if t.numel():
-                    data = _bytes_of(t)
-                    h.update(data)
-                    _write_all(f, data)
-            meta[HASH_KEY] = h.hexdigest()
-            os.pwrite(f.fileno(), meta[HASH_KEY].encode(), hash_at)
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            written = os.stat(tmp).st_size
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise CheckpointWriteError(
-                path,
-                f"save failed after {written} of {total} bytes: {exc.strerror or exc}; "
-                "the previous file at this path is untouched and the temporary file was removed",
-                exc.errno,
-            ) from exc
-        raise
-    if fsync:
-        _fsync_dir(path.parent)
-    return SavedCheckpoint(path, offset, meta[HASH_KEY], time.perf_counter() - started)
+    with CheckpointWriter(path, cpu, metadata, fsync) as writer:
+        for name, t in cpu.items():
+            writer.write(name, t)
+        return writer.finish()
 
 
 def _fsync_dir(directory: Path) -> None:
