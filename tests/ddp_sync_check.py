@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Each rank's engine runs its own engine-core process, so vLLM's distributed setup never meets
 # the trainer's process group.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # even under pytest, which sets 0
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> None:

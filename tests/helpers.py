@@ -13,9 +13,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -60,12 +63,19 @@ def assert_parity(got: list, want: list) -> None:
     assert not problems, "\n".join(problems)
 
 
+CHANGED_LOGPROB = 1e-3  # "far more" than PARITY_TOL; float32 noise between engines is ~1e-6
+
+
 def assert_differs(got: list, want: list) -> None:
     """``got`` is really another policy's output than ``want``, not float noise: the parity
-    check at the tolerance ``assert_parity`` uses finds problems (a token differs, or a
-    logprob differs by more than 1e-4)."""
-    problems = parity.parity_problems(got, want, tol=PARITY_TOL)
-    assert problems, "the outputs are equal within parity tolerance: the push changed nothing"
+    check ``assert_parity`` uses finds problems, and they include a different token (or top-k
+    id), or a logprob off by more than ``CHANGED_LOGPROB`` (ten times the parity tolerance)."""
+    found = parity.check_parity(got, want, tol=PARITY_TOL)
+    assert found.problems, "the outputs are equal within parity tolerance: nothing changed"
+    assert not found.tokens_equal or found.max_logprob_diff > CHANGED_LOGPROB, (
+        f"same tokens and logprobs within {found.max_logprob_diff:.2g}: float noise, not a "
+        f"different policy ({found.problems[0]})"
+    )
 
 
 # -- engines -----------------------------------------------------------------------------------
@@ -157,7 +167,6 @@ def __getattr__(name: str):
 
 def _tiny_lm_class() -> type:
     import lightning.pytorch as pl
-    import torch
     from torch.utils.data import DataLoader
 
     class TinyLM(pl.LightningModule):
@@ -245,3 +254,225 @@ class Evil:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+FAULT_PARAM = "model.layers.1.mlp.down_proj.weight"  # written mid-way through a push
+
+
+def arm_fault(worker, name: str, action: str) -> int:
+    """FAULT INJECTION (sent to the workers with ``collective_rpc``): wrap one parameter's
+    ``weight_loader`` so that its next call fails. None of these can be caused from outside on
+    a healthy machine.
+
+    ``raise``: an exception; ``interrupt``: ``KeyboardInterrupt``; ``exit``: the worker process
+    exits; ``kill-core``: the worker SIGKILLs its parent, the engine core process; ``hang``: the
+    loader never returns. One shot: the original loader is put back first.
+    """
+    import signal
+
+    param = dict(worker.model_runner.get_model().named_parameters())[name]
+    original = param.weight_loader
+
+    def faulty(*args, **kwargs):
+        param.weight_loader = original
+        if action == "raise":
+            raise RuntimeError(f"injected fault in the weight loader of {name}")
+        if action == "interrupt":
+            raise KeyboardInterrupt
+        if action == "exit":
+            os._exit(17)
+        if action == "kill-core":
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(5)
+            os._exit(18)
+        if action == "hang":
+            time.sleep(3600)
+        raise ValueError(action)
+
+    param.weight_loader = faulty
+    return os.getpid()
+
+
+def arm_write_fault(worker, action: str = "raise") -> int:
+    """FAULT INJECTION: the next call of ``FAULT_PARAM``'s weight loader raises (``raise``) or
+    is interrupted (``interrupt``), mid-way through a push."""
+    return arm_fault(worker, FAULT_PARAM, action)
+
+
+def bad_checkpoints(models: dict[str, Path], tmp: Path) -> list[tuple]:
+    """Real bad files for llama_A's engine: (label, path, push kwargs, error type, words, file
+    named, tensor named)."""
+    import pickle
+    import struct
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from weight_bridge.checkpoint import INDEX_NAME, CheckpointError, save_checkpoint
+    from weight_bridge.direct import DirectReloadError
+    from weight_bridge.testing.models import build_tiny_model
+
+    src = models["llama_B"] / "model.safetensors"
+    b = load_file(src)
+    out: list[tuple] = []
+
+    def variant(label: str, change, error, words, tensor=None, **kw) -> None:
+        c = dict(b)
+        change(c)
+        path = tmp / f"{label}.safetensors"
+        save_file(c, str(path))
+        out.append((label, path, kw, error, words, path, tensor))
+
+    down = "model.layers.0.mlp.down_proj.weight"
+    variant("missing", lambda c: c.pop(down), DirectReloadError, "missing", down)
+    variant(
+        "extra",
+        lambda c: c.update({"model.ghost.weight": torch.zeros(3)}),
+        DirectReloadError,
+        "unexpected",
+        "model.ghost.weight",
+    )
+    variant(
+        "shape",
+        lambda c: c.update({"model.norm.weight": c["model.norm.weight"][:-1].clone()}),
+        DirectReloadError,
+        "shape",
+        "model.norm.weight",
+    )
+    variant(
+        "int-dtype",
+        lambda c: c.update({down: c[down].to(torch.int32)}),
+        DirectReloadError,
+        "cannot be converted",
+        down,
+    )
+
+    def nan(c):
+        c[down] = c[down].clone()
+        c[down][3, 4] = float("nan")
+
+    def inf(c):
+        c["lm_head.weight"] = c["lm_head.weight"].clone()
+        c["lm_head.weight"][0, 0] = float("inf")
+
+    variant("nan", nan, DirectReloadError, "1 NaN", down)
+    variant("inf", inf, DirectReloadError, "1 Inf", "lm_head.weight")
+    raw = src.read_bytes()
+
+    def file(label: str, data: bytes, error, words) -> None:
+        path = tmp / f"{label}.safetensors"
+        path.write_bytes(data)
+        out.append((label, path, {}, error, words, path, None))
+
+    file("truncated", raw[: len(raw) - 100], CheckpointError, "truncated")
+    file("corrupt-header", raw[:8] + b"{]" + raw[10:], CheckpointError, "corrupt header")
+    file("oversized-header", struct.pack("<Q", 2**62) + raw[8:], CheckpointError, "exceeds")
+    file("empty", b"", CheckpointError, "empty file")
+    zipped = tmp / "torch-save.safetensors"
+    torch.save({"evil": Evil(tmp / "PWNED"), **b}, zipped)
+    out.append(("torch.save zip", zipped, {}, CheckpointError, "zip archive", zipped, None))
+    file("pickle", pickle.dumps({"evil": Evil(tmp / "PWNED")}), CheckpointError, "pickle")
+    other = build_tiny_model(tmp / "other", arch="qwen2", seed=5)
+    out.append(("other model", other, {}, DirectReloadError, "unexpected", other, None))
+
+    def sharded(label: str, shard_of_norm: str) -> Path:
+        d = tmp / label
+        d.mkdir()
+        first = {k: v for k, v in b.items() if k != "model.norm.weight"}
+        save_file(first, str(d / "part-1.safetensors"))
+        save_file({"model.norm.weight": b["model.norm.weight"]}, str(d / "part-2.safetensors"))
+        weight_map = dict.fromkeys(first, "part-1.safetensors")
+        weight_map["model.norm.weight"] = shard_of_norm
+        (d / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
+        return d
+
+    evil = tmp / "evil.safetensors"
+    save_file({"model.norm.weight": b["model.norm.weight"]}, str(evil))
+    for label, name, words in [
+        ("index-missing", "part-3.safetensors", "does not exist"),
+        ("index-dotdot", "../evil.safetensors", "escapes"),
+        ("index-absolute", str(evil), "escapes"),
+        ("index-symlink", "link.safetensors", "escapes"),
+    ]:
+        d = sharded(label, name)
+        if label == "index-symlink":
+            (d / "link.safetensors").symlink_to(evil)
+        out.append((label, d, {}, CheckpointError, words, d / INDEX_NAME, None))
+    d = sharded("sharded-shape", "part-2.safetensors")
+    save_file({"model.norm.weight": torch.ones(7)}, str(d / "part-2.safetensors"))
+    out.append(
+        ("sharded shape", d, {}, DirectReloadError, "part-2.safetensors", d, "model.norm.weight")
+    )
+    hashed = save_checkpoint(b, tmp / "hashed.safetensors").path
+    data = bytearray(hashed.read_bytes())
+    data[-7] ^= 0x10  # one bit in the data section
+    hashed.write_bytes(bytes(data))
+    kw = {"verify_hash": True}
+    out.append(("hash", hashed, kw, CheckpointError, "content hash mismatch", hashed, None))
+    return out
+
+
+# -- a toy model for the direct-reload core (plain torch, no engine) ---------------------------
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.other = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * self.scale
+        h = torch.tanh(self.other(torch.tanh(h @ self.proj.weight.reshape(8, 8).t())))
+        return self.head(h)
+
+
+def toy_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "emb.weight": torch.randn(16, 8, generator=g),
+        "proj.weight": torch.randn(8, 8, generator=g),
+        "other.weight": torch.randn(8, 8, generator=g),
+        "other.bias": torch.randn(8, generator=g),
+        "scale": torch.rand(8, generator=g) + 0.5,
+    }
+
+
+def load_by_name(model: nn.Module, ckpt: dict[str, torch.Tensor]) -> None:
+    from weight_bridge.layout import live_tensors
+
+    live = {name: t for name, t, _ in live_tensors(model)}
+    with torch.no_grad():
+        for name, t in ckpt.items():
+            live[name].copy_(t)
+
+
+def cold_start(ckpt: dict[str, torch.Tensor], process: Callable[[Toy], None]) -> Toy:
+    """A fresh ``Toy`` loaded with ``ckpt``, its layout recorded, then ``process``ed: the
+    reference every reload is judged against."""
+    from weight_bridge import record_checkpoint_layout
+
+    model = Toy()
+    load_by_name(model, ckpt)
+    record_checkpoint_layout(model)
+    process(model)
+    return model
+
+
+def snapshot_bytes(model: nn.Module) -> dict[int, bytes]:
+    """Raw bytes of every storage, to prove a refused reload wrote nothing."""
+    from weight_bridge.layout import live_tensors
+
+    out = {}
+    for _, t, _ in live_tensors(model):
+        s = t.untyped_storage()
+        out[s.data_ptr()] = bytes(torch.tensor([], dtype=torch.uint8).set_(s).numpy().tobytes())
+    return out
+
+
+A, B = toy_checkpoint(0), toy_checkpoint(1)
+IDS = torch.arange(16)

@@ -26,10 +26,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from weight_bridge.testing.parity import greedy, parity_problems  # noqa: E402
-from weight_bridge.testing.procfs import proc_status_fields  # noqa: E402
+from weight_bridge.testing.parity import greedy, parity_problems
+from weight_bridge.testing.procfs import proc_status_fields
 
 
 def proc_status() -> dict[str, int]:
@@ -187,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from helpers import ENGINE_KWARGS, run_engine_check
+    from helpers import ENGINE_KWARGS, assert_differs, run_engine_check
 
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.vllm import ColocatedEngine
@@ -201,7 +199,7 @@ def main() -> None:
             "A": run_engine_check("cold", str(a), multiprocess=False)["cold"],
             "B": run_engine_check("cold", str(b), multiprocess=False)["cold"],
         }
-        assert cold["A"] != cold["B"]
+        assert_differs(cold["A"], cold["B"])
         with ColocatedEngine(a, **ENGINE_KWARGS) as engine:
             result = run_soak(
                 engine,

@@ -16,6 +16,7 @@ import torch
 from helpers import (
     ENGINE_KWARGS,
     TinyLM,
+    assert_differs,
     assert_parity,
     close_engine,
     crash_before_rename,
@@ -116,7 +117,7 @@ def test_every_two_steps_pushes_the_trainer_weights(models, shared_engine, cold,
         assert meta["step"] == meta["version"] == str(push["step"])
         assert meta["source_dtype"] == "float32"
         if i:
-            assert push["greedy"] != recorder.pushes[i - 1]["greedy"]  # training moved the policy
+            assert_differs(push["greedy"], recorder.pushes[i - 1]["greedy"])  # training moved it
     last = recorder.pushes[-1]
     assert_parity(last["greedy"], cold(model_dir_for(models, last["checkpoint"], tmp_path / "c")))
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import IDS, A, B, Toy, cold_start, load_by_name, snapshot_bytes, toy_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -24,40 +25,6 @@ from weight_bridge.direct import undefined_reason
 from weight_bridge.layout import TensorSpec, get_checkpoint_layout, live_tensors
 
 
-class Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.proj = nn.Linear(8, 8, bias=False)
-        self.other = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight  # tied
-        self.register_buffer("scale", torch.ones(8))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids) * self.scale
-        h = torch.tanh(self.other(torch.tanh(h @ self.proj.weight.reshape(8, 8).t())))
-        return self.head(h)
-
-
-def checkpoint(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "emb.weight": torch.randn(16, 8, generator=g),
-        "proj.weight": torch.randn(8, 8, generator=g),
-        "other.weight": torch.randn(8, 8, generator=g),
-        "other.bias": torch.randn(8, generator=g),
-        "scale": torch.rand(8, generator=g) + 0.5,
-    }
-
-
-def load_by_name(model: nn.Module, ckpt: dict[str, torch.Tensor]) -> None:
-    live = {name: t for name, t, _ in live_tensors(model)}
-    with torch.no_grad():
-        for name, t in ckpt.items():
-            live[name].copy_(t)
-
-
 def set_storage(p: torch.Tensor, buf: torch.Tensor, offset: int, shape, stride) -> None:
     with torch.no_grad():
         p.set_(buf.untyped_storage(), offset, tuple(shape), tuple(stride))
@@ -73,14 +40,6 @@ def move_proj_next_to_other(model: Toy) -> None:
     set_storage(p, fused, o.numel(), p.shape, p.stride())
 
 
-def cold_start(ckpt: dict[str, torch.Tensor], process: Callable[[Toy], None]) -> Toy:
-    model = Toy()
-    load_by_name(model, ckpt)
-    record_checkpoint_layout(model)
-    process(model)
-    return model
-
-
 def logical_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t, _ in live_tensors(model)}
 
@@ -94,19 +53,6 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
     assert sa.keys() == sb.keys()
     for name in sa:
         assert torch.equal(sa[name], sb[name]), name
-
-
-def snapshot_bytes(model: nn.Module) -> dict[int, bytes]:
-    """Raw bytes of every storage, to prove a refused reload wrote nothing."""
-    out = {}
-    for _, t, _ in live_tensors(model):
-        s = t.untyped_storage()
-        out[s.data_ptr()] = bytes(torch.tensor([], dtype=torch.uint8).set_(s).numpy().tobytes())
-    return out
-
-
-A, B = checkpoint(0), checkpoint(1)
-IDS = torch.arange(16)
 
 
 def test_reload_into_weight_moved_to_an_offset() -> None:
@@ -415,7 +361,7 @@ def apply_plan(model: Toy, plan: dict[str, str], fuse_gap: int) -> None:
     seed=st.integers(0, 1000),
 )
 def test_random_relocation_plans_equal_cold_start_or_refuse(plan, fuse_gap, seed) -> None:
-    new = checkpoint(seed + 2)
+    new = toy_checkpoint(seed + 2)
 
     def process(m: Toy) -> None:
         apply_plan(m, plan, fuse_gap)

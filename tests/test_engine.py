@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import ENGINE_KWARGS, assert_parity, close_engine, greedy, run_engine_check
+from helpers import (
+    ENGINE_KWARGS,
+    assert_differs,
+    assert_parity,
+    close_engine,
+    greedy,
+    run_engine_check,
+)
 
 from weight_bridge.checkpoint import CheckpointError
 from weight_bridge.direct import DirectReloadError
@@ -37,7 +44,7 @@ def test_push_matches_cold_start_and_keeps_addresses(arch, models, shared_engine
     assert report.mode == "direct" and report.tensors > 0 and report.bytes > 0
     got_b = greedy(engine)
     assert_parity(got_b, cold(b))
-    assert got_b != cold(a)  # the push changed what the engine computes
+    assert_differs(got_b, cold(a))  # the push changed what the engine computes
     assert engine.addresses() == addresses
 
     engine.push(a, version=2)
@@ -146,7 +153,7 @@ def test_multiprocess_engine_push_matches_cold_start(models) -> None:
     r = run_engine_check("push", str(models["qwen2_A"]), str(models["qwen2_B"]))
     assert_parity(r["b_pushed"], r["b_cold"])
     assert_parity(r["a_pushed"], r["a_before"])
-    assert r["b_pushed"] != r["a_before"]
+    assert_differs(r["b_pushed"], r["a_before"])
     assert r["addresses_unchanged"]
 
 

@@ -12,7 +12,7 @@ name; here every family is expected to be written directly (MoE experts refreshe
 from __future__ import annotations
 
 import pytest
-from helpers import assert_parity, greedy, run_engine_check
+from helpers import assert_differs, assert_parity, greedy, run_engine_check
 
 from weight_bridge.testing.models import (
     MATRIX,
@@ -54,7 +54,7 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
         assert "cpu MoE prepack" in report.refreshed.values()
     got_b = greedy(engine)
     assert_parity(got_b, cold(b))
-    assert got_b != cold_a
+    assert_differs(got_b, cold_a)
     engine.push(a, version=2)
     assert_parity(greedy(engine), cold_a)
 
@@ -76,6 +76,6 @@ def test_moe_push_in_the_default_multiprocess_engine(matrix_models) -> None:
     r = run_engine_check("push", str(a), str(b))
     assert_parity(r["b_pushed"], r["b_cold"])
     assert_parity(r["a_pushed"], r["a_before"])
-    assert r["b_pushed"] != r["a_before"]
+    assert_differs(r["b_pushed"], r["a_before"])
     assert r["addresses_unchanged"]
     assert any("cpu MoE prepack" in rep["refreshed"].values() for rep in r["reports"])

@@ -15,8 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import assert_parity, greedy, model_dir_with, run_engine_check
-from test_transactions import FAULT_PARAM, arm_write_fault
+from helpers import (
+    FAULT_PARAM,
+    arm_write_fault,
+    assert_differs,
+    assert_parity,
+    greedy,
+    model_dir_with,
+    run_engine_check,
+)
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
 from weight_bridge.direct import DirectReloadError
@@ -148,4 +155,4 @@ def test_partial_push_in_the_multiprocess_tensor_parallel_engine(models, cold, t
         "cold", str(equivalent_full(a, [(b, names)], tmp_path / "m")), "--tp", "2", env=env
     )
     assert_parity(r["pushed"], reference["cold"])
-    assert r["pushed"] != cold(a)
+    assert_differs(r["pushed"], cold(a))

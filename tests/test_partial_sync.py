@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TinyLM, assert_parity, crash_before_rename, greedy, model_dir_with, trainer
+from helpers import (
+    TinyLM,
+    assert_differs,
+    assert_parity,
+    crash_before_rename,
+    greedy,
+    model_dir_with,
+    trainer,
+)
 from lightning.pytorch.callbacks import Callback
 
 from callbacks import VLLMWeightSync
@@ -65,7 +73,7 @@ def run_and_check(recorder: FullWeights, config_dir: Path, cold, tmp_path: Path)
         except AssertionError as exc:
             raise AssertionError(f"push {i} (step {push['step']}): {exc}") from None
         if i:
-            assert push["greedy"] != recorder.pushes[i - 1]["greedy"]  # training moved it
+            assert_differs(push["greedy"], recorder.pushes[i - 1]["greedy"])  # training moved it
 
 
 @pytest.mark.slow

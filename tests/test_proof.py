@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_direct import IDS, A, B, Toy, cold_start, load_by_name, snapshot_bytes
+from helpers import IDS, A, B, Toy, cold_start, load_by_name, snapshot_bytes
 
 from weight_bridge import (
     DirectReloadError,

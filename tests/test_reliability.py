@@ -16,62 +16,30 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from helpers import (  # noqa: E402
+from helpers import (
     ENGINE_KWARGS,
+    FAULT_PARAM,
     PROMPTS,
     TESTS,
+    arm_fault,
+    assert_differs,
     assert_parity,
+    bad_checkpoints,
     greedy,
     result_of,
 )
 
-from weight_bridge.checkpoint import INDEX_NAME, CheckpointError  # noqa: E402
-from weight_bridge.direct import DirectReloadError  # noqa: E402
-from weight_bridge.testing.parity import collect  # noqa: E402
-
-FAULT_PARAM = "model.layers.1.mlp.down_proj.weight"  # written mid-way through a push
-
-
-# -- worker-side callables (sent with collective_rpc) ------------------------------------------
-
-
-def arm_fault(worker, name: str, action: str) -> int:
-    """FAULT INJECTION: wrap one parameter's ``weight_loader`` so that its next call fails.
-
-    ``raise``: an exception; ``exit``: the worker process exits; ``kill-core``: the worker
-    SIGKILLs its parent, the engine core process; ``hang``: the loader never returns. One shot:
-    the original loader is put back first.
-    """
-    param = dict(worker.model_runner.get_model().named_parameters())[name]
-    original = param.weight_loader
-
-    def faulty(*args, **kwargs):
-        param.weight_loader = original
-        if action == "raise":
-            raise RuntimeError(f"injected fault in the weight loader of {name}")
-        if action == "exit":
-            os._exit(17)
-        if action == "kill-core":
-            os.kill(os.getppid(), signal.SIGKILL)
-            time.sleep(5)
-            os._exit(18)
-        if action == "hang":
-            time.sleep(3600)
-        raise ValueError(action)
-
-    param.weight_loader = faulty
-    return os.getpid()
+from weight_bridge.checkpoint import CheckpointError
+from weight_bridge.direct import DirectReloadError
+from weight_bridge.testing.parity import collect
 
 
 def param_bytes(worker, names: list[str]) -> dict[str, bytes]:
@@ -83,126 +51,13 @@ def param_bytes(worker, names: list[str]) -> dict[str, bytes]:
 # -- bad checkpoints against a live engine -----------------------------------------------------
 
 
-def _bad_checkpoints(models: dict[str, Path], tmp: Path) -> list[tuple]:
-    """(label, path, push kwargs, error type, words, file named, tensor named)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from weight_bridge.checkpoint import save_checkpoint
-    from weight_bridge.testing.models import build_tiny_model
-
-    src = models["llama_B"] / "model.safetensors"
-    b = load_file(src)
-    out: list[tuple] = []
-
-    def variant(label: str, change, error, words, tensor=None, **kw) -> None:
-        c = dict(b)
-        change(c)
-        path = tmp / f"{label}.safetensors"
-        save_file(c, str(path))
-        out.append((label, path, kw, error, words, path, tensor))
-
-    down = "model.layers.0.mlp.down_proj.weight"
-    variant("missing", lambda c: c.pop(down), DirectReloadError, "missing", down)
-    variant(
-        "extra",
-        lambda c: c.update({"model.ghost.weight": torch.zeros(3)}),
-        DirectReloadError,
-        "unexpected",
-        "model.ghost.weight",
-    )
-    variant(
-        "shape",
-        lambda c: c.update({"model.norm.weight": c["model.norm.weight"][:-1].clone()}),
-        DirectReloadError,
-        "shape",
-        "model.norm.weight",
-    )
-    variant(
-        "int-dtype",
-        lambda c: c.update({down: c[down].to(torch.int32)}),
-        DirectReloadError,
-        "cannot be converted",
-        down,
-    )
-
-    def nan(c):
-        c[down] = c[down].clone()
-        c[down][3, 4] = float("nan")
-
-    def inf(c):
-        c["lm_head.weight"] = c["lm_head.weight"].clone()
-        c["lm_head.weight"][0, 0] = float("inf")
-
-    variant("nan", nan, DirectReloadError, "1 NaN", down)
-    variant("inf", inf, DirectReloadError, "1 Inf", "lm_head.weight")
-    raw = src.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-
-    def file(label: str, data: bytes, error, words) -> None:
-        path = tmp / f"{label}.safetensors"
-        path.write_bytes(data)
-        out.append((label, path, {}, error, words, path, None))
-
-    file("truncated", raw[: len(raw) - 100], CheckpointError, "truncated")
-    file("corrupt-header", raw[:8] + b"{]" + raw[10:], CheckpointError, "corrupt header")
-    file("oversized-header", struct.pack("<Q", 2**62) + raw[8:], CheckpointError, "exceeds")
-    file("empty", b"", CheckpointError, "empty file")
-    zipped = tmp / "torch-save.safetensors"
-    import pickle
-
-    from helpers import Evil
-
-    torch.save({"evil": Evil(tmp / "PWNED"), **b}, zipped)
-    out.append(("torch.save zip", zipped, {}, CheckpointError, "zip archive", zipped, None))
-    file("pickle", pickle.dumps({"evil": Evil(tmp / "PWNED")}), CheckpointError, "pickle")
-    other = build_tiny_model(tmp / "other", arch="qwen2", seed=5)
-    out.append(("other model", other, {}, DirectReloadError, "unexpected", other, None))
-
-    def sharded(label: str, shard_of_norm: str) -> Path:
-        d = tmp / label
-        d.mkdir()
-        first = {k: v for k, v in b.items() if k != "model.norm.weight"}
-        save_file(first, str(d / "part-1.safetensors"))
-        save_file({"model.norm.weight": b["model.norm.weight"]}, str(d / "part-2.safetensors"))
-        weight_map = dict.fromkeys(first, "part-1.safetensors")
-        weight_map["model.norm.weight"] = shard_of_norm
-        (d / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
-        return d
-
-    evil = tmp / "evil.safetensors"
-    save_file({"model.norm.weight": b["model.norm.weight"]}, str(evil))
-    for label, name, words in [
-        ("index-missing", "part-3.safetensors", "does not exist"),
-        ("index-dotdot", "../evil.safetensors", "escapes"),
-        ("index-absolute", str(evil), "escapes"),
-        ("index-symlink", "link.safetensors", "escapes"),
-    ]:
-        d = sharded(label, name)
-        if label == "index-symlink":
-            (d / "link.safetensors").symlink_to(evil)
-        out.append((label, d, {}, CheckpointError, words, d / INDEX_NAME, None))
-    d = sharded("sharded-shape", "part-2.safetensors")
-    save_file({"model.norm.weight": torch.ones(7)}, str(d / "part-2.safetensors"))
-    out.append(
-        ("sharded shape", d, {}, DirectReloadError, "part-2.safetensors", d, "model.norm.weight")
-    )
-    hashed = save_checkpoint(b, tmp / "hashed.safetensors").path
-    data = bytearray(hashed.read_bytes())
-    data[-7] ^= 0x10  # one bit in the data section
-    hashed.write_bytes(bytes(data))
-    kw = {"verify_hash": True}
-    out.append(("hash", hashed, kw, CheckpointError, "content hash mismatch", hashed, None))
-    return out
-
-
 def test_bad_checkpoints_refused_and_engine_keeps_serving(models, shared_engine, cold, tmp_path):
     engine = shared_engine("llama_A")
     engine.push(models["llama_A"], version="A")
     want = cold(models["llama_A"])
     assert_parity(greedy(engine), want)
     addresses = engine.addresses()
-    cases = _bad_checkpoints(models, tmp_path)
+    cases = bad_checkpoints(models, tmp_path)
     for label, path, kw, error, words, named_file, tensor in cases:
         with pytest.raises((CheckpointError, DirectReloadError)) as info:
             engine.push(path, version=label, **kw)
@@ -308,7 +163,12 @@ def _tagged_greedy(engine, max_tokens: int = 12) -> tuple[object, list]:
     return versions.pop(), collect(outs)
 
 
-def test_concurrent_pushes_and_generates_never_mix_versions(models, shared_engine, cold):
+def test_concurrent_pushes_and_generates_never_mix_versions(
+    models, shared_engine, cold, monkeypatch
+):
+    """Two threads push A and B (6 each) while a third generates 12 times: pushes and generates
+    run one at a time, and each generate call carries one version, the one pushed last before
+    it ran, and equals the cold output of that version."""
     a, b = models["llama_A"], models["llama_B"]
     want = {"A": cold(a), "B": cold(b)}
     engine = shared_engine("llama_A")
@@ -317,11 +177,32 @@ def test_concurrent_pushes_and_generates_never_mix_versions(models, shared_engin
     barrier = threading.Barrier(3)
     seen: list[tuple[object, list]] = []
     errors: list[BaseException] = []
+    # Instrumentation only (each wrapper calls vLLM's own method and records when it ran): the
+    # spans of vLLM's generate and of the worker calls and prefix-cache reset that make a push,
+    # each tagged with the version its thread was pushing.
+    spans: list[tuple[float, float, str, object]] = []
+    pushing = threading.local()
+
+    def timed(kind: str, method):
+        def call(*args, **kwargs):
+            start = time.monotonic()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spans.append((start, time.monotonic(), kind, getattr(pushing, "version", None)))
+
+        return call
+
+    llm = engine.llm
+    monkeypatch.setattr(llm, "generate", timed("generate", llm.generate))
+    monkeypatch.setattr(llm, "collective_rpc", timed("push", llm.collective_rpc))
+    monkeypatch.setattr(llm, "reset_prefix_cache", timed("push", llm.reset_prefix_cache))
 
     def pusher(label: str, path: Path) -> None:
         try:
             barrier.wait()
             for i in range(rounds):
+                pushing.version = (label, i)
                 engine.push(path, version=(label, i))
         except BaseException as exc:
             errors.append(exc)
@@ -330,7 +211,7 @@ def test_concurrent_pushes_and_generates_never_mix_versions(models, shared_engin
         try:
             barrier.wait()
             for _ in range(rounds * 2):
-                seen.append(_tagged_greedy(engine))
+                seen.append(_tagged_greedy(engine))  # asserts one version per call
         except BaseException as exc:
             errors.append(exc)
 
@@ -343,11 +224,24 @@ def test_concurrent_pushes_and_generates_never_mix_versions(models, shared_engin
         t.start()
     for t in threads:
         t.join(timeout=600)
+    monkeypatch.undo()
     assert not any(t.is_alive() for t in threads) and errors == []
-    labels = {version[0] for version, _ in seen}
-    for version, outputs in seen:
-        assert_parity(outputs, want[version[0]])
-    assert engine.version[1] == rounds - 1
+    assert len(seen) == 2 * rounds
+    spans.sort()
+    for (_, end, kind, version), (start, _, next_kind, next_version) in pairwise(spans):
+        assert end <= start, f"{kind} {version} overlaps {next_kind} {next_version}"
+    pushed = {v for _, _, kind, v in spans if kind == "push"}
+    assert pushed == {(label, i) for label in "AB" for i in range(rounds)}
+    served: object = ("A", -1)
+    generates = iter(seen)
+    for _, _, kind, version in spans:
+        if kind == "push":
+            served = version
+            continue
+        carried, outputs = next(generates)
+        assert carried == served, (carried, served)  # the version pushed last before it ran
+        assert_parity(outputs, want[carried[0]])  # type: ignore[index]
+    labels = sorted({version[0] for version, _ in seen})  # type: ignore[index]
     print(f"\n{len(seen)} generate calls during 2x{rounds} pushes, versions seen: {labels}")
     engine.push(a, version="A")
 
@@ -528,7 +422,7 @@ def test_worker_death_or_hang_is_a_bounded_error(models) -> None:
             f"raised {r['generate_error']} after {r['generate_s']:.3f} s, "
             f"close took {r['close_s']:.1f} s"
         )
-        assert r["b_pushed"] != r["before"]  # the engine was healthy and bridged
+        assert_differs(r["b_pushed"], r["before"])  # the engine was healthy and bridged
         assert r["push_error"] is not None, action
         assert r["undefined"], action
         assert r["generate_error"] == "EngineUndefinedError" and r["generate_s"] < 1.0, action

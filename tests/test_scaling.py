@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS, assert_parity, run_engine_check
+from helpers import TESTS, assert_differs, assert_parity, run_engine_check
 
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -26,7 +26,7 @@ def test_tensor_parallel_push_matches_tensor_parallel_cold_start(models) -> None
     assert r["reports"][0]["workers"] == 2
     assert_parity(r["b_pushed"], r["b_cold"])
     assert_parity(r["a_pushed"], r["a_before"])
-    assert r["b_pushed"] != r["a_before"]
+    assert_differs(r["b_pushed"], r["a_before"])
     assert r["addresses_unchanged"]
 
 

@@ -17,37 +17,22 @@ outside on a healthy machine. Everything else is a real engine.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import (
+    ENGINE_KWARGS,
+    arm_write_fault,
+    assert_parity,
+    bad_checkpoints,
+    greedy,
+    run_script,
+)
 
-sys.path.insert(0, str(Path(__file__).parent))
+from weight_bridge.direct import DirectReloadError
 
-from helpers import ENGINE_KWARGS, assert_parity, greedy, run_script  # noqa: E402
-
-from weight_bridge.direct import DirectReloadError  # noqa: E402
-
-FAULT_PARAM = "model.layers.1.mlp.down_proj.weight"
-
-
-# -- worker-side callables (sent with collective_rpc) --------------------------------------------
-
-
-def arm_write_fault(worker, action: str = "raise") -> int:
-    """FAULT INJECTION: the next call of one weight loader raises (mid-way through a push)."""
-    param = dict(worker.model_runner.get_model().named_parameters())[FAULT_PARAM]
-    original = param.weight_loader
-
-    def faulty(*args, **kwargs):
-        param.weight_loader = original
-        if action == "interrupt":
-            raise KeyboardInterrupt
-        raise RuntimeError(f"injected fault in the weight loader of {FAULT_PARAM}")
-
-    param.weight_loader = faulty
-    return os.getpid()
+# -- worker-side callables (sent with collective_rpc; arm_write_fault is in helpers) -----------
 
 
 def arm_refresh_fault(worker) -> str:
@@ -167,9 +152,7 @@ def _run(*args: str, multiprocess: bool = True) -> tuple[dict, str]:
 
 @pytest.mark.slow
 def test_refusals_are_typed_and_quiet_in_the_multiprocess_engine(models, tmp_path) -> None:
-    from test_reliability import _bad_checkpoints
-
-    cases = _bad_checkpoints(models, tmp_path)
+    cases = bad_checkpoints(models, tmp_path)
     spec = [(label, str(path), kw) for label, path, kw, *_ in cases]
     (tmp_path / "cases.json").write_text(json.dumps(spec))
     got, log = _run("refusals", str(models["llama_A"]), str(tmp_path / "cases.json"))
