@@ -56,7 +56,7 @@ explain: setup
 	$(PY) -m weight_bridge.explain $(MODEL)
 
 gpu-check: setup
-	$(PY) tools/gpu_check.py
+	$(PY) tools/gpu_check.py --require-gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
