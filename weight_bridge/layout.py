@@ -1,18 +1,21 @@
 """The checkpoint layout record: where every weight lived when the engine first loaded.
 
-Recorded right after the checkpoint is loaded and *before* post-load processing, this is the one
-source of truth that a direct reload resolves against. Each entry keeps the storage identity
-(the untyped storage's data pointer) next to the offset, because an offset alone is meaningless
-once post-load processing has moved a weight into another storage, and a fingerprint of the
-values the loader wrote, because a storage that moved may also have been *transformed*
-(transposed, rescaled, prepacked): only equal values prove that a write in checkpoint layout
-reaches what the model computes with.
+Recorded right after the checkpoint is loaded and *before* post-load processing (by
+:func:`weight_bridge.direct.record_checkpoint_layout`), this is the one source of truth that a
+direct reload resolves against. This module is the leaf of the package: plain records and the
+functions that compute them from a tensor, importing nothing of the project.
+
+Each entry keeps the storage identity (the untyped storage's data pointer) next to the offset,
+because an offset alone is meaningless once post-load processing has moved a weight into
+another storage, and a fingerprint of the values the loader wrote, because a storage that
+moved may also have been *transformed* (transposed, rescaled, prepacked): only equal values
+prove that a write in checkpoint layout reaches what the model computes with.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,13 +23,13 @@ import torch
 __all__ = [
     "CheckpointLayout",
     "Fingerprint",
-    "fingerprint",
     "TensorLayout",
     "TensorSpec",
-    "get_checkpoint_layout",
+    "byte_span",
+    "fingerprint",
     "live_tensors",
-    "record_checkpoint_layout",
     "storage_ptr",
+    "tie_key",
 ]
 
 _CHUNK = 1 << 16
@@ -99,6 +102,23 @@ def storage_ptr(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a (possibly strided) view may touch: from its first element to one past its
+    last, as absolute addresses. Two views overlap exactly when their spans do (up to the gaps a
+    stride leaves, which no write of ours relies on)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def tie_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys view exactly the same bytes the same way: one weight under
+    several names (tied embeddings and ``lm_head``), written and stored once."""
+    return (storage_ptr(t), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """What a checkpoint tensor must look like: its shape and dtype."""
@@ -141,10 +161,12 @@ class TensorLayout:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def tie_key(self) -> tuple:
+        """:func:`tie_key` of the tensor as it was recorded."""
+        return (self.storage_ptr, self.storage_offset, self.shape, self.stride, self.dtype)
 
 
 @dataclass
@@ -154,19 +176,26 @@ class CheckpointLayout:
     ``tensors`` holds one entry per *name*, tied and duplicate names included. ``checkpoint``
     lists the tensors a checkpoint for this model must contain (name -> shape, dtype); for an
     engine whose loader maps checkpoint names onto fused parameters (qkv, gate_up), these are the
-    checkpoint's names, captured while the engine loaded, not the parameter names.
+    checkpoint's names, captured while the engine loaded, not the parameter names. ``loaded``:
+    the parameter and buffer names the loader wrote into at load (see :meth:`must_write`).
     """
 
     tensors: dict[str, TensorLayout]
     checkpoint: dict[str, TensorSpec]
     optional: frozenset[str] = field(default_factory=frozenset)
+    loaded: frozenset[str] | None = None
+
+    def must_write(self, name: str) -> bool:
+        """Whether a complete reload must write ``name``: the loader wrote it at load (``loaded``,
+        when recorded; parameters a checkpoint never carries, such as default scales, are
+        not), else every name."""
+        return self.loaded is None or name in self.loaded
 
     def aliases(self) -> dict[str, list[str]]:
         """Names grouped by the exact bytes they view (tied weights share a group)."""
         groups: dict[tuple, list[str]] = {}
         for name, e in self.tensors.items():
-            key = (e.storage_ptr, e.storage_offset, e.shape, e.stride, e.dtype)
-            groups.setdefault(key, []).append(name)
+            groups.setdefault(e.tie_key, []).append(name)
         return {name: group for group in groups.values() for name in group}
 
 
@@ -176,44 +205,3 @@ def live_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bo
         yield name, p, False
     for name, b in model.named_buffers(remove_duplicate=False):
         yield name, b, True
-
-
-def record_checkpoint_layout(
-    model: torch.nn.Module,
-    checkpoint: Mapping[str, TensorSpec] | None = None,
-    optional: frozenset[str] | set[str] = frozenset(),
-) -> CheckpointLayout:
-    """Record every parameter/buffer's layout and fingerprint on ``model``; return the record.
-
-    Call it right after the weights are loaded and before post-load processing: the
-    fingerprints and a snapshot of every module's state taken here are what the first direct
-    reload (or :func:`weight_bridge.direct.prove_checkpoint_layout`) compares the processed
-    model with. ``checkpoint`` names the tensors a checkpoint must hold; by default the
-    parameter and buffer names themselves (the case of a plain module loaded by name).
-    ``optional`` names checkpoint tensors that may be absent (e.g. non-persistent buffers).
-    """
-    from .direct.proof import snapshot_modules
-    from .state import bridge_state
-
-    loaded = set(checkpoint) if checkpoint is not None else None
-    tensors = {}
-    for name, t, is_buffer in live_tensors(model):
-        prove = not is_buffer or loaded is None or name in loaded
-        tensors[name] = TensorLayout.of(name, t, is_buffer, prove=prove)
-    if checkpoint is None:
-        checkpoint = {n: TensorSpec(e.shape, e.dtype) for n, e in tensors.items()}
-    layout = CheckpointLayout(
-        tensors=tensors, checkpoint=dict(checkpoint), optional=frozenset(optional)
-    )
-    state = bridge_state(model)
-    state.layout = layout
-    state.snapshot = snapshot_modules(model)
-    state.proof = None
-    return layout
-
-
-def get_checkpoint_layout(model: torch.nn.Module) -> CheckpointLayout | None:
-    """The layout recorded on ``model``, or None if none was recorded."""
-    from .state import bridge_state
-
-    return bridge_state(model).layout

@@ -1,4 +1,11 @@
-"""A dry run of a direct reload: every name resolved and proven, or refused, nothing written."""
+"""A dry run of a direct reload: every name resolved and proven, or refused, nothing written.
+
+A plan depends only on what was recorded at load, the proof, the refreshers and where every
+tensor lives now. The last plan is kept on the model with the addresses it was computed for
+(:func:`~.snapshot.addresses`, which every reload takes anyway for its audit): a push into a
+model whose addresses did not change (the normal case: a direct reload never moves one)
+reuses it instead of resolving and proving every weight again.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layout import CheckpointLayout, live_tensors
-from ..state import bridge_state
-from .errors import DirectReloadError, NotDirectlyReloadable
-from .proof import ensure_proof, module_of, write_tensor
+from ..layout import live_tensors
+from .errors import NotDirectlyReloadable
+from .proof import module_of, write_tensor
+from .record import ensure_proof, require_layout
 from .resolve import Relocation, ResolvedTarget, overlapping_targets, resolve_target, signature
+from .snapshot import Addresses, addresses
+from .state import bridge_state
 
-__all__ = ["ReloadPlan", "plan_direct_reload", "require_layout"]
+__all__ = ["ReloadPlan", "plan_direct_reload"]
 
 
 @dataclass
@@ -35,18 +44,10 @@ class ReloadPlan:
         return [t.relocation for t in self.targets.values() if t.relocation is not None]
 
 
-def require_layout(model: torch.nn.Module) -> CheckpointLayout:
-    layout = bridge_state(model).layout
-    if layout is None:
-        raise DirectReloadError(
-            "no checkpoint layout recorded on this model: call record_checkpoint_layout(model) "
-            "right after its weights are first loaded"
-        )
-    return layout
-
-
 def plan_direct_reload(
-    model: torch.nn.Module, reprocessable: set[str] | frozenset[str] = frozenset()
+    model: torch.nn.Module,
+    reprocessable: set[str] | frozenset[str] = frozenset(),
+    now: Addresses | None = None,
 ) -> ReloadPlan:
     """Resolve and prove every recorded name without writing anything.
 
@@ -54,7 +55,19 @@ def plan_direct_reload(
     checkpoint's values and its module has no derived state that no refresher accounts for.
     Modules in ``reprocessable`` (those the caller can hand to the engine's own per-layer
     processing) that fail either test are planned for re-processing instead of refused.
+    ``now``: the model's :func:`~.snapshot.addresses`, if the caller has them already.
     """
+    state = bridge_state(model)
+    proof = ensure_proof(model)
+    key = (addresses(model) if now is None else now, frozenset(reprocessable), id(proof))
+    if state.plan_cache is not None and state.plan_cache[0] == key:
+        return state.plan_cache[1]
+    plan = _plan(model, frozenset(reprocessable))
+    state.plan_cache = (key, plan)
+    return plan
+
+
+def _plan(model: torch.nn.Module, reprocessable: frozenset[str]) -> ReloadPlan:
     layout = require_layout(model)
     state = bridge_state(model)
     proof = ensure_proof(model)
@@ -72,7 +85,7 @@ def plan_direct_reload(
             why = "no longer exists in the model"
         else:
             try:
-                target = resolve_target(entry, write_tensor(model, name, live[name]))
+                target = resolve_target(entry, write_tensor(state.refreshers, name, live[name]))
             except NotDirectlyReloadable as exc:
                 why = str(exc)
             else:

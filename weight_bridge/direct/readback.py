@@ -9,19 +9,21 @@ and names the tensor. ``"sampled"`` compares up to 8 rows per write (first, last
 between), ``"full"`` every element, ``"off"`` none.
 
 Every in-place write into those storages (``copy_``, indexing assignment, any other in-place
-op) is also noted in :attr:`ReadBack.touched`, whatever the mode: a partial push refreshes the
-derived state of the modules it wrote into, and only those.
+op) is also noted, whatever the mode, and :meth:`ReadBack.wrote_into` answers whether a view
+was written: a complete push must have written every planned target, and a partial push
+refreshes the derived state of the modules it wrote into, and only those.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..layout import storage_ptr
+from ..layout import byte_span, storage_ptr
 
 __all__ = ["READBACK_MODES", "ReadBack"]
 
@@ -50,7 +52,8 @@ class ReadBack(TorchFunctionMode):
         self.storages = storages
         self.current = ""
         self.writes: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        self.touched: list[torch.Tensor] = []
+        self._spans: list[tuple[int, int]] = []  # bytes touched, in the order written
+        self._merged: tuple[list[int], list[int]] | None = None
 
     def track(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
         """Pass ``weights`` through, remembering which checkpoint tensor is being loaded."""
@@ -67,20 +70,29 @@ class ReadBack(TorchFunctionMode):
             and isinstance(args[0], torch.Tensor)
             and storage_ptr(args[0]) in self.storages
         ):
-            self.touched.append(args[0])
+            self._spans.append(byte_span(args[0]))
+            self._merged = None
             if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
                 self.writes.append((self.current, args[0], args[1]))
         return out
 
     def wrote_into(self, view: torch.Tensor) -> bool:
-        """Whether a noted write overlaps ``view``'s memory."""
-        start, end = _span(view)
-        for t in self.touched:
-            if storage_ptr(t) == storage_ptr(view):
-                lo, hi = _span(t)
-                if lo < end and start < hi:
-                    return True
-        return False
+        """Whether a noted write overlaps ``view``'s memory (a binary search over the merged
+        spans written, so checking every target of a push stays linear in their number)."""
+        if self._merged is None:
+            starts: list[int] = []
+            ends: list[int] = []
+            for lo, hi in sorted(self._spans):
+                if starts and lo <= ends[-1]:
+                    ends[-1] = max(ends[-1], hi)
+                else:
+                    starts.append(lo)
+                    ends.append(hi)
+            self._merged = (starts, ends)
+        starts, ends = self._merged
+        lo, hi = byte_span(view)
+        i = bisect.bisect_right(starts, hi - 1) - 1  # the last merged span starting before hi
+        return i >= 0 and ends[i] > lo and hi > lo
 
     @torch.no_grad()
     def verify(self) -> dict[str, str]:
@@ -108,11 +120,3 @@ class ReadBack(TorchFunctionMode):
                     "(a later write overwrote it, or it went elsewhere)"
                 )
         return bad
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` may touch: from its first element to one past its last."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()

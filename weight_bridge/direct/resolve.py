@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import TensorLayout, storage_ptr
+from ..layout import TensorLayout, byte_span, storage_ptr
 from .errors import NotDirectlyReloadable
 
 __all__ = ["Relocation", "ResolvedTarget", "overlapping_targets", "resolve_target", "signature"]
@@ -54,13 +54,6 @@ def signature(view: torch.Tensor) -> tuple:
         tuple(view.stride()),
         view.dtype,
     )
-
-
-def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    """Elements spanned by a strided view, from its first to one past its last element."""
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
 
 
 def resolve_target(entry: TensorLayout, live: torch.Tensor) -> ResolvedTarget:
@@ -112,10 +105,8 @@ def overlapping_targets(
         if name in covered:
             continue
         covered.update(aliases.get(name, [name]))
-        v = t.view
-        start = int(v.storage_offset()) * v.dtype.itemsize
-        end = start + _extent(tuple(v.shape), tuple(v.stride())) * v.dtype.itemsize
-        spans.setdefault(storage_ptr(v), []).append((start, end, name))
+        start, end = byte_span(t.view)
+        spans.setdefault(storage_ptr(t.view), []).append((start, end, name))
     problems: dict[str, str] = {}
     for ranges in spans.values():
         ranges.sort()

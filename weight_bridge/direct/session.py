@@ -1,52 +1,58 @@
-"""The write session of a direct reload, and the undefined mark that covers it.
+"""The one way to write: a session that validates, plans, writes through views, and proves.
 
-From the first byte written until every write, re-processing, refresh of derived state and
-read-back has finished, the model is *undefined*: a failure anywhere in between leaves it
-flagged (with the reason) until a complete reload succeeds. :func:`direct_reload_session` is the
-way to write by hand: leaving its block by an exception can never declare a partial write
-complete.
+:func:`direct_reload_session` is the write path every public function takes
+(:func:`direct_reload` is it with a default loader)::
+
+    with direct_reload_session(model, weights) as reload:
+        model.load_weights(reload.weights)      # any loader: the parameters carry checkpoint layout
+
+Before the block runs, the whole checkpoint is validated against the layout recorded at load
+and every name is resolved and proven; a refusal raises :class:`DirectReloadError` with nothing
+written. Inside it, the model's parameters are re-pointed at views, in checkpoint layout, of
+the storages they live in now. Leaving it normally restores the views and then, in order:
+re-processes the modules handed to the engine, audits addresses, checks that every planned
+target was written (a complete reload), reads every write back, and refreshes derived state.
+Only then is the model declared whole.
+
+From the first byte written until all of that has finished, the model is *undefined*: a
+failure anywhere in between (or leaving the block by an exception, which then propagates
+untouched) leaves it flagged, with the reason, until a complete reload succeeds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from ..layout import live_tensors, storage_ptr
-from ..state import bridge_state
 from .errors import DirectReloadError
+from .extension import Reprocessor
 from .plan import ReloadPlan, plan_direct_reload
 from .proof import module_of
 from .readback import ReadBack
+from .record import require_layout
 from .resolve import Relocation
+from .snapshot import addresses
+from .state import bridge_state
+from .validate import validate_checkpoint
 
 __all__ = [
     "OpenReload",
+    "PreparedReload",
     "ReloadReport",
-    "Reprocessor",
-    "begin_direct_reload",
-    "clear_undefined",
+    "Weights",
+    "direct_reload",
     "direct_reload_session",
-    "finish_direct_reload",
-    "mark_undefined",
+    "prepare_direct_reload",
     "refresh_derived_state",
-    "undefined_reason",
 ]
 
 WRITING = "a direct reload started writing and did not finish"
-
-
-class Reprocessor(Protocol):
-    """The engine's own per-layer path for modules a direct write cannot serve."""
-
-    def begin(self, modules: list[str]) -> None: ...
-
-    def finish(self) -> None: ...
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -69,63 +75,244 @@ class ReloadReport:
 
 
 @dataclass
-class _Session:
+class OpenReload:
+    """What :func:`direct_reload_session` yields: the plan, the checkpoint to load (pass
+    ``weights`` to the loader: the read-back names each write by it), and, once the block
+    finished, the report."""
+
     plan: ReloadPlan
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]]  # id -> (tensor object, original data)
-    addresses: dict[str, tuple]
-    started: float
-    was_undefined: str | None
-    readback: ReadBack
-    reprocessor: Reprocessor | None
-    partial: bool = False
+    weights: Iterator[tuple[str, torch.Tensor]]
+    report: ReloadReport | None = None
 
 
-def undefined_reason(model: torch.nn.Module) -> str | None:
-    """Why the model's weights are undefined (a reload failed mid-way), or None."""
-    return bridge_state(model).undefined
+class _Session:
+    """One open write: the views swapped in, and everything needed to finish or abort it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: ReloadPlan,
+        readback: ReadBack,
+        reprocessor: Reprocessor | None,
+        partial: bool,
+        now: dict[str, tuple],
+    ):
+        self.model = model
+        self.plan = plan
+        self.readback = readback
+        self.reprocessor = reprocessor
+        self.partial = partial
+        self.state = bridge_state(model)
+        self.was_undefined = self.state.undefined
+        self.addresses = now  # the audit compares the addresses after the write with these
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.started = time.perf_counter()
+
+    def open(self) -> None:
+        """Point every directly written parameter at its target; the model is undefined."""
+        live = {name: t for name, t, _ in live_tensors(self.model)}
+        self.state.writing = True
+        self.state.undefined = self.was_undefined or WRITING
+        for name, target in self.plan.targets.items():
+            tensor = live[name]
+            if id(tensor) not in self.saved:
+                self.saved[id(tensor)] = (tensor, tensor.data)
+                tensor.data = target.view
+        if self.reprocessor is not None and self.plan.reprocess:
+            self.reprocessor.begin(sorted(self.plan.reprocess))
+
+    def _restore(self) -> None:
+        for tensor, original in self.saved.values():
+            tensor.data = original
+        self.state.writing = False
+
+    def abort(self, reason: str) -> None:
+        """Restore the live views and leave the model undefined."""
+        self._restore()
+        self.state.undefined = reason
+
+    def _fail(self, reason: str, message: str, problems: Mapping[str, str]) -> DirectReloadError:
+        self.state.undefined = reason
+        return DirectReloadError(message, problems)
+
+    def finish(self) -> ReloadReport:
+        """Re-process, audit, check coverage, read back, refresh; the model is whole again."""
+        try:
+            if self.reprocessor is not None and self.plan.reprocess:
+                self.reprocessor.finish()
+        finally:
+            self._restore()
+        report = ReloadReport(reprocessed=dict(self.plan.reprocess))
+        report.write_s = time.perf_counter() - self.started
+        moved = _moved(self.addresses, addresses(self.model))
+        if moved:
+            raise self._fail(
+                "a reload changed parameter addresses",
+                "audit failed: the reload moved storages",
+                moved,
+            )
+        targets = self._written_targets()
+        report.direct = len(targets)
+        report.relocations = [t.relocation for t in targets.values() if t.relocation is not None]
+        started = time.perf_counter()
+        bad = self.readback.verify()
+        report.verified_writes = len(self.readback.writes)
+        report.readback_s = time.perf_counter() - started
+        if bad:
+            raise self._fail(
+                "read-back after the push differs from the checkpoint",
+                "read-back failed: the engine does not hold the checkpoint",
+                bad,
+            )
+        started = time.perf_counter()
+        written = {module_of(name)[0] for name in targets}
+        refresh = {m: kind for m, kind in self.plan.refresh.items() if m in written}
+        report.refreshed = refresh_derived_state(self.model, refresh)
+        report.refresh_s = time.perf_counter() - started
+        report.recovered_from_undefined = self.was_undefined
+        self.state.undefined = None
+        return report
+
+    def _written_targets(self) -> dict:
+        """The targets written: all of them for a complete reload (refused otherwise, naming
+        the ones the load left out), those the load wrote into for a partial one."""
+        layout = require_layout(self.model)
+        written = {n: t for n, t in self.plan.targets.items() if self.readback.wrote_into(t.view)}
+        if self.partial:
+            return written
+        missing = {
+            name: "planned but not written by the load (the checkpoint lacks it, or the loader "
+            "skipped it)"
+            for name, t in self.plan.targets.items()
+            if name not in written and t.view.numel() and layout.must_write(name)
+        }
+        if missing:
+            raise self._fail(
+                "a complete reload left planned targets unwritten",
+                "incomplete reload: the load did not write every weight",
+                missing,
+            )
+        return self.plan.targets
 
 
-def mark_undefined(model: torch.nn.Module, reason: str) -> None:
-    """Flag the weights as half-written until a complete reload succeeds."""
-    bridge_state(model).undefined = reason
-
-
-def clear_undefined(model: torch.nn.Module) -> None:
-    """Declare the weights whole again (a complete reload by another path succeeded)."""
-    bridge_state(model).undefined = None
-
-
-def _addresses(model: torch.nn.Module) -> dict[str, tuple]:
+def _moved(before: Mapping[str, tuple], after: Mapping[str, tuple]) -> dict[str, str]:
     return {
-        name: (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        for name, t, _ in live_tensors(model)
+        name: f"address/layout changed during reload: {was} -> {after.get(name)}"
+        for name, was in before.items()
+        if after.get(name) != was
     }
 
 
-def begin_direct_reload(
+class PreparedReload:
+    """A checkpoint validated and planned against a model, nothing written yet: what
+    :func:`prepare_direct_reload` returns. :meth:`write` opens the session that writes it.
+
+    Keeping the two apart lets a caller (an engine with several tensor-parallel ranks) agree
+    that every rank can write before any rank does.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        items: list[tuple[str, torch.Tensor]],
+        plan: ReloadPlan,
+        now: dict[str, tuple],
+        readback: str,
+        reprocessor: Reprocessor | None,
+        partial: bool,
+        preflight_s: float,
+    ):
+        self.model, self.items, self.plan, self.addresses = model, items, plan, now
+        self.readback, self.reprocessor, self.partial = readback, reprocessor, partial
+        self.preflight_s = preflight_s
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[OpenReload]:
+        """``with prepared.write() as reload: loader(reload.weights)`` (see the module
+        docstring for what happens when the block is left)."""
+        started = time.perf_counter()
+        state = bridge_state(self.model)
+        if state.writing:
+            raise DirectReloadError("a direct reload is already in progress on this model")
+        if addresses(self.model) != self.addresses:
+            raise DirectReloadError(
+                "the model's storages changed since this reload was prepared (nothing was "
+                "written): prepare it again"
+            )
+        storages = {storage_ptr(t.view) for t in self.plan.targets.values()}
+        readback = ReadBack(storages, self.readback)
+        session = _Session(
+            self.model, self.plan, readback, self.reprocessor, self.partial, self.addresses
+        )
+        session.open()
+        handle = OpenReload(self.plan, readback.track(self.items))
+        try:
+            with readback:
+                yield handle
+        except BaseException as exc:
+            session.abort(
+                f"direct reload failed after writing started: {type(exc).__name__}: {exc}"
+            )
+            raise
+        report = session.finish()
+        report.tensors = len(self.items)
+        report.bytes = sum(t.numel() * t.element_size() for _, t in self.items)
+        report.preflight_s = self.preflight_s
+        report.elapsed_s = self.preflight_s + time.perf_counter() - started
+        handle.report = report
+
+    def run(
+        self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None
+    ) -> ReloadReport:
+        """:meth:`write` with ``load`` as the loader (default: the model's own
+        ``load_weights`` if it has one, else a copy by name); the report. A failure after
+        writing started raises :class:`DirectReloadError` (an interrupt such as
+        ``KeyboardInterrupt`` propagates as itself), the model left undefined."""
+        try:
+            with self.write() as reload:
+                if load is None:
+                    own = getattr(self.model, "load_weights", None)
+                    load = own if callable(own) else _copy_by_name(self.plan)
+                load(reload.weights)
+        except DirectReloadError:
+            raise
+        except Exception as exc:
+            raise DirectReloadError(bridge_state(self.model).undefined or str(exc)) from exc
+        assert reload.report is not None
+        return reload.report
+
+
+def prepare_direct_reload(
     model: torch.nn.Module,
+    weights: Weights,
+    *,
+    finite: bool = True,
     reprocessor: Reprocessor | None = None,
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
     partial: bool = False,
-) -> ReloadPlan:
-    """Point every directly written parameter at its target; refuse by name what cannot be.
+) -> PreparedReload:
+    """Validate ``weights`` (the whole checkpoint) and plan their write; nothing is written.
 
-    Nothing has been written when this raises. From here the model is undefined until
-    :func:`finish_direct_reload` with ``complete=True`` succeeds. A ``partial`` reload writes a
-    subset on top of what the model holds; the engine's re-processing loads whole modules
-    from what it is given, so a partial reload that needs it is refused.
+    Names, shapes and dtypes are checked against the recorded layout (and NaN/Inf when
+    ``finite``), and every name is resolved and proven; a refusal raises
+    :class:`DirectReloadError` naming each tensor. ``reprocessor`` handles the modules of
+    ``reprocessable`` that cannot be written directly; ``readback`` is ``"sampled"``,
+    ``"full"`` or ``"off"``. ``partial`` weights (a subset, applied on top of what the model
+    holds) may leave names out; only the modules they write into are refreshed, and a partial
+    reload that would need re-processing by the engine is refused. A complete reload must
+    write every planned target.
     """
+    started = time.perf_counter()
     state = bridge_state(model)
-    if state.session is not None:
-        raise DirectReloadError("a direct reload is already in progress on this model")
-    was_undefined = state.undefined
-    plan = plan_direct_reload(model, reprocessable if reprocessor is not None else frozenset())
+    items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    validate_checkpoint(require_layout(model), items, finite, partial)
+    now = addresses(model)
+    plan = plan_direct_reload(model, reprocessable if reprocessor is not None else frozenset(), now)
     if plan.problems:
+        still = f"; the model is still undefined: {state.undefined}" if state.undefined else ""
         raise DirectReloadError(
-            "not directly reloadable (nothing was written)"
-            + (f"; the model is still undefined: {was_undefined}" if was_undefined else ""),
-            plan.problems,
+            f"not directly reloadable (nothing was written){still}", plan.problems
         )
     if partial and plan.reprocess:
         raise DirectReloadError(
@@ -133,88 +320,64 @@ def begin_direct_reload(
             "modules: push a complete checkpoint (nothing was written)",
             {module: f"needs re-processing: {why}" for module, why in plan.reprocess.items()},
         )
-    addresses = _addresses(model)
-    live = {name: t for name, t, _ in live_tensors(model)}
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, target in plan.targets.items():
-        tensor = live[name]
-        if id(tensor) not in saved:
-            saved[id(tensor)] = (tensor, tensor.data)
-            tensor.data = target.view
-    storages = {storage_ptr(t.view) for t in plan.targets.values()}
-    state.undefined = was_undefined or WRITING
-    state.session = _Session(
-        plan,
-        saved,
-        addresses,
-        time.perf_counter(),
-        was_undefined,
-        ReadBack(storages, readback),
-        reprocessor,
-        partial,
-    )
-    if reprocessor is not None and plan.reprocess:
-        reprocessor.begin(sorted(plan.reprocess))
-    return plan
+    preflight_s = time.perf_counter() - started
+    return PreparedReload(model, items, plan, now, readback, reprocessor, partial, preflight_s)
 
 
-def finish_direct_reload(
-    model: torch.nn.Module, *, complete: bool, reason: str | None = None
+def direct_reload_session(
+    model: torch.nn.Module,
+    weights: Weights,
+    *,
+    finite: bool = True,
+    reprocessor: Reprocessor | None = None,
+    reprocessable: set[str] | frozenset[str] = frozenset(),
+    readback: str = "sampled",
+    partial: bool = False,
+) -> contextlib.AbstractContextManager[OpenReload]:
+    """``with direct_reload_session(model, weights) as reload: loader(reload.weights)``:
+    :func:`prepare_direct_reload` (same arguments; a refusal raises here, nothing written),
+    then :meth:`PreparedReload.write`."""
+    return prepare_direct_reload(
+        model,
+        weights,
+        finite=finite,
+        reprocessor=reprocessor,
+        reprocessable=reprocessable,
+        readback=readback,
+        partial=partial,
+    ).write()
+
+
+def direct_reload(
+    model: torch.nn.Module,
+    weights: Weights,
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
+    *,
+    finite: bool = True,
+    reprocessor: Reprocessor | None = None,
+    reprocessable: set[str] | frozenset[str] = frozenset(),
+    readback: str = "sampled",
+    partial: bool = False,
 ) -> ReloadReport:
-    """Restore the live views, audit addresses, and (``complete``) prove and refresh.
+    """Write ``weights`` into ``model``'s live storages: :func:`prepare_direct_reload` (same
+    keyword arguments), then :meth:`PreparedReload.run` with ``load``."""
+    return prepare_direct_reload(
+        model,
+        weights,
+        finite=finite,
+        reprocessor=reprocessor,
+        reprocessable=reprocessable,
+        readback=readback,
+        partial=partial,
+    ).run(load)
 
-    ``complete=True`` says every checkpoint tensor was written: the writes are read back, the
-    engine's re-processing finishes, derived state is refreshed, and only then is the model
-    declared whole. ``complete=False`` restores the views and leaves the model undefined
-    (``reason`` says why). Any failure here leaves it undefined and raises.
-    """
-    state = bridge_state(model)
-    session: _Session | None = state.session
-    if session is None:
-        raise DirectReloadError("finish_direct_reload called without begin_direct_reload")
-    state.session = None
-    try:
-        if complete and session.reprocessor is not None and session.plan.reprocess:
-            session.reprocessor.finish()
-    finally:
-        for tensor, original in session.saved.values():
-            tensor.data = original
-    if not complete:
-        state.undefined = reason or state.undefined or WRITING
-        return ReloadReport(write_s=time.perf_counter() - session.started)
-    after = _addresses(model)
-    changed = {
-        name: f"address/layout changed during reload: {before} -> {after.get(name)}"
-        for name, before in session.addresses.items()
-        if after.get(name) != before
-    }
-    if changed:
-        state.undefined = "a reload changed parameter addresses"
-        raise DirectReloadError("audit failed: the reload moved storages", changed)
-    targets = session.plan.targets
-    if session.partial:  # what it wrote into, not what it could have
-        targets = {n: t for n, t in targets.items() if session.readback.wrote_into(t.view)}
-    report = ReloadReport(
-        direct=len(targets),
-        relocations=[t.relocation for t in targets.values() if t.relocation is not None],
-        reprocessed=dict(session.plan.reprocess),
-        write_s=time.perf_counter() - session.started,
-    )
-    started = time.perf_counter()
-    bad = session.readback.verify()
-    report.verified_writes = len(session.readback.writes)
-    report.readback_s = time.perf_counter() - started
-    if bad:
-        state.undefined = "read-back after the push differs from the checkpoint"
-        raise DirectReloadError("read-back failed: the engine does not hold the checkpoint", bad)
-    started = time.perf_counter()
-    written = {module_of(name)[0] for name in targets}
-    refresh = {m: kind for m, kind in session.plan.refresh.items() if m in written}
-    report.refreshed = refresh_derived_state(model, refresh)
-    report.refresh_s = time.perf_counter() - started
-    report.recovered_from_undefined = session.was_undefined
-    state.undefined = None
-    return report
+
+def _copy_by_name(plan: ReloadPlan) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
+    def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, t in weights:
+            plan.targets[name].view.copy_(t)
+
+    return load
 
 
 def refresh_derived_state(model: torch.nn.Module, modules: Iterable[str]) -> dict[str, str]:
@@ -235,45 +398,3 @@ def refresh_derived_state(model: torch.nn.Module, modules: Iterable[str]) -> dic
             raise DirectReloadError(state.undefined) from exc
         done[name] = refresher.kind
     return done
-
-
-@dataclass
-class OpenReload:
-    """What :func:`direct_reload_session` yields: the plan now, the report once it finished."""
-
-    plan: ReloadPlan
-    readback: ReadBack
-    report: ReloadReport | None = None
-
-
-@contextlib.contextmanager
-def direct_reload_session(
-    model: torch.nn.Module,
-    reprocessor: Reprocessor | None = None,
-    reprocessable: set[str] | frozenset[str] = frozenset(),
-    readback: str = "sampled",
-    partial: bool = False,
-) -> Iterator[OpenReload]:
-    """``with direct_reload_session(model) as reload: model.load_weights(...)``.
-
-    Inside the block the parameters carry checkpoint layout and writes are noted for the
-    read-back; leaving it normally finishes the reload completely (``reload.report``), leaving
-    it by an exception restores the views, keeps the model undefined and lets the exception
-    propagate untouched.
-    """
-    plan = begin_direct_reload(model, reprocessor, reprocessable, readback, partial)
-    session: _Session = bridge_state(model).session
-    handle = OpenReload(plan, session.readback)
-    # a partial reload needs the noted writes to know which modules to refresh
-    watch = session.readback if readback != "off" or partial else contextlib.nullcontext()
-    try:
-        with watch:
-            yield handle
-    except BaseException as exc:
-        finish_direct_reload(
-            model,
-            complete=False,
-            reason=f"direct reload failed after writing started: {type(exc).__name__}: {exc}",
-        )
-        raise
-    handle.report = finish_direct_reload(model, complete=True)

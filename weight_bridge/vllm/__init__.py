@@ -1,4 +1,9 @@
-"""vLLM integration: a general plugin, a worker extension and ``ColocatedEngine``.
+"""vLLM integration: the ``weight_bridge`` weight-transfer backend, its plugin, and clients.
+
+An engine started with ``weight_transfer_config={"backend": "weight_bridge"}`` (``LLM``,
+``AsyncLLM`` or ``vllm serve``) takes updates through vLLM's own RL API, each a proven,
+transactional direct reload (:mod:`.backend`). :class:`ColocatedEngine` is a convenience over
+the same path for a ``vllm.LLM`` in the trainer's process.
 
 Limitations:
 1. Only vLLM's default safetensors loader is bridged (the checkpoint is captured as it loads).
@@ -8,7 +13,11 @@ Limitations:
 3. Kernel objects created by processing on modules that hold no weight (e.g. a MoE kernel
    built from the configuration) are taken as not holding weight values; a kernel that copied
    weights into one would be missed by the proof (the callback's canary would catch it).
-4. Each worker reads the checkpoint from a path it can open: colocated means same filesystem.
+4. Each worker reads the checkpoint from a path it can open, under the engine's checkpoint
+   root: colocated means same filesystem.
+5. An engine left undefined (a rollback that failed too) stops scheduling; a plain ``vllm.LLM``
+   caller's ``generate`` then waits until a complete update succeeds (``ColocatedEngine``
+   refuses instead).
 """
 
 from .engine import (
@@ -18,8 +27,11 @@ from .engine import (
     PushReport,
     token_prompts,
 )
+from .options import BACKEND, BridgeOptions
 
 __all__ = [
+    "BACKEND",
+    "BridgeOptions",
     "ColocatedEngine",
     "EngineCoreDeadError",
     "EngineUndefinedError",

@@ -1,20 +1,25 @@
-"""``ColocatedEngine``: a vLLM engine in this job that always serves the last pushed policy.
+"""``ColocatedEngine``: a ``vllm.LLM`` in this job with the bridge wired in, and a typed push.
 
-What a failed push leaves behind:
+It is a convenience over the one push path, vLLM's own RL update API with the
+``weight_bridge`` backend (:mod:`.backend`): it starts the engine with the backend, colocated
+memory defaults (:mod:`.memory`) and its checkpoint root, and its :meth:`~ColocatedEngine.push`
+is ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update`` under one lock,
+with the workers' typed results turned into a :class:`PushReport` or into the project's own
+error. What a failed push leaves behind:
 
 * A checkpoint that does not fit (names, shapes, dtypes, NaN/Inf, a corrupt, truncated, foreign
-  or torn file, a shard index that leads out of its directory, weights the reload mode cannot
-  prove or refresh) is refused before the first byte is written; the engine keeps serving the
-  previous version. The error (:class:`DirectReloadError` or :class:`CheckpointError`, the
-  same in-process and multi-process) names the checkpoint, the file and the tensor where there
-  is one, and the problem.
+  or torn file, a shard index that leads out of its directory, a path outside the checkpoint
+  root, weights the reload mode cannot prove or refresh) is refused before the first byte is
+  written on any rank; the engine keeps serving the previous version. The error
+  (:class:`DirectReloadError` or :class:`CheckpointError`, the same in-process and
+  multi-process) names the checkpoint, the file and the tensor where there is one, and the
+  problem.
 * A failure after writing started (in a weight loader, in the refresh of derived state, in the
-  read-back, in the prefix-cache reset) is rolled back: the engine re-writes the last version it
-  served completely from that version's checkpoint and keeps serving it; the error says so
-  (``rollback=False`` turns this off). Only if the rollback fails too is the engine left
-  *undefined*: :meth:`ColocatedEngine.generate` raises :class:`EngineUndefinedError` naming
-  why, until a complete push succeeds.
-* With a multi-process engine (vLLM's default), every call into the workers waits at most
+  read-back) is rolled back: every rank re-writes the version it served, from that version's
+  checkpoints, and keeps serving it; the error says so (``rollback=False`` turns this off).
+  Only if the rollback fails too is the engine left *undefined*: :meth:`generate` raises
+  :class:`EngineUndefinedError` naming why, until a complete push succeeds.
+* With a multi-process engine (vLLM's default), every call into the engine waits at most
   ``rpc_timeout_s`` and stops waiting as soon as vLLM marks the engine core process dead
   (:class:`EngineCoreDeadError`): a worker that dies or hangs mid-push is an error within a
   bounded time, never a hang. ``generate`` is watched the same way, without the timeout. An
@@ -34,16 +39,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from ..checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
-from ..direct import READBACK_MODES, DirectReloadError
+from ..checkpoint import CheckpointReader
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
 from .launch import engine_environment, worker_extension
-from .plugin import BRIDGE_KEY, CPU_LINEAR_MODES
-from .results import PushReport, PushResult, raise_for_errors
-from .served import ServedCheckpoint, hold
+from .options import BACKEND, BridgeOptions, ReloadMode
+from .results import PushReport, PushResult, merged_error
 
 __all__ = [
     "ColocatedEngine",
@@ -51,11 +54,12 @@ __all__ = [
     "EngineUndefinedError",
     "PushReport",
     "ReloadMode",
+    "token_prompts",
 ]
 
-ReloadMode = Literal["direct", "layerwise", "auto"]
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
+_LABELS_KEPT = 64  # version labels remembered to map outputs' weight_versions back
 
 
 class EngineUndefinedError(RuntimeError):
@@ -63,8 +67,10 @@ class EngineUndefinedError(RuntimeError):
 
 
 class ColocatedEngine:
-    """A ``vllm.LLM`` started with the bridge wired in, plus push / generate / addresses.
+    """A ``vllm.LLM`` started with the ``weight_bridge`` backend, plus push / generate / plan.
 
+    ``checkpoint_root``: the directory pushes may read from (default: the current directory);
+    a checkpoint outside it is refused by name (:mod:`weight_bridge.checkpoint.trust`).
     ``reload_mode``: ``"direct"`` writes every checkpoint tensor into the live storage and
     refreshes the derived state the bridge knows (refusing, before writing, any weight it cannot
     prove or refresh); ``"auto"`` does the same and hands only the modules it cannot write
@@ -72,22 +78,20 @@ class ColocatedEngine:
     weight can be written directly); ``"layerwise"`` always uses vLLM's ``reload_weights``. The
     push report says which weights went which way and why. ``readback`` (``"sampled"``,
     ``"full"``, ``"off"``) reads every write back after a push and compares it with the
-    checkpoint.
-    ``cpu_linear`` only matters on the CPU backend (see :mod:`weight_bridge.vllm.plugin`).
-    ``check_finite`` refuses checkpoints holding NaN/Inf; ``verify_hash`` checks the content hash
-    written by :func:`~weight_bridge.checkpoint.save_checkpoint` (both overridable per push).
-    ``rollback`` (default on) re-writes the previous version after a push that failed
-    after writing started (``last_rollback_s`` says how long it took), from its checkpoint
-    file, on which the engine holds a descriptor: a served file deleted meanwhile still rolls
-    back.
+    checkpoint. ``cpu_linear`` only matters on the CPU backend (see
+    :mod:`weight_bridge.vllm.refresh`). ``check_finite`` refuses checkpoints holding NaN/Inf;
+    ``verify_hash`` checks the content hash written by
+    :func:`~weight_bridge.checkpoint.save_checkpoint` (both overridable per push).
+    ``rollback`` (default on) re-writes the previous version after a push that failed after
+    writing started (``last_rollback_s`` says how long it took), from its checkpoint files, on
+    which the workers hold descriptors: a served file deleted meanwhile still rolls back.
     ``worker_extension_cls`` may name a subclass of the bridge's worker extension (your own
     worker methods beside the bridge's); anything else is refused.
-    ``rpc_timeout_s`` bounds every call into the workers (``None``: wait indefinitely); it is
-    passed to ``collective_rpc(timeout=...)`` and, for a multi-process engine, also enforced on
-    this side. ``kv_cache_gb``: the engine's KV cache per worker in GiB, on every backend; left
-    unset, colocated defaults leave room for the trainer (1 GiB on CPU, ``gpu_memory_utilization``
-    0.3 on CUDA; explicit vLLM settings win: :mod:`weight_bridge.vllm.memory`). Every other
-    keyword goes to ``vllm.LLM``.
+    ``rpc_timeout_s`` bounds every call into the engine (``None``: wait indefinitely); for a
+    multi-process engine it is enforced on this side. ``kv_cache_gb``: the engine's KV cache
+    per worker in GiB, on every backend; left unset, colocated defaults leave room for the
+    trainer (1 GiB on CPU, ``gpu_memory_utilization`` 0.3 on CUDA; explicit vLLM settings win:
+    :mod:`weight_bridge.vllm.memory`). Every other keyword goes to ``vllm.LLM``.
     """
 
     def __init__(
@@ -102,14 +106,18 @@ class ColocatedEngine:
         rollback: bool = True,
         plugins: Sequence[str] = (),
         kv_cache_gb: float | None = None,
+        checkpoint_root: str | os.PathLike | None = None,
         **llm_kwargs: Any,
     ):
-        if reload_mode not in ("direct", "layerwise", "auto"):
-            raise ValueError(f"reload_mode must be direct, layerwise or auto, not {reload_mode!r}")
-        if readback not in READBACK_MODES:
-            raise ValueError(f"readback must be one of {READBACK_MODES}, not {readback!r}")
-        if cpu_linear not in CPU_LINEAR_MODES:
-            raise ValueError(f"cpu_linear must be one of {CPU_LINEAR_MODES}, not {cpu_linear!r}")
+        options = BridgeOptions(
+            checkpoint_root=str(Path(checkpoint_root or os.getcwd()).resolve()),
+            reload_mode=reload_mode,
+            cpu_linear=cpu_linear,
+            readback=readback,
+            check_finite=check_finite,
+            verify_hash=verify_hash,
+            rollback=rollback,
+        )
         if rpc_timeout_s is not None and not rpc_timeout_s > 0:
             raise ValueError(f"rpc_timeout_s must be positive or None, not {rpc_timeout_s!r}")
         from vllm import LLM
@@ -117,28 +125,33 @@ class ColocatedEngine:
         from .memory import colocated_llm_kwargs
 
         self.model = str(model)
-        self.reload_mode: ReloadMode = reload_mode
-        self.check_finite = check_finite
-        self.readback = readback
-        self.rollback = rollback
-        self.last_rollback_s: float | None = None
-        self.verify_hash = verify_hash
+        self.options = options
         self.rpc_timeout_s = rpc_timeout_s
+        self.last_rollback_s: float | None = None
         self.version: Any = None
-        # what the served version is made of: a complete checkpoint, then partials on top of it
-        self._served: list[ServedCheckpoint] = []
+        self._served: list[str] = []
+        self._labels: dict[str, Any] = {}
         self._undefined: str | None = None
         self._lock = threading.RLock()
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
-        extra[BRIDGE_KEY] = {"cpu_linear": cpu_linear}
+        extra.update(options.as_config())
         llm_kwargs["worker_extension_cls"] = worker_extension(
             llm_kwargs.get("worker_extension_cls")
         )
+        llm_kwargs["weight_transfer_config"] = {"backend": BACKEND}
         llm_kwargs = colocated_llm_kwargs(self.model, llm_kwargs, kv_cache_gb)
         started = time.perf_counter()
         with engine_environment(plugins):
             self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
         self.startup_s = time.perf_counter() - started
+
+    @property
+    def reload_mode(self) -> str:
+        return self.options.reload_mode
+
+    @property
+    def checkpoint_root(self) -> str:
+        return str(self.options.checkpoint_root)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -151,14 +164,14 @@ class ColocatedEngine:
     ) -> PushReport:
         """Write ``checkpoint`` (a safetensors file or a directory of shards) into the engine.
 
-        Rejections (bad names, shapes, dtypes, NaN/Inf, a corrupt or torn file, weights the
-        reload mode cannot prove or refresh) raise :class:`DirectReloadError` or
-        :class:`CheckpointError` before anything is written; the engine keeps serving the
-        previous version. A failure after writing started is rolled back to the previous
-        version (see the module docstring); the error raised says whether that worked.
-        ``version`` (what outputs report as ``policy_version``) defaults to the ``version``
-        entry of the checkpoint's metadata. ``verify_hash`` and ``check_finite`` default to the
-        engine's settings.
+        Rejections (bad names, shapes, dtypes, NaN/Inf, a corrupt or torn file, a path outside
+        the checkpoint root, weights the reload mode cannot prove or refresh) raise
+        :class:`DirectReloadError` or :class:`CheckpointError` before anything is written; the
+        engine keeps serving the previous version. A failure after writing started is rolled
+        back to the previous version (see the module docstring); the error raised says whether
+        that worked. ``version`` (the engine's weight version, what outputs report) defaults
+        to the ``version`` entry of the checkpoint's metadata, else the file's name.
+        ``verify_hash`` and ``check_finite`` default to the engine's settings.
 
         A *partial* checkpoint (metadata ``base_version``, see
         :data:`~weight_bridge.checkpoint.BASE_VERSION_KEY`) holds a subset of the tensors and is
@@ -167,118 +180,73 @@ class ColocatedEngine:
         vLLM's layerwise path), and only the modules it writes into are refreshed. A complete
         checkpoint is a valid base at any time.
         """
-        path = str(Path(checkpoint).resolve())
-        # Every header (and shard index) is checked here first, so a broken file is refused in
-        # the caller's process with its own error type; each worker checks its mapping again.
-        with CheckpointReader(path) as reader:
-            where = {name: reader.file_of(name) for name in reader.specs()}
-            base = reader.metadata.get(BASE_VERSION_KEY)
-            if version is None:
+        path = Path(checkpoint).resolve()
+        if version is None:
+            with CheckpointReader(path) as reader:
                 version = reader.metadata.get("version")
-        verify = self.verify_hash if verify_hash is None else verify_hash
-        finite = self.check_finite if check_finite is None else check_finite
+        if version is None:
+            version = path.name.removesuffix(".safetensors")
+        info = {"checkpoint": str(path), "verify_hash": verify_hash, "check_finite": check_finite}
         with self._lock:
-            if base is not None:
-                self._check_base(path, base)
-            was_defined = self._undefined is None
+            started = time.perf_counter()
+            self._call(lambda llm: llm.start_weight_update(), "start_weight_update")
             try:
-                report = self._push(path, version, verify, finite, where, base is not None)
-            except (DirectReloadError, CheckpointError) as exc:
-                if self._undefined is None or not was_defined or not self.rollback:
-                    raise
-                raise self._roll_back(exc) from exc
-            self._serve(path, version, partial=base is not None)
+                self._call(lambda llm: llm.update_weights({"update_info": info}), "update_weights")
+            except Exception as exc:
+                self._raise_failed(exc)
+            self._call(
+                lambda llm: llm.finish_weight_update(weight_version=str(version)),
+                "finish_weight_update",
+            )
+            results = self._results()
+            self._undefined = None
+            self.version = version
+            self._labels[str(version)] = version
+            while len(self._labels) > _LABELS_KEPT:
+                del self._labels[next(iter(self._labels))]
+            report = PushReport.merged(results, version)
+            report.elapsed_s = time.perf_counter() - started
             return report
+
+    def _raise_failed(self, exc: Exception) -> None:
+        """After ``update_weights`` raised: the project's own error, from the workers' typed
+        results (the engine core's exception crossed a process boundary as plain text)."""
+        if isinstance(exc, (EngineCoreDeadError, TimeoutError)) or self._core_dead():
+            self._after_failure(exc, "update_weights")
+            if self._core_dead() and not isinstance(exc, EngineCoreDeadError):
+                raise EngineCoreDeadError(self._undefined or str(exc)) from exc
+            raise exc
+        try:
+            results = self._results()
+        except Exception:
+            self._after_failure(exc, "update_weights")
+            raise exc from None
+        error = merged_error(results)
+        if error is None:
+            raise exc
+        self._undefined = next((r.undefined for r in results if r.undefined), None)
+        self.last_rollback_s = max(
+            (r.rollback_s for r in results if r.rollback_s is not None), default=None
+        )
+        raise error from None
+
+    def _results(self) -> list[PushResult]:
+        raw = self._rpc("weight_bridge_result")
+        results = [PushResult.from_dict(r) for r in raw]
+        self._served = list(results[0].served)
+        return results
 
     @property
     def checkpoint(self) -> str | None:
         """The checkpoint pushed last (after partial pushes, the last partial one; the whole
         chain is :attr:`served_checkpoints`)."""
-        return self._served[-1].path if self._served else None
+        return self._served[-1] if self._served else None
 
     @property
     def served_checkpoints(self) -> list[str]:
         """What the served version is made of: its full checkpoint, then each partial one pushed
-        on top of it, in order (all needed to roll back to it; empty before the first push)."""
-        return [link.path for link in self._served]
-
-    def _check_base(self, path: str, base: str) -> None:
-        """A partial checkpoint applies on top of exactly its base version, or not at all."""
-        if self._undefined is not None:
-            served = f"no version: its weights are undefined ({self._undefined})"
-        elif not self._served or str(self.version) != base:
-            served = f"version {self.version!r}" if self._served else "the weights it started with"
-        else:
-            return
-        raise DirectReloadError(
-            f"partial checkpoint {path} applies on top of version {base!r}, but the engine serves "
-            f"{served}; push a complete checkpoint (nothing was written)"
-        )
-
-    def _push(
-        self, path: str, version: Any, verify: bool, finite: bool, where: dict, partial: bool
-    ) -> PushReport:
-        method = "weight_bridge_push"
-        started = time.perf_counter()
-        args = (path, finite, verify, self.reload_mode, self.readback, partial)
-        try:
-            raw = self._rpc(method, args)
-            results = [PushResult.from_dict(r) for r in raw]
-        except BaseException as exc:
-            self._after_failure(exc, method)
-            if self._core_dead() and not isinstance(exc, EngineCoreDeadError):
-                raise EngineCoreDeadError(self._undefined or str(exc)) from exc
-            raise
-        undefined = next((r.undefined for r in results if r.undefined), None)
-        if undefined is not None:
-            self._undefined = undefined
-        raise_for_errors(results, path, where)
-        try:
-            self._rpc_plain(lambda llm: llm.reset_prefix_cache())
-        except Exception as exc:
-            self._undefined = (
-                f"prefix cache reset failed after the push of {path} "
-                f"({type(exc).__name__}: {exc}); its cached KV may be from the old weights"
-            )
-            raise DirectReloadError(self._undefined) from exc
-        self._undefined = None
-        self.version = version
-        report = PushReport.merged(results, path, version, partial)
-        report.elapsed_s = time.perf_counter() - started
-        return report
-
-    def _roll_back(self, failure: Exception) -> Exception:
-        """Re-write the last version served completely (its full checkpoint, then each partial
-        one on top of it); the error to raise for ``failure``."""
-        chain = self._served or [ServedCheckpoint(self.model, self.version)]
-        version = self.version
-        started = time.perf_counter()
-        try:
-            for i, link in enumerate(chain):
-                target = link.readable()
-                with CheckpointReader(target) as reader:
-                    where = {name: reader.file_of(name) for name in reader.specs()}
-                self._push(target, link.version, False, False, where, partial=i > 0)
-        except Exception as again:
-            self._undefined = (
-                f"{self._undefined}; rolling back to version {version!r} ({chain[-1].path}) "
-                f"failed too: {type(again).__name__}: {again}"
-            )
-            return _amended(failure, f"rolling back to version {version!r} failed: {again}")
-        self.last_rollback_s = time.perf_counter() - started
-        return _amended(
-            failure,
-            f"the push failed after writing started; the engine rolled back to version "
-            f"{version!r} ({chain[-1].path}) in {self.last_rollback_s:.2f} s and serves it",
-        )
-
-    def _serve(self, path: str, version: Any, partial: bool) -> None:
-        """Record ``path`` as (the last part of) what the engine serves."""
-        if not partial:
-            for link in self._served:
-                link.release()
-            self._served = []
-        self._served.append(ServedCheckpoint(path, version, hold(path)))
+        on top of it, in order (all needed to roll back to it)."""
+        return list(self._served)
 
     def _after_failure(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, (EngineCoreDeadError, TimeoutError)):
@@ -320,29 +288,33 @@ class ColocatedEngine:
         """Why the engine refuses to generate (a push failed mid-way), or None."""
         return self._undefined
 
-    # -- calls into the workers --------------------------------------------------------------
+    # -- calls into the engine ---------------------------------------------------------------
 
     def _core_dead(self, grace_s: float = 2.0) -> bool:
         return core_dead(self.llm, grace_s)
 
-    def _rpc(self, method: Any, args: tuple = (), timeout: float | None = _DEFAULT) -> list:
+    def _rpc(self, method: str, args: tuple = (), timeout: float | None = _DEFAULT) -> list:
         """``collective_rpc`` bounded by ``timeout`` and by the engine core staying alive."""
         timeout = self.rpc_timeout_s if timeout is _DEFAULT else timeout
-        what = method if isinstance(method, str) else getattr(method, "__name__", "call")
-        return self._rpc_plain(
-            lambda llm: llm.collective_rpc(method, timeout=timeout, args=args), what, timeout
+        return self._call(
+            lambda llm: llm.collective_rpc(method, timeout=timeout, args=args), method, timeout
         )
 
-    def _rpc_plain(self, call: Any, what: str = "reset_prefix_cache", timeout: Any = _DEFAULT):
+    def _call(self, call: Any, what: str, timeout: Any = _DEFAULT) -> Any:
         timeout = self.rpc_timeout_s if timeout is _DEFAULT else timeout
         if self.llm is None:
             raise RuntimeError("the engine is closed")
-        return watched_call(self.llm, call, what, timeout)
+        try:
+            return watched_call(self.llm, call, what, timeout)
+        except (EngineCoreDeadError, TimeoutError) as exc:
+            self._after_failure(exc, what)
+            raise
 
     # -- generation --------------------------------------------------------------------------
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
-        """``vllm.LLM.generate``; each output gets ``policy_version``, the version it used."""
+        """``vllm.LLM.generate``; each output's ``policy_version`` is the version its tokens were
+        sampled with (derived from vLLM's own ``weight_versions`` spans)."""
         with self._lock:
             if self._undefined is not None:
                 raise EngineUndefinedError(
@@ -350,16 +322,19 @@ class ColocatedEngine:
                     "checkpoint before generating"
                 )
             kwargs.setdefault("use_tqdm", False)
-            try:
-                outputs = self._rpc_plain(
-                    lambda llm: llm.generate(prompts, sampling_params, **kwargs), "generate", None
-                )
-            except EngineCoreDeadError as exc:
-                self._undefined = str(exc)
-                raise
+            outputs = self._call(
+                lambda llm: llm.generate(prompts, sampling_params, **kwargs), "generate", None
+            )
             for out in outputs:
-                vars(out)["policy_version"] = self.version
+                vars(out)["policy_version"] = self._policy_version(out)
             return outputs
+
+    def _policy_version(self, output: Any) -> Any:
+        spans = [s for c in output.outputs for s in (c.weight_versions or ())]
+        if not spans:
+            return self.version
+        label = spans[-1].version
+        return self._labels.get(label, None if label == "default" else label)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -380,8 +355,6 @@ class ColocatedEngine:
             if locked:
                 self._lock.release()
         shutdown_engine(llm)
-        for link in getattr(self, "_served", ()):
-            link.release()
         del llm
         gc.collect()
 
@@ -390,15 +363,6 @@ class ColocatedEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _amended(error: Exception, note: str) -> Exception:
-    """``error`` again (same type, problems kept), its message followed by ``note``."""
-    if isinstance(error, DirectReloadError):
-        return DirectReloadError(f"{error.summary}; {note}", error.problems)
-    if isinstance(error, CheckpointError):
-        return CheckpointError(error.path, f"{error.problem}; {note}", error.tensor)
-    return error
 
 
 def token_prompts(token_ids: Sequence[Sequence[int]]) -> list[dict]:

@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["LayerwiseReprocessor", "reprocessable_module"]
+from ..direct.state import bridge_state
+from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
+
+__all__ = [
+    "LayerwiseReprocessor",
+    "auto_reprocessable",
+    "layerwise_wrong",
+    "reprocessable_module",
+]
 
 
 def reprocessable_module(module: torch.nn.Module) -> bool:
@@ -65,3 +73,42 @@ class LayerwiseReprocessor:
         )
 
         finalize_layerwise_processing(self.model, self.model_config)
+
+
+def _shared_parameter_modules(model: torch.nn.Module) -> set[str]:
+    """Modules holding a parameter that another module holds too (tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module_name)
+    return {m for names in owners.values() if len(names) > 1 for m in names}
+
+
+def auto_reprocessable(model: torch.nn.Module) -> set[str]:
+    """Modules ``auto`` may hand to vLLM's per-layer processing.
+
+    vLLM's layerwise reload processes a tied parameter for one of its modules only (its
+    Limitation 2), so modules with tied parameters are never handed to it.
+    """
+    return bridge_state(model).reprocessable - _shared_parameter_modules(model)
+
+
+def layerwise_wrong(model: torch.nn.Module) -> dict[str, str]:
+    """Weights vLLM's whole-model layerwise reload leaves wrong on this engine (measured)."""
+    refreshers = bridge_state(model).refreshers
+    tied = _shared_parameter_modules(model)
+    wrong = {}
+    for name, module in model.named_modules():
+        refresher = refreshers.get(name)
+        if isinstance(refresher, CpuMoePrepack):
+            wrong[f"{name}.w13_weight"] = (
+                "CPU MoE experts: a layerwise update skips the kernel's prepack"
+            )
+        linear = getattr(module, "cpu_linear", None)
+        packed = linear is not None and linear is not torch_linear
+        if packed and name in tied and not isinstance(refresher, CpuLinearRepack):
+            wrong[f"{name}.weight"] = (
+                "tied weight feeding a packed CPU linear whose copy layerwise processing does "
+                "not re-derive (start the engine with cpu_linear='torch' or 'repack')"
+            )
+    return wrong

@@ -1,37 +1,32 @@
-"""vLLM general plugin: record the layout and its proof at load, keep derived state refreshable.
+"""vLLM general plugin: register the backend, record the layout and its proof at load.
 
-vLLM runs ``register`` in every engine and worker process (entry point group
-``vllm.general_plugins``). The patches it installs are inert unless the engine was created
-through the bridge, i.e. its ``additional_config`` holds a ``weight_bridge`` entry.
+vLLM runs ``register`` in every process it starts (entry point group ``vllm.general_plugins``):
+the API server or ``LLM`` process, the engine core, every worker. It registers the
+``weight_bridge`` weight-transfer backend (:mod:`.backend`) and its trainer side in vLLM's
+factories, installs the engine-core side of an update (:mod:`.core_hooks`), and patches vLLM's
+default model loader; every patch is inert unless the engine is bridged
+(:func:`~.options.is_bridged`: started with ``weight_transfer_config={"backend":
+"weight_bridge"}``).
 
-What the patches do for a bridged engine:
+What the loader patches do for a bridged engine:
 
 1. While the default loader streams the checkpoint into the model, the name, shape and dtype
-   of every checkpoint tensor are noted (the checkpoint a push must match).
+   of every checkpoint tensor are noted (the checkpoint an update must match), and which
+   parameters the loader wrote into (a complete update must write each of them again).
 2. After the weights are in and before post-load processing runs, the parameter layout, a
    fingerprint of every weight and a snapshot of every module are recorded
-   (:func:`weight_bridge.layout.record_checkpoint_layout`).
+   (:func:`weight_bridge.direct.record_checkpoint_layout`).
 3. During processing, each module's state right after its own quantization method (or
    attention layer) processed it is noted: a module whose state did not change after that is
    one vLLM's layerwise path can re-process by itself.
 4. After processing, the proof (:func:`weight_bridge.direct.prove_checkpoint_layout`) compares
    what processing left with what was recorded, with the refreshers of
    :mod:`weight_bridge.vllm.refresh` declaring the derived state the bridge re-derives.
-
-``cpu_linear`` (CPU backend) picks what happens to linear layers, which vLLM packs into oneDNN
-handles and empties:
-
-* ``"repack"`` (default): vLLM packs as usual but the weight is kept; after each direct write
-  the packed form is derived again. Generation runs at vLLM's own speed; memory holds each
-  linear twice (weight and packed copy).
-* ``"torch"``: the weight is kept and computed with by ``torch.nn.functional.linear``; nothing
-  derived to refresh, but generation is slower (measured 0.53-0.58x stock by ``make bench``).
-* ``"stock"``: vLLM's own behaviour; the emptied weights are re-processed by vLLM's layerwise
-  path in ``auto`` mode and refused in ``direct`` mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from typing import Any
@@ -39,47 +34,24 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ..direct import prove_checkpoint_layout
-from ..direct.proof import snapshot_module
-from ..layout import TensorSpec, fingerprint, record_checkpoint_layout
-from ..state import bridge_state
+from ..direct import prove_checkpoint_layout, record_checkpoint_layout
+from ..direct.readback import ReadBack
+from ..direct.snapshot import snapshot_module
+from ..direct.state import bridge_state
+from ..layout import TensorSpec, fingerprint, live_tensors, storage_ptr
+from .layerwise import reprocessable_module
 from .lifeline import follow_parent
+from .options import BACKEND, bridge_options
+from .refresh import install as install_refreshers
+from .refresh import take_refreshers
 
-__all__ = [
-    "BRIDGE_KEY",
-    "CPU_LINEAR_MODES",
-    "PLUGINS_ENV",
-    "bridge_options",
-    "register",
-    "run_engine_plugins",
-    "torch_linear",
-]
+__all__ = ["PLUGINS_ENV", "register", "run_engine_plugins"]
 
-BRIDGE_KEY = "weight_bridge"
-CPU_LINEAR_MODES = ("torch", "repack", "stock")
 PLUGINS_ENV = "WEIGHT_BRIDGE_PLUGINS"
 _manifests: WeakKeyDictionary[torch.nn.Module, dict[str, TensorSpec]] = WeakKeyDictionary()
+_loaded: WeakKeyDictionary[torch.nn.Module, set[str]] = WeakKeyDictionary()
 _registered = False
 _plugins_run: set[str] = set()
-
-
-def bridge_options(vllm_config: Any = None) -> dict | None:
-    """The bridge's options of the engine being built or run here, or None if not bridged."""
-    if vllm_config is None:
-        from vllm.config import get_current_vllm_config_or_none
-
-        vllm_config = get_current_vllm_config_or_none()
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and isinstance(extra.get(BRIDGE_KEY), dict):
-        return extra[BRIDGE_KEY]
-    return None
-
-
-def torch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``cpu_linear="torch"``: compute with the live weight itself."""
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def _sampled(t: torch.Tensor) -> Any:
@@ -92,8 +64,6 @@ def _sampled(t: torch.Tensor) -> Any:
 
 def _watch_processing(model: torch.nn.Module) -> tuple[dict[int, Any], list]:
     """Note each module's state right after its own processing step (see point 3 above)."""
-    from .layerwise import reprocessable_module
-
     after_own: dict[int, Any] = {}
     undo: list = []
 
@@ -144,10 +114,9 @@ def _reprocessable(model: torch.nn.Module, after_own: dict[int, Any]) -> set[str
 def _patch_loader() -> None:
     from vllm.model_executor.model_loader import base_loader, default_loader
 
-    from .refresh import take_refreshers
-
     loader_cls = default_loader.DefaultModelLoader
     original_weights = loader_cls.get_all_weights
+    original_load = loader_cls.load_weights
 
     def get_all_weights(self, model_config, model):
         if bridge_options() is None:
@@ -159,7 +128,18 @@ def _patch_loader() -> None:
             manifest[name] = TensorSpec(tuple(tensor.shape), tensor.dtype)
             yield name, tensor
 
+    def load_weights(self, model, model_config):
+        if bridge_options() is None:
+            return original_load(self, model, model_config)
+        live = list(live_tensors(model))
+        watch = ReadBack({storage_ptr(t) for _, t, _ in live}, "off")
+        with watch:
+            out = original_load(self, model, model_config)
+        _loaded[model] = {name for name, t, _ in live if watch.wrote_into(t)}
+        return out
+
     loader_cls.get_all_weights = get_all_weights  # type: ignore[method-assign]
+    loader_cls.load_weights = load_weights  # type: ignore[method-assign]
 
     original_process = base_loader.process_weights_after_loading
 
@@ -172,7 +152,7 @@ def _patch_loader() -> None:
                 "weight-bridge: the engine's model loader did not stream a checkpoint "
                 "(only the default safetensors loader is supported)"
             )
-        record_checkpoint_layout(model, checkpoint=manifest)
+        record_checkpoint_layout(model, checkpoint=manifest, loaded=_loaded.pop(model, None))
         after_own, undo = _watch_processing(model)
         try:
             out = original_process(model, model_config, target_device)
@@ -184,6 +164,22 @@ def _patch_loader() -> None:
         return out
 
     base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+def _register_backend() -> None:
+    """The ``weight_bridge`` backend in vLLM's weight-transfer factories, engine and trainer
+    side, loaded lazily by module path (a second registration is a no-op)."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, module, cls in (
+        (WeightTransferEngineFactory, "weight_bridge.vllm.backend", "WeightBridgeEngine"),
+        (WeightTransferTrainerFactory, "weight_bridge.vllm.trainer", "WeightBridgeTrainer"),
+    ):
+        with contextlib.suppress(ValueError):  # registered already in this process
+            factory.register_engine(BACKEND, module, cls)
 
 
 def run_engine_plugins(specs: str | None = None) -> None:
@@ -210,11 +206,13 @@ def register() -> None:
         return
     _registered = True
     follow_parent()
+    _register_backend()
     _patch_loader()
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        from .refresh import install
+    from .core_hooks import install as install_core_hooks
 
-        install(bridge_options)
+    install_core_hooks()
+    if current_platform.is_cpu():
+        install_refreshers(bridge_options)
     run_engine_plugins()

@@ -12,6 +12,17 @@ how to derive the rest again, in place (addresses unchanged):
    bridge keeps the unpacked tensors as the write targets; a refresh runs the kernel's own
    processing on a scratch copy of them and copies the result into the live parameters.
 
+``cpu_linear`` (an option of :class:`~weight_bridge.vllm.options.BridgeOptions`) picks what
+happens to linear layers on the CPU backend, which vLLM packs into oneDNN handles and empties:
+
+* ``"repack"`` (default): vLLM packs as usual but the weight is kept; after each direct write
+  the packed form is derived again (kind 1 above). Generation runs at vLLM's own speed; memory
+  holds each linear twice (weight and packed copy).
+* ``"torch"``: the weight is kept and computed with by :func:`torch_linear`; nothing derived to
+  refresh, but generation is slower (measured 0.53-0.58x stock by ``make bench``).
+* ``"stock"``: vLLM's own behaviour; the emptied weights are re-processed by vLLM's layerwise
+  path in ``auto`` mode and refused in ``direct`` mode.
+
 Refreshers are created while the engine processes its weights (the patches below, installed
 by :func:`install` and inert unless the engine is bridged) and collected by the plugin with
 :func:`take_refreshers`.
@@ -26,28 +37,42 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..direct import Refresher
+from .options import CPU_LINEAR_MODES, BridgeOptions
 
-__all__ = ["CpuLinearRepack", "CpuMoePrepack", "install", "take_refreshers"]
+__all__ = ["CpuLinearRepack", "CpuMoePrepack", "install", "take_refreshers", "torch_linear"]
 
 _pending: WeakKeyDictionary[torch.nn.Module, Refresher] = WeakKeyDictionary()
 
 
-class CpuLinearRepack(Refresher):
+def torch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``cpu_linear="torch"``: compute with the live weight itself."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+class CpuLinearRepack:
     """The oneDNN packed copy of a CPU linear's weight, packed again after a write."""
 
+    kind = "cpu packed linear"
+    explains = frozenset({"cpu_linear"})
+
     def __init__(self, dispatch: Callable[[torch.nn.Module, bool], None]):
-        super().__init__("cpu packed linear", frozenset({"cpu_linear"}))
+        self.sources: dict[str, torch.Tensor] = {}
         self.dispatch = dispatch
 
     def refresh(self, module: torch.nn.Module) -> None:
         self.dispatch(module, False)
 
 
-class CpuMoePrepack(Refresher):
+class CpuMoePrepack:
     """The CPU experts kernel's prepacked ``w13``/``w2``, derived again from kept sources."""
 
+    kind = "cpu MoE prepack"
+
     def __init__(self, experts: Any, process: Callable[[Any, torch.nn.Module], None], sources):
-        super().__init__("cpu MoE prepack", frozenset(sources), dict(sources))
+        self.explains = frozenset(sources)
+        self.sources: dict[str, torch.Tensor] = dict(sources)
         self.experts = experts
         self.process = process
 
@@ -74,15 +99,14 @@ def take_refreshers(model: torch.nn.Module) -> dict[str, Refresher]:
     return {name: _pending.pop(m) for name, m in model.named_modules() if m in _pending}
 
 
-def _patch_cpu_linear(bridged: Callable[[], dict | None]) -> None:
+def _patch_cpu_linear(bridged: Callable[[], BridgeOptions | None]) -> None:
     from vllm.model_executor.layers import utils as layer_utils
-
-    from .plugin import CPU_LINEAR_MODES, torch_linear
 
     original = layer_utils.dispatch_cpu_unquantized_gemm
 
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
-        mode = (bridged() or {}).get("cpu_linear", "stock")
+        options = bridged()
+        mode = options.cpu_linear if options is not None else "stock"
         weight = getattr(layer, "weight", None)
         plain = isinstance(weight, torch.Tensor) and not weight.is_meta and weight.ndim == 2
         if mode == "stock" or not plain:
@@ -98,7 +122,7 @@ def _patch_cpu_linear(bridged: Callable[[], dict | None]) -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
-def _patch_cpu_moe(bridged: Callable[[], dict | None]) -> None:
+def _patch_cpu_moe(bridged: Callable[[], BridgeOptions | None]) -> None:
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     cls = cpu_moe.CPUUnquantizedExperts
@@ -122,7 +146,7 @@ def _patch_cpu_moe(bridged: Callable[[], dict | None]) -> None:
     cls.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
 
 
-def install(bridged: Callable[[], dict | None]) -> None:
+def install(bridged: Callable[[], BridgeOptions | None]) -> None:
     """Patch the CPU backend's processing so bridged engines register their refreshers."""
     _patch_cpu_linear(bridged)
     _patch_cpu_moe(bridged)

@@ -1,43 +1,101 @@
-"""What crosses the process boundary between a worker and the engine: small dataclasses.
+"""What crosses a process or HTTP boundary on an update: small dataclasses, built in one place.
 
-Workers never raise for an expected outcome: a refusal (nothing written), a failure after
-writing started, or a success all come back as a :class:`PushResult` turned into a plain dict
-here, in one place; the engine turns it back and raises the project's own error types, so the
-caller sees the same type, message and problems in-process and multi-process.
+* :class:`UpdateRequest`: the ``update_info`` of vLLM's ``update_weights`` for the bridge's
+  backend (a checkpoint path and per-update choices), typed as the backend parses it.
+* :class:`PushResult`: one worker's outcome. Workers never raise for an expected outcome: a
+  refusal (nothing written), a failure after writing started (rolled back or not) and a success
+  are all results, turned into plain dicts here; the engine core merges every rank's result
+  into the error it raises (:func:`merged_error`) and :class:`~weight_bridge.vllm.ColocatedEngine`
+  into its report or into the same error, so a caller sees the same type, message and problems
+  in-process and multi-process, and over HTTP the same message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError
-from ..direct import DirectReloadError, ReloadReport, Relocation
+from ..direct import DirectReloadError, ReloadReport
+from ..direct.resolve import Relocation
 
-__all__ = ["PushError", "PushReport", "PushResult", "describe", "raise_for_errors"]
+__all__ = [
+    "PushError",
+    "PushReport",
+    "PushResult",
+    "UpdateRequest",
+    "describe",
+    "merged_error",
+]
+
+
+@dataclass
+class UpdateRequest:
+    """``update_weights({"update_info": {...}})`` for the ``weight_bridge`` backend.
+
+    ``checkpoint``: a safetensors file or a directory of shards, under the engine's checkpoint
+    root (a relative path is taken relative to it). ``verify_hash`` / ``check_finite``: override
+    the engine's options for this update. ``served_version``: the version the engine serves,
+    filled in by the engine core (vLLM keeps it there); a partial checkpoint's
+    ``base_version`` must equal it.
+    """
+
+    checkpoint: str
+    verify_hash: bool | None = None
+    check_finite: bool | None = None
+    served_version: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UpdateRequest:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown or "checkpoint" not in data:
+            raise ValueError(
+                f"weight_bridge update_info takes {sorted(known)} (checkpoint required), "
+                f"got {sorted(data)}"
+            )
+        return cls(**data)
 
 
 @dataclass
 class PushError:
-    """A refusal or failure of one worker: the error type's name, message, problems, phase."""
+    """A refusal or failure of one worker: the error type's name, message, problems, phase.
+
+    For a ``CheckpointError``, ``message`` is its problem, ``path`` its file and ``problems``
+    names its tensor, if any.
+    """
 
     type: str
     message: str
     problems: dict[str, str] = field(default_factory=dict)
     phase: str = "refused"  # "refused" (nothing written) or "after-write"
+    path: str = ""
 
 
 @dataclass
 class PushResult:
-    """One worker's push in plain values: the core's report, or the error, and the state left."""
+    """One worker's update in plain values: the core's report, or the error, and the state left.
+
+    ``rolled_back``: after a failure past the first write, what the rollback did (it re-wrote
+    the served version, or failed too). ``served``: the checkpoints the worker's weights are
+    made of afterwards (a complete one, then partial ones on top of it).
+    """
 
     rank: int = 0
+    checkpoint: str = ""
     mode: str = "direct"
+    partial: bool = False
     report: ReloadReport = field(default_factory=ReloadReport)
     undefined: str | None = None
     error: PushError | None = None
+    rolled_back: str | None = None
+    rollback_s: float | None = None
+    served: list[str] = field(default_factory=list)
+
+    @property
+    def wrote(self) -> bool:
+        """Whether this worker's weights changed (a success, or a failure after writing)."""
+        return self.error is None or self.error.phase == "after-write"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,23 +146,21 @@ class PushReport:
     partial: bool = False
 
     @classmethod
-    def merged(
-        cls, results: list[PushResult], checkpoint: str, version: Any, partial: bool
-    ) -> PushReport:
+    def merged(cls, results: list[PushResult], version: Any) -> PushReport:
         """One report for every rank's result: rank 0's counts, the slowest rank's times,
         every rank's relocations and read-backs."""
-        first = results[0].report
+        first = results[0]
         reports = [r.report for r in results]
         return cls(
-            checkpoint=checkpoint,
+            checkpoint=first.checkpoint,
             version=version,
-            mode=results[0].mode,
-            reason=describe(first),
-            tensors=first.tensors,
-            bytes=first.bytes,
-            direct=first.direct,
-            refreshed=first.refreshed,
-            reprocessed=first.reprocessed,
+            mode=first.mode,
+            reason=describe(first.report),
+            tensors=first.report.tensors,
+            bytes=first.report.bytes,
+            direct=first.report.direct,
+            refreshed=first.report.refreshed,
+            reprocessed=first.report.reprocessed,
             verified_writes=sum(r.verified_writes for r in reports),
             read_s=max(r.preflight_s for r in reports),
             write_s=max(r.write_s for r in reports),
@@ -114,7 +170,7 @@ class PushReport:
                 {**asdict(rel), "rank": r.rank} for r in results for rel in r.report.relocations
             ],
             workers=len(results),
-            partial=partial,
+            partial=first.partial,
         )
 
 
@@ -131,26 +187,29 @@ def describe(report: ReloadReport) -> str:
     return ", ".join(parts)
 
 
-def raise_for_errors(
-    results: list[PushResult], checkpoint: str, where: Mapping[str, Path | None]
-) -> None:
-    """Raise the project's own error for the workers' refusals, every rank's problems merged.
-
-    ``where`` (tensor -> shard file) names the file of each problem of a sharded checkpoint.
-    """
-    errors = [r.error for r in results if r.error is not None]
-    if not errors:
-        return
-    first = errors[0]
-    if first.type == "CheckpointError":
-        raise CheckpointError(checkpoint, first.message.removeprefix(f"{checkpoint}: "))
-    head = first.message.splitlines()[0] if first.message else "direct reload failed"
-    if not head.startswith(checkpoint):
-        head = f"{checkpoint}: {head}"
+def merged_error(results: list[PushResult]) -> DirectReloadError | CheckpointError | None:
+    """The project's own error for the workers' refusals and failures, every rank's problems
+    merged (each naming its tensor, and its shard file where the checkpoint has several), the
+    rollback's outcome appended; None if every worker succeeded."""
+    failed = [r for r in results if r.error is not None]
+    if not failed:
+        return None
+    first = failed[0]
+    error = first.error
+    assert error is not None
+    note = next((r.rolled_back for r in results if r.rolled_back), None)
+    if all(r.error is not None and r.error.type == "CheckpointError" for r in failed):
+        tensor = next(iter(error.problems), None)
+        return CheckpointError(error.path or first.checkpoint, _noted(error.message, note), tensor)
+    head = error.message.splitlines()[0] if error.message else "direct reload failed"
+    if first.checkpoint and not head.startswith(first.checkpoint):
+        head = f"{first.checkpoint}: {head}"
     problems: dict[str, str] = {}
-    for error in errors:
-        for name, why in error.problems.items():
-            file = where.get(name)
-            named = file is not None and str(file) != checkpoint
-            problems[name] = f"{why} (in {file})" if named else why
-    raise DirectReloadError(head, problems)
+    for r in failed:
+        assert r.error is not None
+        problems.update(r.error.problems)
+    return DirectReloadError(_noted(head, note), problems)
+
+
+def _noted(message: str, note: str | None) -> str:
+    return f"{message}; {note}" if note else message

@@ -1,0 +1,67 @@
+"""The bridge's per-model state: one object, attached to the model under one attribute.
+
+Everything the bridge remembers about a model lives here (the layout recorded at load, the
+module snapshot taken then, the proof computed after post-load processing, the refreshers of
+derived state, the modules the engine can re-process, the undefined mark, whether a write is
+in progress, and the last plan, kept while the model's addresses stay the same), so a reader
+finds it in one place and nothing else is attached to ``nn.Module`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..layout import CheckpointLayout
+from .extension import Refresher
+from .proof import Proof
+from .snapshot import ModuleSnapshot
+
+__all__ = ["BridgeState", "bridge_state", "clear_undefined", "mark_undefined", "undefined_reason"]
+
+STATE_ATTR = "_weight_bridge"
+
+
+@dataclass
+class BridgeState:
+    """What the bridge knows about one model.
+
+    ``undefined``: why the weights are half-written (a write failed mid-way), until a complete
+    write succeeds. ``writing``: a write session is open (sessions do not nest).
+    ``plan_cache``: the last plan and what it was computed for (see :mod:`.plan`).
+    """
+
+    layout: CheckpointLayout | None = None
+    snapshot: dict[str, ModuleSnapshot] | None = None
+    proof: Proof | None = None
+    refreshers: dict[str, Refresher] = field(default_factory=dict)
+    reprocessable: set[str] = field(default_factory=set)
+    undefined: str | None = None
+    writing: bool = False
+    plan_cache: tuple[Any, Any] | None = None
+
+
+def bridge_state(model: torch.nn.Module) -> BridgeState:
+    """The model's bridge state, created empty on first use."""
+    state = model.__dict__.get(STATE_ATTR)
+    if state is None:
+        state = BridgeState()
+        model.__dict__[STATE_ATTR] = state
+    return state
+
+
+def undefined_reason(model: torch.nn.Module) -> str | None:
+    """Why the model's weights are undefined (a reload failed mid-way), or None."""
+    return bridge_state(model).undefined
+
+
+def mark_undefined(model: torch.nn.Module, reason: str) -> None:
+    """Flag the weights as half-written until a complete reload succeeds."""
+    bridge_state(model).undefined = reason
+
+
+def clear_undefined(model: torch.nn.Module) -> None:
+    """Declare the weights whole again (a complete reload by another path succeeded)."""
+    bridge_state(model).undefined = None

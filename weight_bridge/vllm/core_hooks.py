@@ -1,0 +1,196 @@
+"""The engine-core side of a bridged update: agreement across ranks, errors, the prefix cache.
+
+vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the engine core's
+``collective_rpc``. For an engine running the ``weight_bridge`` backend, the plugin wraps it
+(:func:`install`, in the engine-core process) so that one ``update_weights`` is a transaction
+over every rank:
+
+1. each rank *prepares* (vLLM's own ``update_weights`` call into the backend): the whole
+   checkpoint checked, every weight planned, nothing written; the version the engine serves
+   (kept here, by vLLM) is passed along, for a partial checkpoint's base;
+2. only if every rank prepared does every rank *commit*; if any rank then failed past its first
+   write, every rank that wrote *rolls back* to the version served;
+3. a refusal or failure is raised from ``update_weights`` as the project's own error, every
+   rank's problems merged, each naming its tensor (a plain ``Exception`` with the same message
+   across vLLM's process boundary; over HTTP a non-2xx answer whose body carries it), logged on
+   one line without a traceback. The workers' update session is closed, so the next
+   ``start_weight_update`` works, and a ``finish_weight_update`` for the failed update is
+   refused, so vLLM does not stamp the version that was not written;
+4. after a successful update no request that arrives later reuses KV computed by the old
+   weights (:func:`~._core.forget_prefixes`; vLLM's own update leaves the prefix cache as it
+   was);
+5. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
+   stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
+   name until a complete update succeeds.
+
+Workers never raise for an expected outcome: vLLM's multi-process executor raises at the first
+failed rank without collecting the others' replies, which would leave them queued for the
+next call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import CheckpointError
+from ..direct import DirectReloadError
+from ._core import forget_prefixes, served_version
+from .backend import call_backend
+from .options import is_bridged
+from .results import PushResult, merged_error
+
+__all__ = ["BridgeCoreState", "install"]
+
+_logger = logging.getLogger(__name__)
+_installed = False
+_HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+@dataclass
+class BridgeCoreState:
+    """What the engine core remembers between the calls of an update."""
+
+    failed: str | None = None  # the last update failed: its finish is refused
+    undefined: str | None = None  # a rank's weights are half-written: nothing is scheduled
+    paused_before: Any = None  # the scheduler's pause state before the bridge paused it
+    updates: int = 0
+
+
+def _state(core: Any) -> BridgeCoreState:
+    state = core.__dict__.get("_weight_bridge")
+    if state is None:
+        state = core.__dict__["_weight_bridge"] = BridgeCoreState()
+    return state
+
+
+def _phase(rpc: Any, core: Any, timeout: float | None, action: str, *args: Any) -> list:
+    raw = rpc(core, call_backend, timeout, (action, *args), None)
+    return [PushResult.from_dict(r) for r in raw]
+
+
+def _with_served(info: Any, served: str | None) -> Any:
+    if isinstance(info, list):
+        return [_with_served(i, served) for i in info]
+    if isinstance(info, dict):
+        return {**info, "served_version": served}
+    return info
+
+
+def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
+    state = _state(core)
+    info = (kwargs or {}).get("update_info", args[0] if args else None)
+    served = served_version(core)
+    out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
+    results = _phase(rpc, core, timeout, "result") if len(out) > 1 else []
+    if any(r.error is not None for r in results):
+        _phase(rpc, core, timeout, "abandon")  # a rank refused: no rank writes
+    else:
+        results = _phase(rpc, core, timeout, "commit")
+    error = merged_error(results)
+    if error is None:
+        try:
+            state.updates += 1
+            forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")
+        except Exception as exc:
+            why = (
+                f"resetting the prefix cache after the update failed ({type(exc).__name__}: "
+                f"{exc}): its cached KV may be from the old weights"
+            )
+            results = _phase(rpc, core, timeout, "fail", why)
+            error = merged_error(results)
+    if error is None:
+        state.failed = None
+        _resume_if_paused_by_bridge(core, state)
+        return out
+    if any(r.wrote for r in results):
+        results = _phase(rpc, core, timeout, "roll_back", served)
+        error = merged_error(results) or error
+    rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
+    state.failed = str(error)
+    undefined = next((r.undefined for r in results if r.undefined), None)
+    if undefined is not None:
+        _stop_scheduling(core, state, undefined)
+    raise error
+
+
+def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
+    from vllm.v1.core.sched.interface import PauseState
+
+    scheduler = core.scheduler
+    if state.undefined is None:
+        state.paused_before = scheduler.pause_state
+    state.undefined = why
+    scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    scheduler.reset_prefix_cache(reset_running_requests=True)  # nothing keeps old KV
+    _logger.error(
+        "weight_bridge: the engine's weights are undefined (%s); nothing is scheduled until a "
+        "complete update succeeds",
+        why,
+    )
+
+
+def _resume_if_paused_by_bridge(core: Any, state: BridgeCoreState) -> None:
+    if state.undefined is None:
+        return
+    state.undefined = None
+    core.scheduler.set_pause_state(state.paused_before)
+
+
+def install() -> None:
+    """Wrap the engine core's ``collective_rpc`` and ``resume_scheduler`` (inert unless the
+    engine is bridged); silence the traceback vLLM logs for an expected refusal."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from vllm.v1.engine import core as engine_core
+
+    original = engine_core.EngineCore.collective_rpc
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if not (isinstance(method, str) and method in _HOOKED and is_bridged(self.vllm_config)):
+            return original(self, method, timeout, args, kwargs)
+        state = _state(self)
+        if method == "update_weights":
+            return _update(original, self, timeout, args, kwargs)
+        if method == "finish_weight_update" and state.failed is not None:
+            failed, state.failed = state.failed, None
+            raise RuntimeError(
+                "finish_weight_update after a failed update_weights: nothing was updated, the "
+                f"engine serves version {served_version(self)!r} ({failed.splitlines()[0]})"
+            )
+        state.failed = None
+        return original(self, method, timeout, args, kwargs)
+
+    engine_core.EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    for cls in (engine_core.EngineCore, engine_core.EngineCoreProc, engine_core.DPEngineCoreProc):
+        if "resume_scheduler" in vars(cls):
+            cls.resume_scheduler = _refusing_resume(vars(cls)["resume_scheduler"])  # type: ignore[method-assign]
+    logging.getLogger(engine_core.__name__).addFilter(_quiet_refusals)
+
+
+def _refusing_resume(resume: Any) -> Any:
+    def resume_scheduler(self, *args, **kwargs):
+        undefined = _state(self).undefined if is_bridged(self.vllm_config) else None
+        if undefined is not None:
+            raise RuntimeError(
+                f"the engine's weights are undefined ({undefined}): push a complete checkpoint "
+                "before resuming generation"
+            )
+        return resume(self, *args, **kwargs)
+
+    return resume_scheduler
+
+
+def _quiet_refusals(record: logging.LogRecord) -> bool:
+    """vLLM logs every failed utility call with its traceback; a refused or rolled-back update
+    is an expected outcome, already in the error the caller gets: one line, no traceback."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, (DirectReloadError, CheckpointError)):
+        record.msg = "weight_bridge: update refused: %s"
+        record.args = (str(error).splitlines()[0],)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text = None, None
+    return True

@@ -1,0 +1,113 @@
+"""The bridge's options for one vLLM engine, shared by the plugin, the refreshers and the backend.
+
+An engine is *bridged* when it is started with vLLM's weight-transfer config naming the
+bridge's backend (``weight_transfer_config={"backend": "weight_bridge"}``, CLI
+``--weight-transfer-config '{"backend": "weight_bridge"}'``). Its options come from
+``additional_config={"weight_bridge": {...}}`` (CLI ``--additional-config``), fixed when the
+engine starts; :meth:`BridgeOptions.from_config` reads and checks them. Per-update choices a
+trainer may make (read-back, NaN/Inf check, hash check) can also be given in
+``init_weight_transfer_engine``'s ``init_info``; the checkpoint root never can.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from ..direct.readback import READBACK_MODES
+
+__all__ = [
+    "BACKEND",
+    "BRIDGE_KEY",
+    "CPU_LINEAR_MODES",
+    "RELOAD_MODES",
+    "BridgeOptions",
+    "bridge_options",
+    "is_bridged",
+]
+
+BACKEND = "weight_bridge"  # the weight-transfer backend's name in vLLM's factories
+BRIDGE_KEY = "weight_bridge"  # the options' key in additional_config
+CPU_LINEAR_MODES = ("torch", "repack", "stock")
+RELOAD_MODES = ("direct", "layerwise", "auto")
+ReloadMode = Literal["direct", "layerwise", "auto"]
+
+
+@dataclass(frozen=True)
+class BridgeOptions:
+    """What a bridged engine does on an update.
+
+    ``checkpoint_root``: the only directory updates may read checkpoints from (see
+    :mod:`weight_bridge.checkpoint.trust`); unset, every update is refused with how to set it.
+    ``reload_mode``: ``direct`` (refuse what cannot be proven), ``auto`` (hand unprovable
+    modules to vLLM's layerwise processing) or ``layerwise`` (always vLLM's own reload).
+    ``cpu_linear`` (CPU backend): see :mod:`weight_bridge.vllm.refresh`. ``readback``:
+    ``sampled``, ``full`` or ``off``. ``check_finite``: refuse NaN/Inf. ``verify_hash``: check
+    the content hash :func:`~weight_bridge.checkpoint.save_checkpoint` writes. ``rollback``:
+    re-write the served version after an update that failed mid-write (else the engine is left
+    undefined and refuses to generate).
+    """
+
+    checkpoint_root: str | None = None
+    reload_mode: ReloadMode = "direct"
+    cpu_linear: str = "repack"
+    readback: str = "sampled"
+    check_finite: bool = True
+    verify_hash: bool = False
+    rollback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.reload_mode not in RELOAD_MODES:
+            raise ValueError(f"reload_mode must be one of {RELOAD_MODES}, not {self.reload_mode!r}")
+        if self.cpu_linear not in CPU_LINEAR_MODES:
+            raise ValueError(
+                f"cpu_linear must be one of {CPU_LINEAR_MODES}, not {self.cpu_linear!r}"
+            )
+        if self.readback not in READBACK_MODES:
+            raise ValueError(f"readback must be one of {READBACK_MODES}, not {self.readback!r}")
+        if self.checkpoint_root is not None and not os.path.isabs(self.checkpoint_root):
+            object.__setattr__(self, "checkpoint_root", os.path.abspath(self.checkpoint_root))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BridgeOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown weight_bridge options {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def with_session(self, init_info: dict[str, Any]) -> BridgeOptions:
+        """These options with a trainer's per-session choices applied (never the root)."""
+        if "checkpoint_root" in init_info:
+            raise ValueError(
+                "checkpoint_root is fixed when the engine starts (additional_config or "
+                "--additional-config), never by a request"
+            )
+        return BridgeOptions.from_dict({**asdict(self), **init_info})
+
+    def as_config(self) -> dict[str, Any]:
+        """The ``additional_config`` entry that starts an engine with these options."""
+        return {BRIDGE_KEY: asdict(self)}
+
+
+def is_bridged(vllm_config: Any) -> bool:
+    """Whether the engine runs the bridge's weight-transfer backend."""
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    return getattr(transfer, "backend", None) == BACKEND
+
+
+def bridge_options(vllm_config: Any = None) -> BridgeOptions | None:
+    """The bridge's options of the engine being built or run here, or None if not bridged.
+
+    ``vllm_config`` defaults to the one vLLM is building or running in this process.
+    """
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or not is_bridged(vllm_config):
+        return None
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(BRIDGE_KEY) if isinstance(extra, dict) else None
+    return BridgeOptions.from_dict(dict(raw or {}))

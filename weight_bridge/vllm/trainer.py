@@ -1,0 +1,138 @@
+"""The trainer side of the ``weight_bridge`` backend, for code written against vLLM's trainer API.
+
+vLLM's ``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)`` builds a
+trainer engine on every trainer rank; ``send_weights()`` then drives one update. With the
+bridge's backend, sending means: stream the source's tensors into a safetensors checkpoint
+(each gathered, written at its offset and freed, so a sharded trainer never holds the whole
+model: :class:`~weight_bridge.checkpoint.write.CheckpointWriter`), then send its path with the
+same four calls as every other backend::
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from weight_bridge.vllm.trainer import WeightBridgeTrainerInitInfo
+
+    sender = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeTrainerInitInfo(directory="/ckpts", rank=0),
+        client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"),
+        source=ModuleSource(model),
+    )
+    sender.send_weights(version="10")
+
+``directory`` must lie under the engine's checkpoint root (the engine reads nothing else). Every
+rank iterates the source (a ``DTensor`` is gathered collectively); only the sender (rank 0)
+writes and calls the engine. ``send_weights(names=...)`` sends a *partial* checkpoint holding
+only those tensors, on top of ``base_version`` (default: the version sent last).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    materialize_full_tensor,
+)
+
+from ..checkpoint import BASE_VERSION_KEY
+from ..checkpoint.write import CheckpointWriter
+from .options import BACKEND
+
+__all__ = ["WeightBridgeTrainer", "WeightBridgeTrainerInitInfo"]
+
+
+@dataclass
+class WeightBridgeTrainerInitInfo(TrainerInitInfo):
+    """Where the trainer saves checkpoints (under the engine's checkpoint root), how many it
+    keeps, and the session options sent to the engine (see
+    :class:`~weight_bridge.vllm.backend.SessionOptions`)."""
+
+    backend: ClassVar[str] = BACKEND
+    directory: str = "."
+    keep_last_k: int = 2
+    session: dict[str, Any] = field(default_factory=dict)
+
+
+class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInfo]):
+    """Save, then send the path: vLLM's trainer engine for the ``weight_bridge`` backend."""
+
+    init_info_cls = WeightBridgeTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info = WeightBridgeTrainerInitInfo(rank=0 if is_sender else 1)
+        self.sent: list[Path] = []
+        self.last_version: str | None = None
+        self.rounds = 0
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: WeightBridgeTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> WeightBridgeTrainer:
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.info = init_info
+        if engine.is_sender:
+            client.init_weight_transfer_engine(dict(init_info.session))
+        return engine
+
+    def send_weights(  # type: ignore[override]
+        self,
+        version: str | None = None,
+        names: Iterable[str] | None = None,
+        base_version: str | None = None,
+    ) -> Path | None:
+        """One update: the source saved as a checkpoint (only ``names``: a partial one on top
+        of ``base_version``), its path sent; the path on the sender, None elsewhere."""
+        if self.source is None:
+            raise ValueError("WeightBridgeTrainer needs a WeightSource (source=...)")
+        self.rounds += 1
+        version = str(version if version is not None else self.rounds)
+        wanted = set(names) if names is not None else None
+        metas = [m for m in self.source.metadata() if wanted is None or m.name in wanted]
+        metadata = {"version": version}
+        if wanted is not None:
+            base = base_version if base_version is not None else self.last_version
+            if base is None:
+                raise ValueError("a partial send needs a base_version (no version was sent yet)")
+            metadata[BASE_VERSION_KEY] = str(base)
+        path = Path(self.info.directory) / f"weights-{version}.safetensors"
+        writer = (
+            CheckpointWriter(path, [(m.name, m) for m in metas], metadata)
+            if self.is_sender
+            else None
+        )
+        try:
+            for name, tensor in self.source:
+                if wanted is not None and name not in wanted:
+                    continue
+                full = materialize_full_tensor(tensor)  # collective for a DTensor: every rank
+                if writer is not None:
+                    writer.write(name, full.detach().cpu())
+                del full
+            if writer is None:
+                return None
+            writer.finish()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        self.client.start_weight_update()
+        self.client.update_weights({"checkpoint": str(path.resolve())})
+        self.client.finish_weight_update(version)
+        self.last_version = version
+        self._prune(path)
+        return path
+
+    def _prune(self, current: Path) -> None:
+        self.sent.append(current)
+        while len(self.sent) > max(self.info.keep_last_k, 1):
+            old = self.sent.pop(0)
+            if old != current:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
