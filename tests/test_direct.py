@@ -11,18 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import weight_bridge.direct as direct_mod
+import weight_bridge.direct.resolve as resolve_mod
 import weight_bridge.direct.plan as plan_mod
 import weight_bridge.direct.proof as proof_mod
 from weight_bridge import (
     DirectReloadError,
-    begin_direct_reload,
     direct_reload,
-    finish_direct_reload,
+    direct_reload_session,
     record_checkpoint_layout,
 )
-from weight_bridge.direct import undefined_reason
-from weight_bridge.layout import TensorSpec, get_checkpoint_layout, live_tensors
+from weight_bridge.direct.state import bridge_state, undefined_reason
+from weight_bridge.layout import TensorSpec, live_tensors
 
 
 def set_storage(p: torch.Tensor, buf: torch.Tensor, offset: int, shape, stride) -> None:
@@ -72,7 +71,7 @@ def test_reload_into_weight_moved_to_an_offset() -> None:
 
 def offset_only_resolver(entry, live):  # the bug of vLLM PR 65281, reproduced on purpose
     view = torch.as_strided(live.detach(), entry.shape, entry.stride, entry.storage_offset)
-    return direct_mod.ResolvedTarget(entry.name, view)
+    return resolve_mod.ResolvedTarget(entry.name, view)
 
 
 def test_offset_only_resolution_is_caught_by_the_proof(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +99,8 @@ def test_overlap_guard_refuses_offset_only_targets(monkeypatch: pytest.MonkeyPat
         direct_reload(model, B)
     assert info.value.names == ["proj.weight"]
     assert snapshot_bytes(model) == before
-    layout = get_checkpoint_layout(model)
+    layout = bridge_state(model).layout
+    assert layout is not None
     live = {n: t for n, t, _ in live_tensors(model)}
     targets = {n: offset_only_resolver(e, live[n]) for n, e in layout.tensors.items()}
     assert "overlaps" in plan_mod.overlapping_targets(targets, layout.aliases())["proj.weight"]
@@ -305,16 +305,41 @@ def test_failure_mid_reload_marks_undefined_until_a_complete_reload() -> None:
     assert_same_state(model, cold_start(B, move_proj_next_to_other))
 
 
-def test_begin_finish_expose_views_to_normal_loading_path() -> None:
+def test_a_session_exposes_views_to_the_normal_loading_path() -> None:
     model = cold_start(A, move_proj_next_to_other)
     before = addresses(model)
-    begin_direct_reload(model)
-    # inside the session, parameters carry checkpoint layout; a plain loader works unchanged
-    load_by_name(model, B)
-    report = finish_direct_reload(model, complete=True)
+    with direct_reload_session(model, B) as reload:
+        # inside the session, parameters carry checkpoint layout; a plain loader works unchanged
+        load_by_name(model, dict(reload.weights))
+    report = reload.report
+    assert report is not None
     assert addresses(model) == before
     assert {r.name for r in report.relocations} >= {"proj.weight"}
     assert_same_state(model, cold_start(B, move_proj_next_to_other))
+
+
+def test_a_complete_session_that_skips_a_planned_target_is_refused_by_name() -> None:
+    """A session declared complete checks that the load wrote every planned target."""
+    model = cold_start(A, move_proj_next_to_other)
+    with pytest.raises(DirectReloadError, match="did not write every weight") as info:
+        with direct_reload_session(model, B) as reload:
+            load_by_name(model, {n: t for n, t in reload.weights if n != "other.weight"})
+    assert info.value.names == ["other.weight"]
+    assert "unwritten" in (undefined_reason(model) or "")
+    direct_reload(model, B)  # a complete reload makes it whole again
+    assert undefined_reason(model) is None
+    assert_same_state(model, cold_start(B, move_proj_next_to_other))
+
+
+def test_a_session_validates_the_checkpoint_before_writing() -> None:
+    model = cold_start(A, move_proj_next_to_other)
+    before = snapshot_bytes(model)
+    bad = {**B, "proj.weight": torch.full_like(B["proj.weight"], float("nan"))}
+    with pytest.raises(DirectReloadError, match="nothing was written") as info:
+        with direct_reload_session(model, bad) as reload:
+            load_by_name(model, dict(reload.weights))
+    assert info.value.names == ["proj.weight"]
+    assert snapshot_bytes(model) == before
 
 
 # -- property: random relocation plans ---------------------------------------------------------

@@ -15,7 +15,8 @@ from weight_bridge import (
     prove_checkpoint_layout,
     record_checkpoint_layout,
 )
-from weight_bridge.direct import direct_reload_session, undefined_reason
+from weight_bridge.direct import direct_reload_session
+from weight_bridge.direct.state import undefined_reason
 from weight_bridge.layout import fingerprint
 
 
@@ -98,16 +99,23 @@ def test_without_the_proof_the_same_push_would_be_silently_wrong() -> None:
         assert not torch.allclose(model(IDS), cold(B, process)(IDS)), process.__name__
 
 
-class TransposedCopy(Refresher):
+class TransposedCopy:
+    """A :class:`~weight_bridge.Refresher` (structural: no base class needed)."""
+
+    kind = "transposed copy"
+    explains = frozenset({"weight_t"})
+
+    def __init__(self) -> None:
+        self.sources: dict[str, torch.Tensor] = {}
+
     def refresh(self, module: torch.nn.Module) -> None:
         module.weight_t.copy_(module.weight.detach().t())
 
 
 def test_a_refresher_makes_derived_state_writable_and_equal_to_a_cold_start() -> None:
     model = cold(A, derive_transposed_copy)
-    prove_checkpoint_layout(
-        model, {"proj": TransposedCopy("transposed copy", frozenset({"weight_t"}))}
-    )
+    refresher: Refresher = TransposedCopy()
+    prove_checkpoint_layout(model, {"proj": refresher})
     address = model.proj.weight_t.data_ptr()
     report = direct_reload(model, B)
     assert report.refreshed == {"proj": "transposed copy"}
@@ -131,7 +139,7 @@ def test_read_back_catches_a_write_that_a_later_one_overwrote() -> None:
 
 def test_interrupt_inside_a_session_propagates_and_leaves_the_model_undefined() -> None:
     model = cold_start(A, lambda m: None)
-    with pytest.raises(KeyboardInterrupt), direct_reload_session(model):
+    with pytest.raises(KeyboardInterrupt), direct_reload_session(model, B):
         load_by_name(model, {"proj.weight": B["proj.weight"]})
         raise KeyboardInterrupt
     assert "KeyboardInterrupt" in (undefined_reason(model) or "")

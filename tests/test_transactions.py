@@ -37,7 +37,7 @@ from weight_bridge.direct import DirectReloadError
 
 def arm_refresh_fault(worker) -> str:
     """FAULT INJECTION: the next refresh of one module's derived state raises."""
-    from weight_bridge.state import bridge_state
+    from weight_bridge.direct.state import bridge_state
 
     refreshers = bridge_state(worker.model_runner.get_model()).refreshers
     name = sorted(refreshers)[-1]
