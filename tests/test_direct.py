@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import weight_bridge.direct.resolve as resolve_mod
 import weight_bridge.direct.plan as plan_mod
 import weight_bridge.direct.proof as proof_mod
+import weight_bridge.direct.resolve as resolve_mod
 from weight_bridge import (
     DirectReloadError,
     direct_reload,
@@ -321,9 +321,11 @@ def test_a_session_exposes_views_to_the_normal_loading_path() -> None:
 def test_a_complete_session_that_skips_a_planned_target_is_refused_by_name() -> None:
     """A session declared complete checks that the load wrote every planned target."""
     model = cold_start(A, move_proj_next_to_other)
-    with pytest.raises(DirectReloadError, match="did not write every weight") as info:
-        with direct_reload_session(model, B) as reload:
-            load_by_name(model, {n: t for n, t in reload.weights if n != "other.weight"})
+    with (
+        pytest.raises(DirectReloadError, match="did not write every weight") as info,
+        direct_reload_session(model, B) as reload,
+    ):
+        load_by_name(model, {n: t for n, t in reload.weights if n != "other.weight"})
     assert info.value.names == ["other.weight"]
     assert "unwritten" in (undefined_reason(model) or "")
     direct_reload(model, B)  # a complete reload makes it whole again
@@ -335,9 +337,11 @@ def test_a_session_validates_the_checkpoint_before_writing() -> None:
     model = cold_start(A, move_proj_next_to_other)
     before = snapshot_bytes(model)
     bad = {**B, "proj.weight": torch.full_like(B["proj.weight"], float("nan"))}
-    with pytest.raises(DirectReloadError, match="nothing was written") as info:
-        with direct_reload_session(model, bad) as reload:
-            load_by_name(model, dict(reload.weights))
+    with (
+        pytest.raises(DirectReloadError, match="nothing was written") as info,
+        direct_reload_session(model, bad) as reload,
+    ):
+        load_by_name(model, dict(reload.weights))
     assert info.value.names == ["proj.weight"]
     assert snapshot_bytes(model) == before
 
