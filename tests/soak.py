@@ -164,7 +164,7 @@ def format_summary(result: dict) -> str:
         v = s[key]
         lines.append(
             f"{key + (' ' + unit if unit else ''):10s} {v['start'] / scale:12.1f} "
-            f"{v['end'] / scale:12.1f} {v['drift'] / scale:+10.1f} {v['min'] / scale:12.1f} "
+            f"{v['end'] / scale:12.1f} {v['drift'] / scale:+10.2f} {v['min'] / scale:12.1f} "
             f"{v['max'] / scale:12.1f} {v['slope_per_1000_pushes'] / scale:+11.2f}"
         )
     p = s["push_ms"]

@@ -443,6 +443,9 @@ def test_worker_death_or_hang_is_a_bounded_error(models) -> None:
 # -- load: the soak, short ----------------------------------------------------------------------
 
 
+SOAK_DRIFT_MIB = 2  # VmRSS and RssAnon over the 200 pushes of test_soak_short, either way
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_soak_short(models, shared_engine, cold) -> None:
@@ -465,8 +468,10 @@ def test_soak_short(models, shared_engine, cold) -> None:
     assert result["parity_failures"] == [] and result["parity_checks"] == 5
     assert s["fds"]["max"] == s["fds"]["min"]  # not one descriptor more, ever
     assert s["Threads"]["max"] == s["Threads"]["min"]
-    # flat within 8 MiB (the full run: +0.9 MiB over 1000 pushes, all at parity checks)
-    assert abs(s["VmRSS"]["drift"]) < 8 * 1024 and abs(s["RssAnon"]["drift"]) < 8 * 1024
+    # The README's bound: drift under 2 MiB (kB here). Measured +0.32, +0.33 and +0.58 MiB over
+    # three runs of these 200 pushes; 2000 pushes drift +0.4 MiB (`python tests/soak.py`).
+    assert abs(s["VmRSS"]["drift"]) < SOAK_DRIFT_MIB * 1024
+    assert abs(s["RssAnon"]["drift"]) < SOAK_DRIFT_MIB * 1024
     engine.push(a, version="A")
 
 
