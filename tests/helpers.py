@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines read checkpoints only under their checkpoint root: the tests' files all live in the
+# system's temporary directory (pytest's tmp_path, tempfile); tests of the root set their own.
+os.environ.setdefault("WEIGHT_BRIDGE_CHECKPOINT_ROOT", tempfile.gettempdir())
 
 from weight_bridge.testing import TEST_ARCHITECTURES, parity  # noqa: E402
 

@@ -10,7 +10,9 @@ name:
   level that leads out);
 * a file or directory (the checkpoint, its shards and index, and every directory from the root
   down to them) not owned by the engine's user, or writable by its group or by others: another
-  user could swap its contents between the check and the read.
+  user could swap its contents between the check and the read. The root itself may also be
+  owned by the system (uid 0) and writable by all if it is sticky, as ``/tmp`` is: there no one
+  can rename or replace another user's entries.
 
 What passes is the resolved path, which the caller then opens.
 """
@@ -33,8 +35,10 @@ ROOT_HINT = (
 )
 
 
-def _check_owned(path: Path, what: str) -> None:
+def _check_owned(path: Path, what: str, root: bool = False) -> None:
     info = path.stat()
+    if root and info.st_uid in (0, os.geteuid()) and info.st_mode & stat.S_ISVTX:
+        return  # a sticky directory such as /tmp: entries stay their owners'
     if info.st_uid != os.geteuid():
         raise CheckpointError(
             path,
@@ -73,7 +77,7 @@ def trusted_checkpoint(path: str | os.PathLike, root: str | os.PathLike | None) 
         raise CheckpointError(
             path, f"resolves to {resolved}, outside the engine's checkpoint root {base}: refused"
         )
-    _check_owned(base, "the checkpoint root")
+    _check_owned(base, "the checkpoint root", root=True)
     for parent in reversed(resolved.parents):
         if parent.is_relative_to(base) and parent != base:
             _check_owned(parent, f"directory {parent}")

@@ -60,6 +60,11 @@ __all__ = [
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
 _LABELS_KEPT = 64  # version labels remembered to map outputs' weight_versions back
+ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # ColocatedEngine's default checkpoint root
+
+
+def _default_root() -> str:
+    return os.environ.get(ROOT_ENV) or os.getcwd()
 
 
 class EngineUndefinedError(RuntimeError):
@@ -69,8 +74,9 @@ class EngineUndefinedError(RuntimeError):
 class ColocatedEngine:
     """A ``vllm.LLM`` started with the ``weight_bridge`` backend, plus push / generate / plan.
 
-    ``checkpoint_root``: the directory pushes may read from (default: the current directory);
-    a checkpoint outside it is refused by name (:mod:`weight_bridge.checkpoint.trust`).
+    ``checkpoint_root``: the directory pushes may read from (default:
+    ``$WEIGHT_BRIDGE_CHECKPOINT_ROOT``, else the current directory); a checkpoint outside it is
+    refused by name (:mod:`weight_bridge.checkpoint.trust`).
     ``reload_mode``: ``"direct"`` writes every checkpoint tensor into the live storage and
     refreshes the derived state the bridge knows (refusing, before writing, any weight it cannot
     prove or refresh); ``"auto"`` does the same and hands only the modules it cannot write
@@ -110,7 +116,7 @@ class ColocatedEngine:
         **llm_kwargs: Any,
     ):
         options = BridgeOptions(
-            checkpoint_root=str(Path(checkpoint_root or os.getcwd()).resolve()),
+            checkpoint_root=str(Path(checkpoint_root or _default_root()).resolve()),
             reload_mode=reload_mode,
             cpu_linear=cpu_linear,
             readback=readback,
