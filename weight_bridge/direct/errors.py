@@ -7,8 +7,11 @@ from collections.abc import Mapping
 __all__ = ["DirectReloadError", "NotDirectlyReloadable"]
 
 
-class DirectReloadError(RuntimeError):
+class DirectReloadError(ValueError):
     """A direct reload was refused (nothing written) or failed (model marked undefined).
+
+    A ``ValueError``: what it names is wrong with the checkpoint (or with where it would be
+    written), the caller's input; vLLM's HTTP server answers it with 400 and the message.
 
     ``problems`` maps each offending tensor name to what is wrong with it. The error crosses
     process boundaries as data (:meth:`to_dict` / :meth:`from_dict`), so a caller gets the same

@@ -31,7 +31,7 @@ next call.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointError
@@ -56,6 +56,7 @@ class BridgeCoreState:
     undefined: str | None = None  # a rank's weights are half-written: nothing is scheduled
     paused_before: Any = None  # the scheduler's pause state before the bridge paused it
     updates: int = 0
+    results: list[dict] = field(default_factory=list)  # every rank's result of the last update
 
 
 def _state(core: Any) -> BridgeCoreState:
@@ -67,7 +68,14 @@ def _state(core: Any) -> BridgeCoreState:
 
 def _phase(rpc: Any, core: Any, timeout: float | None, action: str, *args: Any) -> list:
     raw = rpc(core, call_backend, timeout, (action, *args), None)
+    _state(core).results = list(raw)
     return [PushResult.from_dict(r) for r in raw]
+
+
+def weight_bridge_results(self: Any) -> list[dict]:
+    """Engine-core utility: every rank's :class:`~.results.PushResult` of the last update, as
+    dicts (a caller in another process rebuilds the typed report or error from them)."""
+    return list(_state(self).results)
 
 
 def _with_served(info: Any, served: str | None) -> Any:
@@ -165,6 +173,7 @@ def install() -> None:
         return original(self, method, timeout, args, kwargs)
 
     engine_core.EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
+    engine_core.EngineCore.weight_bridge_results = weight_bridge_results  # type: ignore[attr-defined]
     for cls in (engine_core.EngineCore, engine_core.EngineCoreProc, engine_core.DPEngineCoreProc):
         if "resume_scheduler" in vars(cls):
             cls.resume_scheduler = _refusing_resume(vars(cls)["resume_scheduler"])  # type: ignore[method-assign]

@@ -41,12 +41,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointReader
+from ..checkpoint import CheckpointError, CheckpointReader
+from ..direct import DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
+from .api_hooks import update_results
 from .launch import engine_environment, worker_extension
 from .options import BACKEND, BridgeOptions, ReloadMode
-from .results import PushReport, PushResult, merged_error
+from .results import PushReport, PushResult
 
 __all__ = [
     "ColocatedEngine",
@@ -198,8 +200,20 @@ class ColocatedEngine:
             self._call(lambda llm: llm.start_weight_update(), "start_weight_update")
             try:
                 self._call(lambda llm: llm.update_weights({"update_info": info}), "update_weights")
-            except Exception as exc:
-                self._raise_failed(exc)
+            except (DirectReloadError, CheckpointError):
+                results = self._results()  # what the refusal or the rollback left
+                self._undefined = next((r.undefined for r in results if r.undefined), None)
+                self.last_rollback_s = max(
+                    (r.rollback_s for r in results if r.rollback_s is not None), default=None
+                )
+                raise
+            except (EngineCoreDeadError, TimeoutError):
+                raise  # _call noted what it means for the weights
+            except BaseException as exc:
+                self._after_failure(exc, "update_weights")
+                if self._core_dead() and not isinstance(exc, EngineCoreDeadError):
+                    raise EngineCoreDeadError(self._undefined or str(exc)) from exc
+                raise
             self._call(
                 lambda llm: llm.finish_weight_update(weight_version=str(version)),
                 "finish_weight_update",
@@ -214,31 +228,11 @@ class ColocatedEngine:
             report.elapsed_s = time.perf_counter() - started
             return report
 
-    def _raise_failed(self, exc: Exception) -> None:
-        """After ``update_weights`` raised: the project's own error, from the workers' typed
-        results (the engine core's exception crossed a process boundary as plain text)."""
-        if isinstance(exc, (EngineCoreDeadError, TimeoutError)) or self._core_dead():
-            self._after_failure(exc, "update_weights")
-            if self._core_dead() and not isinstance(exc, EngineCoreDeadError):
-                raise EngineCoreDeadError(self._undefined or str(exc)) from exc
-            raise exc
-        try:
-            results = self._results()
-        except Exception:
-            self._after_failure(exc, "update_weights")
-            raise exc from None
-        error = merged_error(results)
-        if error is None:
-            raise exc
-        self._undefined = next((r.undefined for r in results if r.undefined), None)
-        self.last_rollback_s = max(
-            (r.rollback_s for r in results if r.rollback_s is not None), default=None
-        )
-        raise error from None
-
     def _results(self) -> list[PushResult]:
-        raw = self._rpc("weight_bridge_result")
-        results = [PushResult.from_dict(r) for r in raw]
+        """Every rank's result of the last update (an engine-core utility call)."""
+        results = self._call(
+            lambda llm: update_results(llm.llm_engine.engine_core), "weight_bridge_results"
+        )
         self._served = list(results[0].served)
         return results
 

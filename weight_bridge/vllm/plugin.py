@@ -210,9 +210,11 @@ def register() -> None:
     _patch_loader()
     from vllm.platforms import current_platform
 
+    from .api_hooks import install as install_api_hooks
     from .core_hooks import install as install_core_hooks
 
     install_core_hooks()
+    install_api_hooks()
     if current_platform.is_cpu():
         install_refreshers(bridge_options)
     run_engine_plugins()

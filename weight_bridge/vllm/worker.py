@@ -29,21 +29,9 @@ class WeightBridgeWorkerExtension:
 
     model_runner: Any
     vllm_config: Any
-    weight_transfer_engine: Any
 
     def _bridge_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
-
-    def weight_bridge_result(self) -> dict:
-        """This worker's :class:`~.results.PushResult` of the last update, as a dict."""
-        engine = self.weight_transfer_engine
-        if engine is None:
-            raise RuntimeError("the engine was not started with the weight_bridge backend")
-        return engine.transaction.result.to_dict()
-
-    def weight_bridge_served(self) -> list[str]:
-        """The checkpoints this worker's weights are made of (complete, then partial ones)."""
-        return [link.path for link in self.weight_transfer_engine.transaction.served]
 
     def weight_bridge_plan(self, mode: str = "direct") -> dict:
         """A dry run: per name, its write target, refresh, re-processing or refusal."""
