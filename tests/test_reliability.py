@@ -163,6 +163,16 @@ def _tagged_greedy(engine, max_tokens: int = 12) -> tuple[object, list]:
     return versions.pop(), collect(outs)
 
 
+# vLLM's LLM methods a push may call (those this vLLM has are timed).
+PUSH_CALLS = {
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "collective_rpc",
+    "reset_prefix_cache",
+}
+
+
 def test_concurrent_pushes_and_generates_never_mix_versions(
     models, shared_engine, cold, monkeypatch
 ):
@@ -178,8 +188,8 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
     seen: list[tuple[object, list]] = []
     errors: list[BaseException] = []
     # Instrumentation only (each wrapper calls vLLM's own method and records when it ran): the
-    # spans of vLLM's generate and of the worker calls and prefix-cache reset that make a push,
-    # each tagged with the version its thread was pushing.
+    # spans of vLLM's generate and of the vLLM calls a push makes (weight update, worker calls,
+    # prefix-cache reset), each tagged with the version its thread was pushing.
     spans: list[tuple[float, float, str, object]] = []
     pushing = threading.local()
 
@@ -195,8 +205,9 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
 
     llm = engine.llm
     monkeypatch.setattr(llm, "generate", timed("generate", llm.generate))
-    monkeypatch.setattr(llm, "collective_rpc", timed("push", llm.collective_rpc))
-    monkeypatch.setattr(llm, "reset_prefix_cache", timed("push", llm.reset_prefix_cache))
+    push_calls = PUSH_CALLS & set(dir(llm))
+    for name in push_calls:
+        monkeypatch.setattr(llm, name, timed("push", getattr(llm, name)))
 
     def pusher(label: str, path: Path) -> None:
         try:
@@ -230,8 +241,8 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
     spans.sort()
     for (_, end, kind, version), (start, _, next_kind, next_version) in pairwise(spans):
         assert end <= start, f"{kind} {version} overlaps {next_kind} {next_version}"
-    pushed = {v for _, _, kind, v in spans if kind == "push"}
-    assert pushed == {(label, i) for label in "AB" for i in range(rounds)}
+    pushed = {v for _, _, kind, v in spans if kind == "push"}  # each push seen in vLLM
+    assert pushed == {(label, i) for label in "AB" for i in range(rounds)}, push_calls
     served: object = ("A", -1)
     generates = iter(seen)
     for _, _, kind, version in spans:
