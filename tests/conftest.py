@@ -9,6 +9,7 @@ started once per session and shared; tests that need a specific state push it fi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -49,6 +50,26 @@ def cold() -> Callable[..., list]:
                 *args, *(["--compile"] if compile else []), multiprocess=False
             )
             _cold_cache[key] = result["cold"]
+        return _cold_cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def stock_cold() -> Callable[..., list]:
+    """Greedy outputs of a *stock* ``vllm.LLM`` (no bridge: vLLM's own loading and processing)
+    freshly started on ``model``, on ``prompts`` (default the parity prompts); own process,
+    cached."""
+
+    def run(
+        model: Path, prompts: list | None = None, max_tokens: int = 12, ignore_eos: bool = False
+    ) -> list:
+        key = (str(model), json.dumps(prompts), max_tokens, ignore_eos)
+        if key not in _cold_cache:
+            args = ["stock", str(model), "--max-tokens", str(max_tokens)]
+            args += ["--prompts", json.dumps(prompts)] if prompts is not None else []
+            args += ["--ignore-eos"] if ignore_eos else []
+            _cold_cache[key] = run_engine_check(*args, multiprocess=False)["cold"]
         return _cold_cache[key]
 
     return run

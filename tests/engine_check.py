@@ -5,11 +5,13 @@ default) and tensor parallelism are tested from their own processes through this
 
     python tests/engine_check.py push MODEL_A MODEL_B [--tp 2] [--compile]
     python tests/engine_check.py cold MODEL [--cpu-linear stock]
+    python tests/engine_check.py stock MODEL [--prompts JSON] [--max-tokens N] [--ignore-eos]
     python tests/engine_check.py partial MODEL_A PARTIAL [--tp 2]
 
 ``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
 greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts;
-``partial`` pushes A's own checkpoint (version 0), then the partial checkpoint on top of it.
+``partial`` pushes A's own checkpoint (version 0), then the partial checkpoint on top of it;
+``stock`` cold-starts a plain ``vllm.LLM`` (no bridge at all) on ``--prompts``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["cold", "push", "partial"])
+    parser.add_argument("scenario", choices=["cold", "push", "partial", "stock"])
     parser.add_argument("model_a")
     parser.add_argument("model_b", nargs="?")
     parser.add_argument("--tp", type=int, default=1)
@@ -30,16 +32,31 @@ def main() -> None:
     parser.add_argument("--reload-mode", default="direct")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--pushes", type=int, default=1, help="B/A push rounds")
+    parser.add_argument("--prompts", help="stock: JSON list of token-id lists")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--ignore-eos", action="store_true")
     args = parser.parse_args()
 
-    from helpers import ENGINE_KWARGS, greedy
+    from helpers import ENGINE_KWARGS, PROMPTS, greedy
 
+    from weight_bridge.testing import parity
     from weight_bridge.vllm import ColocatedEngine
 
     kwargs = dict(ENGINE_KWARGS, tensor_parallel_size=args.tp, cpu_linear=args.cpu_linear)
     if args.compile:
         kwargs["enforce_eager"] = False
     result: dict = {"pid": os.getpid()}
+    if args.scenario == "stock":
+        from vllm import LLM
+
+        stock = {k: v for k, v in ENGINE_KWARGS.items() if k != "plugins"}
+        llm = LLM(args.model_a, tensor_parallel_size=args.tp, **stock)
+        prompts = json.loads(args.prompts) if args.prompts else PROMPTS
+        result["cold"] = parity.greedy(
+            llm, prompts, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
+        )
+        print("RESULT " + json.dumps(result, default=str))
+        return
     if args.scenario == "cold":
         with ColocatedEngine(args.model_a, **kwargs) as engine:
             result["cold"] = greedy(engine)

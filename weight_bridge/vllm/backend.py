@@ -19,30 +19,17 @@ raises the refusal, naming each tensor, from ``update_weights``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .options import BridgeOptions, bridge_options
+from .options import BridgeOptions, SessionOptions, bridge_options
 from .results import UpdateRequest
 from .transaction import PushTransaction
 
-__all__ = ["SessionOptions", "WeightBridgeEngine", "call_backend"]
-
-
-@dataclass
-class SessionOptions:
-    """``init_weight_transfer_engine({"init_info": {...}})``: what a trainer may choose for its
-    updates (each unset field keeps the engine's option). The checkpoint root is not here: it is
-    fixed when the engine starts."""
-
-    reload_mode: str | None = None
-    readback: str | None = None
-    check_finite: bool | None = None
-    verify_hash: bool | None = None
-    rollback: bool | None = None
+__all__ = ["WeightBridgeEngine", "call_backend"]
 
 
 def _rank() -> int:

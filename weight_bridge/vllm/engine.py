@@ -33,6 +33,7 @@ it only for what the bridge does not offer, never concurrently with a push.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -47,7 +48,7 @@ from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resour
 from ._client import shutdown as shutdown_engine
 from .api_hooks import update_results
 from .launch import engine_environment, worker_extension
-from .options import BACKEND, BridgeOptions, ReloadMode
+from .options import BACKEND, BridgeOptions, ReloadMode, SessionOptions
 from .results import PushReport, PushResult
 
 __all__ = [
@@ -153,9 +154,44 @@ class ColocatedEngine:
             self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
         self.startup_s = time.perf_counter() - started
 
-    @property
-    def reload_mode(self) -> str:
-        return self.options.reload_mode
+    def configure(self, **session: Any) -> None:
+        """Change per-update options of the running engine (``reload_mode``, ``readback``,
+        ``check_finite``, ``verify_hash``, ``rollback``): vLLM's
+        ``init_weight_transfer_engine`` with the bridge's session options."""
+        options = dataclasses.replace(self.options, **session)
+        chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(SessionOptions)}
+        with self._lock:
+            self._call(
+                lambda llm: llm.init_weight_transfer_engine({"init_info": chosen}),
+                "init_weight_transfer_engine",
+            )
+            self.options = options
+
+    reload_mode = property(
+        lambda self: self.options.reload_mode,
+        lambda self, value: self.configure(reload_mode=value),
+        doc="How pushes write (direct, auto, layerwise); settable.",
+    )
+    rollback = property(
+        lambda self: self.options.rollback,
+        lambda self, value: self.configure(rollback=value),
+        doc="Whether a push that failed after writing started is rolled back; settable.",
+    )
+    check_finite = property(
+        lambda self: self.options.check_finite,
+        lambda self, value: self.configure(check_finite=value),
+        doc="Whether checkpoints holding NaN/Inf are refused; settable.",
+    )
+    verify_hash = property(
+        lambda self: self.options.verify_hash,
+        lambda self, value: self.configure(verify_hash=value),
+        doc="Whether each push verifies the checkpoint's content hash; settable.",
+    )
+    readback = property(
+        lambda self: self.options.readback,
+        lambda self, value: self.configure(readback=value),
+        doc="How writes are read back (sampled, full, off); settable.",
+    )
 
     @property
     def checkpoint_root(self) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "CPU_LINEAR_MODES",
     "RELOAD_MODES",
     "BridgeOptions",
+    "SessionOptions",
     "bridge_options",
     "is_bridged",
 ]
@@ -89,6 +90,19 @@ class BridgeOptions:
     def as_config(self) -> dict[str, Any]:
         """The ``additional_config`` entry that starts an engine with these options."""
         return {BRIDGE_KEY: asdict(self)}
+
+
+@dataclass
+class SessionOptions:
+    """``init_weight_transfer_engine({"init_info": {...}})``: what a trainer may choose for its
+    updates (each unset field keeps the engine's option). The checkpoint root is not here: it is
+    fixed when the engine starts."""
+
+    reload_mode: str | None = None
+    readback: str | None = None
+    check_finite: bool | None = None
+    verify_hash: bool | None = None
+    rollback: bool | None = None
 
 
 def is_bridged(vllm_config: Any) -> bool:

@@ -124,6 +124,8 @@ class PushReport:
     ``refreshed``: module -> kind of derived state re-derived after the write;
     ``verified_writes``: writes read back and found equal to the checkpoint (every rank's).
     ``partial``: the checkpoint held a subset of tensors, written on top of its base version.
+    ``inflight``: how generation in flight was treated (``recompute``, ``keep``, ``drain``; see
+    :mod:`.clients`), and ``paused_s`` how long it was paused (None: not paused).
     """
 
     checkpoint: str
@@ -144,6 +146,8 @@ class PushReport:
     relocations: list[dict] = field(default_factory=list)
     workers: int = 1
     partial: bool = False
+    paused_s: float | None = None
+    inflight: str | None = None
 
     @classmethod
     def merged(cls, results: list[PushResult], version: Any) -> PushReport:

@@ -51,7 +51,7 @@ __all__ = ["WeightBridgeTrainer", "WeightBridgeTrainerInitInfo"]
 class WeightBridgeTrainerInitInfo(TrainerInitInfo):
     """Where the trainer saves checkpoints (under the engine's checkpoint root), how many it
     keeps, and the session options sent to the engine (see
-    :class:`~weight_bridge.vllm.backend.SessionOptions`)."""
+    :class:`~weight_bridge.vllm.options.SessionOptions`)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = "."

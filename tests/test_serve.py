@@ -1,0 +1,322 @@
+"""A real ``vllm serve`` process with the ``weight_bridge`` backend, driven over HTTP.
+
+One server per model family (a tied dense Qwen2, and Qwen3-MoE with the CPU experts prepack),
+started once for the module on A, under a checkpoint root of its own. Every reference is a
+cold start of a *stock* ``vllm.LLM`` (no bridge) on the same checkpoint: greedy tokens and
+top-3 logprobs to 1e-4. Updates go through vLLM's own RL routes (``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``, ``/pause``, ``/resume``) with
+:class:`~weight_bridge.vllm.clients.HTTPClient`; generation through the token-in/token-out
+route ``/inference/v1/generate``, streamed where a push must land mid-generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PROMPTS, assert_differs, assert_parity
+
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
+from weight_bridge.testing.models import build_matrix_model, build_tiny_model, perturb_checkpoint
+from weight_bridge.vllm.clients import HTTPClient, RemoteUpdateError
+from weight_bridge.vllm.options import BridgeOptions
+from weight_bridge.vllm.server import VLLMServer
+
+pytestmark = pytest.mark.timeout(1800)
+
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "128",
+    "--enforce-eager",
+    "--max-num-seqs",
+    "8",
+    "--seed",
+    "0",
+    "--block-size",
+    "16",
+]
+LONG = 96  # tokens of a generation a push lands in the middle of
+
+
+def http_greedy(client: HTTPClient, prompts=PROMPTS, max_tokens: int = 12, **extra) -> list:
+    """:func:`helpers.greedy` over HTTP: greedy tokens and top-3 logprobs per prompt."""
+    out = []
+    for ids in prompts:
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 3, **extra}
+        choice = client.generate_tokens(ids, sampling)
+        steps = [
+            sorted((t["token_id"], t["logprob"]) for t in step["top_logprobs"])
+            for step in choice["logprobs"]["content"]
+        ]
+        out.append((choice["token_ids"], steps))
+    return out
+
+
+class Streams:
+    """Greedy generations streamed from the server in threads: how many tokens each has so far,
+    and, once finished, its tokens and ``weight_versions``."""
+
+    def __init__(self, url: str, prompts: list[list[int]], max_tokens: int = LONG):
+        self.seen = {i: 0 for i in range(len(prompts))}
+        self.out: dict[int, tuple[list[int], list[dict]]] = {}
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(url, i, p, max_tokens), daemon=True)
+            for i, p in enumerate(prompts)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, url: str, i: int, ids: list[int], max_tokens: int) -> None:
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        body = {"token_ids": ids, "sampling_params": sampling, "stream": True}
+        request = urllib.request.Request(
+            f"{url}/inference/v1/generate",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        tokens: list[int] = []
+        spans: list[dict] = []
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                for raw in response:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    choice = json.loads(line[5:])["choices"][0]
+                    tokens += choice.get("token_ids") or []
+                    spans = choice.get("weight_versions") or spans
+                    self.seen[i] = len(tokens)
+        except BaseException as exc:
+            self.errors.append(exc)
+        self.out[i] = (tokens, spans)
+
+    def wait_for(self, tokens: int, timeout_s: float = 300.0) -> dict[int, int]:
+        """Block until every stream has at least ``tokens`` tokens; how many each has."""
+        deadline = time.monotonic() + timeout_s
+        while min(self.seen.values()) < tokens:
+            assert not self.errors, self.errors
+            assert time.monotonic() < deadline, f"streams stalled at {self.seen}"
+            time.sleep(0.002)
+        return dict(self.seen)
+
+    def join(self) -> dict[int, tuple[list[int], list[dict]]]:
+        for t in self.threads:
+            t.join(600)
+        assert not self.errors, self.errors
+        return self.out
+
+
+def _start(root: Path, model: Path, log: Path) -> VLLMServer:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    options = BridgeOptions(checkpoint_root=str(root))
+    return VLLMServer(model, options, SERVER_ARGS, env=env, log=log).start()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A server on a tied dense Qwen2 (A), its root holding A, B and room for test files."""
+    root = tmp_path_factory.mktemp("serve-root")
+    a = build_tiny_model(root / "qwen2_A", arch="qwen2", seed=0)
+    b = perturb_checkpoint(a, root / "qwen2_B", scale=0.3, seed=1)
+    server = _start(root, a, root.parent / "serve-dense.log")
+    yield {"root": root, "a": a, "b": b, "client": HTTPClient(server.url, inflight=None)}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-moe-root")
+    a = build_matrix_model(root / "moe_A", "qwen3-moe", seed=0)
+    b = perturb_checkpoint(a, root / "moe_B", scale=0.3, seed=1)
+    server = _start(root, a, root.parent / "serve-moe.log")
+    yield {"root": root, "a": a, "b": b, "client": HTTPClient(server.url, inflight=None)}
+    server.stop()
+
+
+def _tensors(model: Path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(model) as reader:
+        return {name: t.clone() for name, t in reader.tensors()}
+
+
+def _refused(client: HTTPClient, path: Path | str) -> RemoteUpdateError:
+    with pytest.raises(RemoteUpdateError) as info:
+        client.push(path, version="never")
+    return info.value
+
+
+# -- issue 20: the backend under vllm serve -----------------------------------------------------
+
+
+def test_http_push_equals_a_stock_cold_start_and_refusals_keep_the_served_version(
+    dense, stock_cold
+) -> None:
+    client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
+    cold_a = http_greedy(client)
+    assert_parity(cold_a, stock_cold(a))
+    client.push(b, version="b1")
+    assert client.weight_version() == "b1"
+    served = http_greedy(client)
+    assert_parity(served, stock_cold(b))
+    assert_differs(served, cold_a)
+
+    tensors = _tensors(b)
+    name = sorted(tensors)[5]
+    nan = {**tensors, name: torch.full_like(tensors[name], float("nan"))}
+    save_checkpoint(nan, root / "nan.safetensors")
+    shape = {**tensors, name: tensors[name][:-1].clone()}
+    save_checkpoint(shape, root / "shape.safetensors")
+    for bad, words in (("nan.safetensors", "NaN"), ("shape.safetensors", "shape")):
+        error = _refused(client, root / bad)
+        assert error.status == 400 and name in error.message and words in error.message
+        assert client.weight_version() == "b1"
+        assert_parity(http_greedy(client), served)
+
+
+def test_paths_the_engine_must_not_read_are_refused_by_name(dense, tmp_path_factory) -> None:
+    """Only under the root fixed at start: not outside it, not through a symlink or ``..``,
+    not a file another user owns or could write."""
+    client, root, b = dense["client"], dense["root"], dense["b"]
+    version = client.weight_version()
+    outside = tmp_path_factory.mktemp("outside") / "w.safetensors"
+    shutil.copy(b / "model.safetensors", outside)
+    link = root / "link.safetensors"
+    link.symlink_to(outside)
+    writable = root / "writable.safetensors"
+    shutil.copy(b / "model.safetensors", writable)
+    writable.chmod(0o664)
+    cases = [
+        (outside, "outside the engine's checkpoint root"),
+        (link, "outside the engine's checkpoint root"),
+        (f"{root}/../{outside.parent.name}/w.safetensors", "outside the engine's checkpoint root"),
+        (writable, "writable by its group or by others"),
+    ]
+    if os.geteuid() == 0:  # CI runs as root: a file of another user can be made
+        foreign = root / "foreign.safetensors"
+        shutil.copy(b / "model.safetensors", foreign)
+        os.chown(foreign, 65534, 65534)
+        cases.append((foreign, "not by the engine's user"))
+    for path, words in cases:
+        error = _refused(client, path)
+        assert words in error.message, (path, error.message)
+    assert client.weight_version() == version
+
+
+def test_a_partial_checkpoint_over_http_needs_its_exact_base(dense, stock_cold, tmp_path) -> None:
+    client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
+    client.push(b, version="base")
+    full, changed = _tensors(b), _tensors(a)
+    part = {n: t for n, t in changed.items() if ".layers.1." in n}
+    save_checkpoint(part, root / "part.safetensors", {BASE_VERSION_KEY: "base"})
+    save_checkpoint(part, root / "wrong.safetensors", {BASE_VERSION_KEY: "elsewhere"})
+    error = _refused(client, root / "wrong.safetensors")
+    assert "'elsewhere'" in error.message and "'base'" in error.message
+    assert client.weight_version() == "base"
+    client.push(root / "part.safetensors", version="part")
+    assert client.served_checkpoints == [str(b.resolve()), str(root / "part.safetensors")]
+    merged = root / "merged"
+    shutil.copytree(a, merged, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_checkpoint({**full, **part}, merged / "model.safetensors")
+    assert_parity(http_greedy(client), stock_cold(merged))
+
+
+def test_a_prefix_cached_before_a_push_is_not_served_after_it(dense, stock_cold) -> None:
+    """vLLM's own updates leave the prefix cache as it was; the bridge's do not."""
+    client, a, b = dense["client"], dense["a"], dense["b"]
+    long = [[1, *range(40, 80)]]  # two and a half 16-token blocks
+    client.push(a, version="a")
+    on_a = http_greedy(client, long)  # fills the prefix cache with A's KV
+    client.push(b, version="b")
+    on_b = http_greedy(client, long)
+    assert_parity(on_b, stock_cold(b, long))
+    assert_differs(on_b, on_a)
+
+
+def test_the_moe_family_over_http(moe, stock_cold) -> None:
+    client, a, b = moe["client"], moe["a"], moe["b"]
+    assert_parity(http_greedy(client), stock_cold(a))
+    client.push(b, version="1")
+    assert_parity(http_greedy(client), stock_cold(b))
+
+
+# -- issue 21: pushes while generations are in flight ------------------------------------------
+
+
+def _inflight_prompts() -> list[list[int]]:
+    return [[1, 20, 21, 22], [1, 5, 9, 30, 31], [1, 100, 101]]
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_recompute_continues_every_sequence_with_the_new_policy(
+    family, request, stock_cold
+) -> None:
+    """Mid-generation push with ``recompute``: each output has exactly two spans covering all
+    its tokens, and its tokens after the update are what a stock cold start on the new
+    checkpoint generates from the prompt plus the tokens before the update."""
+    served = request.getfixturevalue(family)
+    client, a, b = served["client"], served["a"], served["b"]
+    client.push(a, version="old")
+    prompts = _inflight_prompts()
+    streams = Streams(client.url, prompts)
+    streams.wait_for(4)
+    report = client.push(b, version="new", inflight="recompute")
+    out = streams.join()
+    assert report.paused_s is not None and report.inflight == "recompute"
+    continuations, expected = [], []
+    for i, ids in enumerate(prompts):
+        tokens, spans = out[i]
+        assert len(tokens) == LONG
+        assert [s["version"] for s in spans] == ["old", "new"], spans
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
+        assert spans[1]["end"] == LONG
+        cut = spans[1]["start"]
+        continuations.append(ids + tokens[:cut])
+        expected.append(tokens[cut:])
+    longest = max(len(want) for want in expected)
+    cold = stock_cold(b, continuations, max_tokens=longest, ignore_eos=True)
+    for i, want in enumerate(expected):
+        assert cold[i][0][: len(want)] == want, f"prompt {i}: {cold[i][0]} vs {want}"
+
+
+def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
+    client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
+    prompts = _inflight_prompts()
+    client.push(a, version="k0")
+    streams = Streams(client.url, prompts)
+    streams.wait_for(4)
+    client.push(b, version="k1", inflight="keep")
+    for tokens, spans in streams.join().values():
+        assert [s["version"] for s in spans] == ["k0", "k1"] and spans[-1]["end"] == len(tokens)
+
+    client.push(a, version="d0")
+    streams = Streams(client.url, prompts)
+    streams.wait_for(4)
+    report = client.push(b, version="d1", inflight="drain")
+    for tokens, spans in streams.join().values():  # finished before the update
+        assert [s["version"] for s in spans] == ["d0"] and len(tokens) == LONG
+    assert report.paused_s is not None
+
+    client.push(a, version="r0")
+    tensors = _tensors(b)
+    name = sorted(tensors)[2]
+    save_checkpoint(
+        {**tensors, name: torch.full_like(tensors[name], float("inf"))}, root / "inf.safetensors"
+    )
+    streams = Streams(client.url, prompts)
+    streams.wait_for(4)
+    with pytest.raises(RemoteUpdateError, match=name):
+        client.push(root / "inf.safetensors", version="r1", inflight="recompute")
+    want = stock_cold(a, prompts, max_tokens=LONG, ignore_eos=True)
+    for i, (tokens, spans) in streams.join().items():  # every sequence finished on r0
+        assert [s["version"] for s in spans] == ["r0"]
+        assert tokens == want[i][0]
+    assert client.weight_version() == "r0"

