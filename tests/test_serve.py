@@ -42,7 +42,7 @@ SERVER_ARGS = [
     "--seed",
     "0",
     "--block-size",
-    "16",
+    "32",  # CPU attention's smallest; a 70-token prompt fills two cacheable blocks
 ]
 LONG = 96  # tokens of a generation a push lands in the middle of
 
@@ -232,7 +232,7 @@ def test_a_partial_checkpoint_over_http_needs_its_exact_base(dense, stock_cold, 
 def test_a_prefix_cached_before_a_push_is_not_served_after_it(dense, stock_cold) -> None:
     """vLLM's own updates leave the prefix cache as it was; the bridge's do not."""
     client, a, b = dense["client"], dense["a"], dense["b"]
-    long = [[1, *range(40, 80)]]  # two and a half 16-token blocks
+    long = [[1, *range(40, 110)]]  # two full 32-token blocks and a bit
     client.push(a, version="a")
     on_a = http_greedy(client, long)  # fills the prefix cache with A's KV
     client.push(b, version="b")
