@@ -56,6 +56,22 @@ def cold() -> Callable[..., list]:
 
 
 @pytest.fixture(scope="session")
+def api_models(tmp_path_factory) -> tuple[Path, dict[str, tuple[Path, Path]]]:
+    """A checkpoint root holding the models vLLM's own API is tested on (``vllm.LLM``,
+    ``AsyncLLM``, ``vllm serve``): ``dense`` (tied Qwen2) and ``moe`` (Qwen3-MoE), each A and
+    its perturbed B. Shared, so their stock cold starts are computed once."""
+    from weight_bridge.testing.models import build_matrix_model
+
+    root = tmp_path_factory.mktemp("api-root")
+    dense = build_tiny_model(root / "qwen2_A", arch="qwen2", seed=0)
+    moe = build_matrix_model(root / "moe_A", "qwen3-moe", seed=0)
+    return root, {
+        "dense": (dense, perturb_checkpoint(dense, root / "qwen2_B", scale=0.3, seed=1)),
+        "moe": (moe, perturb_checkpoint(moe, root / "moe_B", scale=0.3, seed=1)),
+    }
+
+
+@pytest.fixture(scope="session")
 def stock_cold() -> Callable[..., list]:
     """Greedy outputs of a *stock* ``vllm.LLM`` (no bridge: vLLM's own loading and processing)
     freshly started on ``model``, on ``prompts`` (default the parity prompts); own process,

@@ -24,7 +24,6 @@ import torch
 from helpers import PROMPTS, assert_differs, assert_parity
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
-from weight_bridge.testing.models import build_matrix_model, build_tiny_model, perturb_checkpoint
 from weight_bridge.vllm.clients import HTTPClient, RemoteUpdateError
 from weight_bridge.vllm.options import BridgeOptions
 from weight_bridge.vllm.server import VLLMServer
@@ -122,25 +121,25 @@ def _start(root: Path, model: Path, log: Path) -> VLLMServer:
     return VLLMServer(model, options, SERVER_ARGS, env=env, log=log).start()
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    """A server on a tied dense Qwen2 (A), its root holding A, B and room for test files."""
-    root = tmp_path_factory.mktemp("serve-root")
-    a = build_tiny_model(root / "qwen2_A", arch="qwen2", seed=0)
-    b = perturb_checkpoint(a, root / "qwen2_B", scale=0.3, seed=1)
-    server = _start(root, a, root.parent / "serve-dense.log")
+def _served(api_models, family: str):
+    """A server on ``family``'s A, under the shared root (which also takes the tests' files)."""
+    root, models = api_models
+    a, b = models[family]
+    server = _start(root, a, root.parent / f"serve-{family}.log")
     yield {"root": root, "a": a, "b": b, "client": HTTPClient(server.url, inflight=None)}
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-moe-root")
-    a = build_matrix_model(root / "moe_A", "qwen3-moe", seed=0)
-    b = perturb_checkpoint(a, root / "moe_B", scale=0.3, seed=1)
-    server = _start(root, a, root.parent / "serve-moe.log")
-    yield {"root": root, "a": a, "b": b, "client": HTTPClient(server.url, inflight=None)}
-    server.stop()
+def dense(api_models):
+    """A server on a tied dense Qwen2 (A)."""
+    yield from _served(api_models, "dense")
+
+
+@pytest.fixture(scope="module")
+def moe(api_models):
+    """A server on Qwen3-MoE (A): the CPU experts prepack refreshed after each push."""
+    yield from _served(api_models, "moe")
 
 
 def _tensors(model: Path) -> dict[str, torch.Tensor]:

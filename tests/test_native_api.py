@@ -1,0 +1,74 @@
+"""vLLM's own RL API on ``vllm.LLM`` and ``AsyncLLM`` started with the ``weight_bridge`` backend.
+
+Both in vLLM's default multi-process engine (a fresh process per mode, ``tests/native_check.py``),
+on a tied dense Qwen2 and on Qwen3-MoE (the CPU experts prepack refreshed). References are cold
+starts of a *stock* ``vllm.LLM`` (no bridge) on the same checkpoint: greedy tokens and top-3
+logprobs to 1e-4. A refused checkpoint makes ``update_weights`` raise the project's own error,
+naming the tensor, across vLLM's process boundary; the engine keeps serving its version.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_differs, assert_parity, run_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def pairs(api_models):
+    root, models = api_models
+    return root, [models["dense"], models["moe"]]
+
+
+def _run(mode: str, root, pairs) -> list[dict]:
+    args = [str(p) for pair in pairs for p in pair]
+    return run_script("native_check.py", mode, str(root), *args)[0]["engines"]
+
+
+def _check_push_and_refusal(result: dict, a, b, stock_cold) -> None:
+    assert_parity(result["a"], stock_cold(a))
+    assert_parity(result["b"], stock_cold(b))
+    assert_differs(result["b"], result["a"])
+    refusal = result["refusal"]
+    assert refusal["type"] == "DirectReloadError", refusal
+    assert list(refusal["problems"]) == [result["nan_tensor"]]
+    assert "NaN" in refusal["problems"][result["nan_tensor"]]
+
+
+def test_vllm_llm_with_the_backend_multiprocess(pairs, stock_cold) -> None:
+    root, models = pairs
+    for result, (a, b) in zip(_run("llm", root, models), models, strict=True):
+        _check_push_and_refusal(result, a, b, stock_cold)
+        assert result["version"] == "b" and result["version_after_refusal"] == "b"
+        assert "after a failed update_weights" in result["finish_after_refusal"]  # no version
+        assert_parity(result["after_refusal"], result["b"])
+
+
+def test_async_llm_with_the_backend_in_flight(pairs, stock_cold) -> None:
+    """Push, refusal, then long generations interrupted by a push in ``recompute`` mode (two
+    spans each, the tokens after the update a stock cold start's continuation on B) and by a
+    refused push (every sequence finishes on the version it started on, as a cold start)."""
+    root, models = pairs
+    for result, (a, b) in zip(_run("async", root, models), models, strict=True):
+        _check_push_and_refusal(result, a, b, stock_cold)
+        assert result["version_after_refusal"] == "b"
+        prompts = result["prompts"]
+        assert result["recompute_outcome"]["paused_s"] is not None
+        continuations, expected = [], []
+        for i, ids in enumerate(prompts):
+            tokens, spans = result["recompute"][str(i)]
+            assert [s[0] for s in spans] == ["old", "new"], spans
+            cut = spans[1][1]
+            assert spans[0][1:] == [0, cut] and spans[1][2] == len(tokens) == 96
+            continuations.append(ids + tokens[:cut])
+            expected.append(tokens[cut:])
+        longest = max(len(e) for e in expected)
+        cold = stock_cold(b, continuations, max_tokens=longest, ignore_eos=True)
+        for i, want in enumerate(expected):
+            assert cold[i][0][: len(want)] == want, f"prompt {i}"
+        assert result["refused_outcome"]["type"] == "DirectReloadError"
+        on_a = stock_cold(a, prompts, max_tokens=96, ignore_eos=True)
+        for i in range(len(prompts)):
+            tokens, spans = result["refused"][str(i)]
+            assert [s[0] for s in spans] == ["kept"] and tokens == on_a[i][0]
