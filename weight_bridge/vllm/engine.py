@@ -47,8 +47,8 @@ from ..direct import DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
 from .api_hooks import update_results
-from .launch import engine_environment, worker_extension
-from .options import BACKEND, BridgeOptions, ReloadMode, SessionOptions
+from .launch import bridged_engine_args, default_checkpoint_root, engine_environment
+from .options import BridgeOptions, ReloadMode, SessionOptions
 from .results import PushReport, PushResult
 
 __all__ = [
@@ -63,11 +63,6 @@ __all__ = [
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
 _LABELS_KEPT = 64  # version labels remembered to map outputs' weight_versions back
-ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # ColocatedEngine's default checkpoint root
-
-
-def _default_root() -> str:
-    return os.environ.get(ROOT_ENV) or os.getcwd()
 
 
 class EngineUndefinedError(RuntimeError):
@@ -119,7 +114,7 @@ class ColocatedEngine:
         **llm_kwargs: Any,
     ):
         options = BridgeOptions(
-            checkpoint_root=str(Path(checkpoint_root or _default_root()).resolve()),
+            checkpoint_root=str(Path(checkpoint_root or default_checkpoint_root()).resolve()),
             reload_mode=reload_mode,
             cpu_linear=cpu_linear,
             readback=readback,
@@ -131,8 +126,6 @@ class ColocatedEngine:
             raise ValueError(f"rpc_timeout_s must be positive or None, not {rpc_timeout_s!r}")
         from vllm import LLM
 
-        from .memory import colocated_llm_kwargs
-
         self.model = str(model)
         self.options = options
         self.rpc_timeout_s = rpc_timeout_s
@@ -142,16 +135,10 @@ class ColocatedEngine:
         self._labels: dict[str, Any] = {}
         self._undefined: str | None = None
         self._lock = threading.RLock()
-        extra = dict(llm_kwargs.pop("additional_config", None) or {})
-        extra.update(options.as_config())
-        llm_kwargs["worker_extension_cls"] = worker_extension(
-            llm_kwargs.get("worker_extension_cls")
-        )
-        llm_kwargs["weight_transfer_config"] = {"backend": BACKEND}
-        llm_kwargs = colocated_llm_kwargs(self.model, llm_kwargs, kv_cache_gb)
+        kwargs = bridged_engine_args(self.model, options, llm_kwargs, kv_cache_gb)
         started = time.perf_counter()
         with engine_environment(plugins):
-            self.llm = LLM(model=self.model, additional_config=extra, **llm_kwargs)
+            self.llm = LLM(model=self.model, **kwargs)
         self.startup_s = time.perf_counter() - started
 
     def configure(self, **session: Any) -> None:

@@ -1,5 +1,7 @@
-"""How a :class:`~weight_bridge.vllm.ColocatedEngine` starts vLLM: the environment its engine
-processes inherit and the worker extension vLLM mixes into its workers."""
+"""How the bridge's own engines (:class:`~weight_bridge.vllm.ColocatedEngine`,
+:class:`~weight_bridge.vllm.async_engine.AsyncColocatedEngine`) start vLLM: the engine arguments
+(the backend, its options, the worker extension, colocated memory defaults), the environment
+their engine processes inherit."""
 
 from __future__ import annotations
 
@@ -7,13 +9,28 @@ import contextlib
 import importlib
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from .lifeline import FRONTEND_ENV
+from .options import BACKEND, BridgeOptions
 from .plugin import PLUGINS_ENV, run_engine_plugins
 
-__all__ = ["WORKER_EXTENSION", "engine_environment", "worker_extension"]
+__all__ = [
+    "ROOT_ENV",
+    "WORKER_EXTENSION",
+    "bridged_engine_args",
+    "default_checkpoint_root",
+    "engine_environment",
+    "worker_extension",
+]
 
 WORKER_EXTENSION = "weight_bridge.vllm.worker.WeightBridgeWorkerExtension"
+ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # the default checkpoint root of the bridge's engines
+
+
+def default_checkpoint_root() -> str:
+    """``$WEIGHT_BRIDGE_CHECKPOINT_ROOT``, else the current directory."""
+    return os.environ.get(ROOT_ENV) or os.getcwd()
 
 
 @contextlib.contextmanager
@@ -56,3 +73,21 @@ def worker_extension(requested: str | None) -> str:
             f"make it a subclass of {WORKER_EXTENSION} (both sets of methods are then available)"
         )
     return requested
+
+
+def bridged_engine_args(
+    model: str, options: BridgeOptions, engine_kwargs: dict[str, Any], kv_cache_gb: float | None
+) -> dict[str, Any]:
+    """``engine_kwargs`` (for ``vllm.LLM`` or ``AsyncEngineArgs``) with the bridge wired in: the
+    ``weight_bridge`` backend, ``options`` in ``additional_config`` (merged with the caller's),
+    the bridge's worker extension (or a subclass the caller named), and colocated memory
+    defaults (:mod:`.memory`)."""
+    from .memory import colocated_llm_kwargs
+
+    kwargs = dict(engine_kwargs)
+    extra = dict(kwargs.pop("additional_config", None) or {})
+    extra.update(options.as_config())
+    kwargs["additional_config"] = extra
+    kwargs["worker_extension_cls"] = worker_extension(kwargs.get("worker_extension_cls"))
+    kwargs["weight_transfer_config"] = {"backend": BACKEND}
+    return colocated_llm_kwargs(model, kwargs, kv_cache_gb)

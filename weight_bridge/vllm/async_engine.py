@@ -1,0 +1,173 @@
+"""``AsyncColocatedEngine``: an ``AsyncLLM`` in this job that keeps generating while it is pushed.
+
+A synchronous ``ColocatedEngine`` serializes generation and pushes: the trainer waits for every
+rollout, the engine for every push. This engine runs vLLM's ``AsyncLLM`` on an event loop of its
+own (a background thread), so rollouts are generated while the trainer trains (:meth:`submit`
+returns a future), and a push lands *in flight*: inside ``pause_generation`` ...
+``resume_generation``, with the requests running at that moment recomputed with the new
+weights (``inflight="recompute"``, the default), kept on their old KV (``"keep"``) or finished
+first (``"drain"``); see :mod:`.clients`. Every finished output carries vLLM's
+``weight_versions`` spans (:func:`token_versions` gives each token's version).
+
+Started like ``ColocatedEngine``: the ``weight_bridge`` backend with its options, colocated
+memory defaults, a checkpoint root, and engine processes that end with this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .clients import AsyncLLMClient, InflightMode
+from .launch import bridged_engine_args, default_checkpoint_root, engine_environment
+from .options import BridgeOptions, ReloadMode
+from .results import PushReport
+
+__all__ = ["AsyncColocatedEngine", "token_versions"]
+
+
+def token_versions(completion: Any) -> list[str]:
+    """The weight version that sampled each output token of a finished ``CompletionOutput``
+    (from its ``weight_versions`` spans)."""
+    versions: list[str] = []
+    for span in completion.weight_versions or ():
+        versions += [span.version] * (span.end - span.start)
+    return versions
+
+
+class AsyncColocatedEngine:
+    """An ``AsyncLLM`` with the ``weight_bridge`` backend, on its own event loop.
+
+    ``inflight``: how a push treats requests in flight (``recompute``, ``keep``, ``drain``, or
+    None: no pause). ``checkpoint_root``, ``reload_mode``, ``cpu_linear``, ``readback``,
+    ``check_finite``, ``verify_hash``, ``rollback``, ``plugins``, ``kv_cache_gb``: as for
+    :class:`~weight_bridge.vllm.ColocatedEngine`. Every other keyword goes to vLLM's
+    ``AsyncEngineArgs``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        inflight: InflightMode | None = "recompute",
+        checkpoint_root: str | os.PathLike | None = None,
+        reload_mode: ReloadMode = "direct",
+        cpu_linear: str = "repack",
+        readback: str = "sampled",
+        check_finite: bool = True,
+        verify_hash: bool = False,
+        rollback: bool = True,
+        plugins: Sequence[str] = (),
+        kv_cache_gb: float | None = None,
+        **engine_kwargs: Any,
+    ):
+        self.model = str(model)
+        self.options = BridgeOptions(
+            checkpoint_root=str(Path(checkpoint_root or default_checkpoint_root()).resolve()),
+            reload_mode=reload_mode,
+            cpu_linear=cpu_linear,
+            readback=readback,
+            check_finite=check_finite,
+            verify_hash=verify_hash,
+            rollback=rollback,
+        )
+        kwargs = bridged_engine_args(self.model, self.options, engine_kwargs, kv_cache_gb)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="weight-bridge-async-engine", daemon=True
+        )
+        self._thread.start()
+        self._ids = itertools.count()
+        started = time.perf_counter()
+        with engine_environment(plugins):
+            self.engine = self._run(self._start(kwargs))
+        self.startup_s = time.perf_counter() - started
+        self.client = AsyncLLMClient(self.engine, self.loop, inflight)
+
+    async def _start(self, kwargs: dict[str, Any]) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **kwargs))
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def _generate_one(self, prompt: Any, sampling_params: Any) -> Any:
+        last = None
+        request_id = f"weight-bridge-{next(self._ids)}"
+        async for output in self.engine.generate(prompt, sampling_params, request_id=request_id):
+            last = output
+        return last
+
+    async def _generate(self, prompts: Sequence[Any], sampling_params: Any) -> list[Any]:
+        return list(
+            await asyncio.gather(*(self._generate_one(p, sampling_params) for p in prompts))
+        )
+
+    def submit(
+        self, prompts: Sequence[Any], sampling_params: Any
+    ) -> concurrent.futures.Future[list[Any]]:
+        """Start generating ``prompts`` in the background; the future's result is their final
+        ``RequestOutput``\\s, in order. Pushes meanwhile land in flight."""
+        return asyncio.run_coroutine_threadsafe(
+            self._generate(list(prompts), sampling_params), self.loop
+        )
+
+    def generate(self, prompts: Sequence[Any], sampling_params: Any = None, **_: Any) -> list[Any]:
+        """:meth:`submit` and wait (what the callback's canary and a synchronous caller use)."""
+        return self.submit(prompts, sampling_params).result()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def push(
+        self,
+        checkpoint: str | os.PathLike,
+        version: Any = None,
+        verify_hash: bool | None = None,
+        inflight: Any = "default",
+    ) -> PushReport:
+        """Push ``checkpoint`` in flight (``inflight``: this push's mode, default the engine's);
+        blocks until generation resumed. Errors as :meth:`ColocatedEngine.push`'s."""
+        return self.client.push(checkpoint, version, verify_hash, inflight)
+
+    @property
+    def version(self) -> Any:
+        return self.client.version
+
+    @property
+    def served_checkpoints(self) -> list[str]:
+        return self.client.served_checkpoints
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut the engine down (on its loop), drop it, and stop the loop."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            self.client.engine = None
+
+            async def shutdown() -> None:
+                engine.shutdown()
+
+            self._run(shutdown())
+            del engine
+            gc.collect()  # while vLLM's modules are alive: its __del__ shuts down again
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+
+    def __enter__(self) -> AsyncColocatedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
