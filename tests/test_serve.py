@@ -51,7 +51,7 @@ def http_greedy(client: HTTPClient, prompts=PROMPTS, max_tokens: int = 12, **ext
     out = []
     for ids in prompts:
         sampling = {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 3, **extra}
-        choice = client.generate_tokens(ids, sampling)
+        choice = client.generate_tokens(ids, sampling)[0]
         steps = [
             sorted((t["token_id"], t["logprob"]) for t in step["top_logprobs"])
             for step in choice["logprobs"]["content"]

@@ -70,12 +70,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the progress bar readable
 
+import concurrent.futures  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+from collections import deque  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
@@ -174,6 +177,145 @@ class ArithmeticChatTask:
         return 1.0 if finished and text.strip() == str(a + b) else 0.0
 
 
+# -- where rollouts come from -------------------------------------------------------------------
+# The engine the sync callback exposes is a ColocatedEngine (vllm.LLM in this process: a step's
+# batch is generated when the step asks for it), an AsyncColocatedEngine (batches generated up
+# to ``max_staleness`` steps ahead while the trainer trains, pushes landing in flight, so a
+# completion may hold tokens of two versions) or a ServedEngine (a vllm serve process, over its
+# token-in/token-out route). Each token carries the policy version (step) that sampled it, from
+# vLLM's ``weight_versions`` spans ("default", the weights the engine started with, is step 0).
+
+
+class Completion(NamedTuple):
+    """One sampled completion: tokens, the engine's log-probability of each as sampled, and the
+    policy version that sampled each."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+def version_of(label: Any) -> int:
+    """A version label as a step: ``"12"`` -> 12; ``"default"`` or None (the weights the engine
+    started with) -> 0."""
+    text = str(label)
+    return int(text) if text.lstrip("-").isdigit() else 0  # "default": the initial policy
+
+
+def _versions(spans: Any, n: int, fallback: Any) -> list[int]:
+    out: list[int] = []
+    for span in spans or ():
+        start, end, label = (
+            (span["start"], span["end"], span["version"])
+            if isinstance(span, dict)
+            else (span.start, span.end, span.version)
+        )
+        out += [version_of(label)] * (end - start)
+    return out if len(out) == n else [version_of(fallback)] * n
+
+
+def _from_outputs(outputs: list[Any]) -> list[list[Completion]]:
+    groups = []
+    for out in outputs:
+        group = []
+        for c in out.outputs:
+            tokens = list(c.token_ids)
+            logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens, strict=True)]
+            fallback = getattr(out, "policy_version", None)
+            group.append(
+                Completion(tokens, logprobs, _versions(c.weight_versions, len(tokens), fallback))
+            )
+        groups.append(group)
+    return groups
+
+
+class SyncRollouts:
+    """Generated when asked, by an engine with a blocking ``generate``."""
+
+    def __init__(self, engine: Any, sampling: Callable[[], Any]):
+        self.engine, self.sampling = engine, sampling
+
+    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
+        from weight_bridge.vllm import token_prompts
+
+        return _from_outputs(self.engine.generate(token_prompts(prompts(step)), self.sampling()))
+
+
+class AsyncRollouts:
+    """Generated ahead by an engine with ``submit``: at step k, batches up to k + ``ahead``
+    are being generated while step k trains on its own."""
+
+    def __init__(self, engine: Any, sampling: Callable[[], Any], ahead: int = 1):
+        self.engine, self.sampling, self.ahead = engine, sampling, max(0, ahead)
+        self.pending: deque[tuple[int, concurrent.futures.Future]] = deque()
+
+    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
+        from weight_bridge.vllm import token_prompts
+
+        while self.pending and self.pending[0][0] < step:
+            self.pending.popleft()[1].cancel()  # a step that will never train (resumed past it)
+        requested = self.pending[-1][0] if self.pending else step - 1
+        for k in range(requested + 1, step + self.ahead + 1):
+            self.pending.append((k, self.engine.submit(token_prompts(prompts(k)), self.sampling())))
+        _, future = self.pending.popleft()
+        return _from_outputs(future.result())
+
+
+class HTTPRollouts:
+    """From a ``vllm serve`` process: one request per prompt (``n`` completions), concurrent."""
+
+    def __init__(self, client: Any, sampling: dict[str, Any], threads: int = 16):
+        self.client, self.sampling = client, sampling
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
+        futures = [
+            self.pool.submit(self.client.generate_tokens, p, self.sampling) for p in prompts(step)
+        ]
+        groups = []
+        for future in futures:
+            group = []
+            for choice in future.result():
+                tokens = list(choice["token_ids"])
+                logprobs = [step_["logprob"] for step_ in choice["logprobs"]["content"]]
+                versions = _versions(choice.get("weight_versions"), len(tokens), "default")
+                group.append(Completion(tokens, logprobs, versions))
+            groups.append(group)
+        return groups
+
+
+def rollouts_for(engine: Any, group_size: int, max_new_tokens: int, ahead: int) -> Any:
+    """The rollout source for ``engine`` (see the module docstring): ``group_size`` completions
+    of ``max_new_tokens`` tokens per prompt, at temperature 1, with the sampled tokens'
+    log-probabilities; ``ahead`` steps generated ahead where the engine allows it."""
+    if hasattr(engine, "generate_tokens"):
+        sampling = {
+            "n": group_size,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_tokens": max_new_tokens,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
+        return HTTPRollouts(engine, sampling)
+
+    def params() -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=group_size,
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=max_new_tokens,
+            ignore_eos=True,
+            logprobs=0,  # the sampled token's own log-probability
+        )
+
+    if hasattr(engine, "submit"):
+        return AsyncRollouts(engine, params, ahead)
+    return SyncRollouts(engine, params)
+
+
 class PromptBatches(Dataset):
     """Item ``i`` is step ``i``'s batch of prompt digits (seeded, so runs are reproducible);
     ``operands > 1`` gives that many digits per prompt (shape ``[prompts, operands]``)."""
@@ -216,6 +358,10 @@ class GRPO(pl.LightningModule):
             ``lora_targets`` (the base stays frozen; the sync callback pushes only the merged
             adapted weights after its first, complete push).
         lora_alpha, lora_targets: the adapters' scale numerator and target module names.
+        max_staleness: with an asynchronous engine (the callback's ``engine_mode: async`` or
+            ``serve``), how many steps ahead rollouts are generated while the trainer trains,
+            and the most steps a token's policy may lag behind the step it trains (checked when
+            ``strict_on_policy``).
         run_dir: where ``reward.png`` and ``summary.json`` go.
         data_seed: seed of the prompt stream.
     """
@@ -244,6 +390,7 @@ class GRPO(pl.LightningModule):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+        max_staleness: int = 1,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -287,6 +434,9 @@ class GRPO(pl.LightningModule):
         self.vllm_engine: Any = None  # set by VLLMWeightSync.setup (None when it is disabled)
         self._own_engine: Any = None
         self.history: list[dict[str, Any]] = []
+        self.staleness_counts: dict[int, int] = {}  # per sampled token: step - its version
+        self._source: Any = None
+        self._data: Any = None
         self._started = time.perf_counter()
         self._last_step_at: float | None = None
 
@@ -298,6 +448,7 @@ class GRPO(pl.LightningModule):
         data = PromptBatches(
             steps, self.hparams.prompts_per_step, self.hparams.data_seed, operands=operands
         )
+        self._data = data  # asynchronous rollouts read the prompts of steps ahead from it
         return DataLoader(data, batch_size=None, shuffle=False, num_workers=0)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -336,28 +487,51 @@ class GRPO(pl.LightningModule):
 
     # -- one GRPO step -------------------------------------------------------------------------
 
-    def _check_policy(self, outputs: list, step: int) -> tuple[Any, bool, int, int]:
-        """Which policy produced these rollouts, and is it the one last pushed?
-        Returns the sync callback, whether sync is on, the version and the staleness."""
+    def _check_policy(self, versions: set[int], step: int) -> tuple[Any, bool, int, int]:
+        """Which policies produced these rollouts (each token's version), and are they allowed?
+        Returns the sync callback, whether sync is on, the oldest version and the staleness.
+
+        Synchronous engines sample a whole step's batch with one version, the one last pushed
+        (checked when ``strict_on_policy``); an asynchronous engine may mix versions, each at
+        most ``max_staleness`` steps old."""
         hp = self.hparams
         cb = self._sync_callback()
         synced = self.vllm_engine is not None
-        versions = {o.policy_version for o in outputs}
+        version = min(versions)
+        staleness = step - version
+        if self._asynchronous():
+            if hp.strict_on_policy and staleness > hp.max_staleness:
+                raise RuntimeError(f"step {step}: staleness {staleness} > {hp.max_staleness}")
+            return cb, synced, version, staleness
         if len(versions) != 1:
             raise RuntimeError(f"rollouts of one step came from several policies: {versions}")
-        version = versions.pop()
-        if synced and hp.strict_on_policy and version != getattr(cb, "last_pushed_step", version):
+        last = getattr(cb, "last_pushed_step", None)
+        if synced and hp.strict_on_policy and last is not None and version != last:
             raise RuntimeError(
                 f"step {step}: rollouts used policy version {version}, "
-                f"but the last pushed step is {cb.last_pushed_step}"
+                f"but the last pushed step is {last}"
             )
-        version = 0 if version is None else int(version)  # never pushed: the initial policy
-        staleness = step - version
         every = getattr(cb, "every_n_train_steps", None) if synced else None
         bounded = hp.strict_on_policy and every and not getattr(cb, "at_steps", None)
         if bounded and staleness > every - 1:
             raise RuntimeError(f"step {step}: staleness {staleness} > {every - 1}")
         return cb, synced, version, staleness
+
+    def _step_prompts(self, step: int) -> list[list[int]]:
+        """The prompts of ``step`` (any step: asynchronous rollouts generate ahead)."""
+        return [self.task.prompt(int(d)) for d in self._data[step].tolist()]
+
+    def _asynchronous(self) -> bool:
+        return hasattr(self._engine(), "submit") or hasattr(self._engine(), "generate_tokens")
+
+    def _rollouts(self) -> Any:
+        """The rollout source for the engine (see ``rollouts.py``), built on first use."""
+        if self._source is None:
+            hp = self.hparams
+            self._source = rollouts_for(
+                self._engine(), hp.group_size, hp.max_new_tokens, hp.max_staleness
+            )
+        return self._source
 
     def _token_logprobs(
         self, model: Any, ids: torch.Tensor, prompt_len: int
@@ -371,10 +545,6 @@ class GRPO(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if isinstance(self.task, ArithmeticChatTask):
             return self._chat_step(batch)
-        from vllm import SamplingParams
-
-        from weight_bridge.vllm import token_prompts
-
         hp = self.hparams
         step = self.global_step
         now = time.perf_counter()
@@ -382,27 +552,20 @@ class GRPO(pl.LightningModule):
         self._last_step_at = now
         digits = [int(d) for d in batch.tolist()]
         prompts = [self.task.prompt(d) for d in digits]
-        params = SamplingParams(
-            n=hp.group_size,
-            temperature=1.0,
-            top_p=1.0,
-            max_tokens=hp.max_new_tokens,
-            ignore_eos=True,
-            logprobs=0,  # the sampled token's own log-probability
-        )
         started = time.perf_counter()
-        outputs = self._engine().generate(token_prompts(prompts), params)
+        groups = self._rollouts().get(step, self._step_prompts)
         gen_s = time.perf_counter() - started
-
-        cb, synced, version, staleness = self._check_policy(outputs, step)
+        versions = [v for group in groups for c in group for v in c.versions]
+        cb, synced, version, staleness = self._check_policy(set(versions), step)
+        for v in versions:
+            self.staleness_counts[step - v] = self.staleness_counts.get(step - v, 0) + 1
 
         seqs, old_lp, rewards = [], [], []
-        for out, d, prompt in zip(outputs, digits, prompts, strict=True):
-            for c in out.outputs:
-                tokens = list(c.token_ids)
-                seqs.append(prompt + tokens)
-                old_lp.append([lp[t].logprob for lp, t in zip(c.logprobs, tokens, strict=True)])
-                rewards.append(self.task.reward(d, tokens))
+        for group, d, prompt in zip(groups, digits, prompts, strict=True):
+            for c in group:
+                seqs.append(prompt + c.tokens)
+                old_lp.append(c.logprobs)
+                rewards.append(self.task.reward(d, c.tokens))
         ids = torch.tensor(seqs, device=self.device)
         old = torch.tensor(old_lp, dtype=torch.float32, device=self.device)
         r = torch.tensor(rewards, dtype=torch.float32, device=self.device)
@@ -504,7 +667,8 @@ class GRPO(pl.LightningModule):
         started = time.perf_counter()
         outputs = self._engine().generate([task.prompt(a, b) for a, b in pairs], params)
         gen_s = time.perf_counter() - started
-        cb, synced, version, staleness = self._check_policy(outputs, step)
+        labels = {o.policy_version for o in outputs}
+        cb, synced, version, staleness = self._check_policy({version_of(v) for v in labels}, step)
 
         tokens, old_lp, rewards, answers = [], [], [], []
         for out, (a, b) in zip(outputs, pairs, strict=True):
@@ -601,6 +765,8 @@ class GRPO(pl.LightningModule):
             "logprob_gap_max": max(gaps),
             "logprob_gap_last20": sum(gaps[-k:]) / k,
             "staleness_max": max(h["staleness"] for h in self.history),
+            "staleness_tokens": {str(k): v for k, v in sorted(self.staleness_counts.items())},
+            "steps_per_s": len(self.history) / (time.perf_counter() - self._started),
             "generate_s_mean": sum(h["generate_s"] for h in self.history) / len(self.history),
             "wall_s": time.perf_counter() - self._started,
             # Short runs (the real model's): first and last quarter, at most 20 steps each.

@@ -282,12 +282,12 @@ class HTTPClient(ServedChain):
         report.paused_s, report.inflight = paused, mode
         return report
 
-    def generate_tokens(self, token_ids: list[int], sampling_params: dict) -> dict:
-        """One completion from token ids (``POST /inference/v1/generate``; the server needs
-        ``--enable-scale-out``): the first choice, with ``token_ids``, ``logprobs`` and
-        ``weight_versions``."""
+    def generate_tokens(self, token_ids: list[int], sampling_params: dict) -> list[dict]:
+        """Completions of one prompt given as token ids (``POST /inference/v1/generate``; the
+        server needs ``--enable-scale-out``): its choices (``sampling_params["n"]`` of them),
+        each with ``token_ids``, ``logprobs`` and ``weight_versions``."""
         body = {"token_ids": list(token_ids), "sampling_params": dict(sampling_params)}
-        return self.call("inference/v1/generate", body)["choices"][0]
+        return list(self.call("inference/v1/generate", body)["choices"])
 
     def close(self) -> None:
         """The server is not this client's: nothing to close."""

@@ -30,10 +30,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .clients import HTTPClient
 from .lifeline import FRONTEND_ENV
 from .options import BACKEND, BridgeOptions
 
-__all__ = ["VLLMServer", "free_port"]
+__all__ = ["ServedEngine", "VLLMServer", "cli_args", "free_port"]
 
 
 def free_port() -> int:
@@ -151,3 +152,52 @@ class VLLMServer:
 
 
 _DEFAULTS = {k: v for k, v in asdict(BridgeOptions()).items() if k != "checkpoint_root"}
+
+
+def cli_args(engine_kwargs: dict[str, Any]) -> list[str]:
+    """``vllm.LLM`` keywords as ``vllm serve`` flags: ``max_model_len=128`` ->
+    ``--max-model-len 128``, ``enforce_eager=True`` -> ``--enforce-eager`` (False: left out),
+    dicts as JSON."""
+    args: list[str] = []
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args
+
+
+class ServedEngine(HTTPClient):
+    """A ``vllm serve`` process started for this job with the bridge's backend, and the HTTP
+    client that pushes into it: what the sync callback uses in server mode. :meth:`close`
+    stops the server.
+
+    ``engine_kwargs``: ``vllm.LLM``-style keywords, passed as command-line flags
+    (:func:`cli_args`); ``kv_cache_gb``: the KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE`` on the
+    CPU backend, ``--kv-cache-memory-bytes`` otherwise).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        options: BridgeOptions,
+        engine_kwargs: dict[str, Any] | None = None,
+        kv_cache_gb: float | None = None,
+        inflight: Any = "recompute",
+        log: str | os.PathLike | None = None,
+    ) -> None:
+        kwargs = dict(engine_kwargs or {})
+        env: dict[str, str] = {}
+        if kv_cache_gb is not None:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
+            else:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        self.server = VLLMServer(model, options, cli_args(kwargs), env=env, log=log).start()
+        super().__init__(self.server.url, inflight=inflight)
+
+    def close(self) -> None:
+        self.server.stop()
