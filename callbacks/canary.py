@@ -10,15 +10,44 @@ summation-order noise (about 1e-6 in float32).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CanaryError", "default_probe", "logprob_gap"]
+__all__ = ["CanaryCheck", "CanaryError", "default_probe", "logprob_gap"]
 
 
 class CanaryError(RuntimeError):
     """After a push, the engine's logprobs of the probe batch differ from the trainer's."""
+
+
+@dataclass(frozen=True)
+class CanaryCheck:
+    """Check every push end to end: the trainer's model and the engine score ``prompts`` (lists
+    of token ids; default: a seeded batch valid for the model's vocabulary) and the largest
+    logprob difference must stay within ``tolerance``, else the sync fails."""
+
+    prompts: list[list[int]] | None = None
+    tolerance: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.tolerance <= 0:
+            raise ValueError(f"canary_tolerance must be positive, not {self.tolerance}")
+
+    def gap(self, model: torch.nn.Module, engine: Any) -> float:
+        """The logprob gap after a push; raises :class:`CanaryError` above the tolerance."""
+        probe = self.prompts
+        if probe is None:
+            probe = default_probe(int(getattr(model.config, "vocab_size", 256)))
+        gap = logprob_gap(model, engine, probe)
+        if gap > self.tolerance:
+            raise CanaryError(
+                f"after the push the engine's logprobs differ from the trainer's by {gap:.3g} "
+                f"(canary_tolerance={self.tolerance:g}): the engine does not compute what the "
+                "trainer computes"
+            )
+        return gap
 
 
 def default_probe(vocab_size: int, prompts: int = 4, length: int = 16) -> list[list[int]]:

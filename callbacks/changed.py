@@ -8,25 +8,56 @@ adapted weight (base + the adapter's delta, computed by PEFT itself) and pushes 
 base name; a partial sync then carries only the merged weights and the parameters that require
 grad (buffers always: they are small and may change without gradients). The frozen base
 weights never leave the trainer after the first, complete push.
+
+Nothing here reads a tensor's values: :func:`sync_state` decides from names, module structure
+and ``requires_grad`` alone, and each :class:`Item` says which trainer tensors make one
+checkpoint tensor and how to combine them. That is what lets a sharded trainer gather them one
+at a time (:mod:`callbacks.gather`): a LoRA delta is computed by PEFT on the *gathered* base and
+adapter matrices, exactly as on a replicated model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SyncState", "sync_state"]
+__all__ = ["Item", "SyncState", "materialize", "sync_state", "tie_key"]
 
 _PEFT_PREFIX = "base_model.model."
 _ADAPTER_PARTS = ("lora_", "base_layer.")
 
 
-class SyncState(dict):
-    """Name -> tensor to save; ``partial``: whether tensors that cannot change were left out."""
+@dataclass(frozen=True)
+class Item:
+    """One checkpoint tensor: the trainer tensors it is made of (possibly sharded), and how.
+
+    ``merge`` (None: the tensor is ``sources[0]``) combines the full, gathered ``sources``;
+    the result has the shape and dtype of ``sources[0]``. ``key`` is equal for tensors that are
+    one storage in the trainer (tied weights), which are written once.
+    """
+
+    sources: tuple[torch.Tensor, ...]
+    merge: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None
+    key: object
+
+
+class SyncState(dict[str, Item]):
+    """Name -> :class:`Item`; ``partial``: whether tensors that cannot change were left out."""
 
     partial: bool = False
+
+
+def tie_key(t: torch.Tensor) -> object:
+    """The same for views of one storage with one layout (tied weights); unique otherwise."""
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: its shard's storage
+    if not local.numel():
+        return object()
+    ptr = local.untyped_storage().data_ptr()
+    return (ptr, local.storage_offset(), tuple(t.shape), local.stride())
 
 
 def _lora_layers(root: torch.nn.Module) -> dict[str, Any]:
@@ -38,7 +69,27 @@ def _lora_layers(root: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def _merged_weight(name: str, layer: Any, tied: set[int]) -> tuple[torch.Tensor, bool]:
+def _adapter_slots(layer: Any, adapter: str) -> list[tuple[torch.nn.Module, str]]:
+    """Where an adapter's A and B matrices live: (module, parameter name) pairs."""
+    if adapter in getattr(layer, "lora_A", {}):
+        return [(layer.lora_A[adapter], "weight"), (layer.lora_B[adapter], "weight")]
+    return [(layer.lora_embedding_A, adapter), (layer.lora_embedding_B, adapter)]
+
+
+@contextlib.contextmanager
+def _swapped(slots: list[tuple[torch.nn.Module, str]], tensors: Sequence[torch.Tensor]):
+    """The slots hold ``tensors`` (gathered, plain) for the block; then their own again."""
+    saved = [m._parameters[name] for m, name in slots]
+    try:
+        for (m, name), t in zip(slots, tensors, strict=True):
+            m._parameters[name] = t  # type: ignore[assignment]
+        yield
+    finally:
+        for (m, name), p in zip(slots, saved, strict=True):
+            m._parameters[name] = p
+
+
+def _merged(name: str, layer: Any, tied: set[int]) -> tuple[Item, bool]:
     """The weight generation must use for one LoRA layer, and whether it can change."""
     base = layer.get_base_layer().weight
     adapters = [
@@ -54,57 +105,68 @@ def _merged_weight(name: str, layer: Any, tied: set[int]) -> tuple[torch.Tensor,
             f"{name}: a LoRA adapter on a tied weight (embeddings shared with lm_head) cannot be "
             "served: the engine holds one tensor for both uses, the trainer adapts only one"
         )
-    weight = base.detach()
-    if not getattr(layer, "merged", False):
-        for a in adapters:
-            weight = weight + layer.get_delta_weight(a).detach().to(weight.dtype)
-    trainable = any(
-        p.requires_grad
-        for a in adapters
-        for key in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-        for p in _adapter_params(getattr(layer, key, {}), a)
-    )
-    return weight, trainable or base.requires_grad
+    if getattr(layer, "merged", False):
+        adapters = []  # the base weight already holds the deltas
+    slots = [slot for a in adapters for slot in _adapter_slots(layer, a)]
+    trainable = any(getattr(m, n).requires_grad for m, n in slots) or base.requires_grad
+
+    @torch.no_grad()
+    def merge(gathered: Sequence[torch.Tensor]) -> torch.Tensor:
+        weight, *matrices = gathered
+        with _swapped(slots, matrices):  # PEFT computes the delta on the gathered matrices
+            for a in adapters:
+                weight = weight + layer.get_delta_weight(a).detach().to(weight.dtype)
+        return weight
+
+    sources = (base.detach(), *(getattr(m, n).detach() for m, n in slots))
+    if not adapters:  # the base weight itself, tied or not
+        return Item(sources, None, ("object", id(base))), trainable
+    return Item(sources, merge, object()), trainable
 
 
-def _adapter_params(container: Any, adapter: str) -> list[torch.nn.Parameter]:
-    if adapter not in container:
-        return []
-    item = container[adapter]
-    return list(item.parameters()) if isinstance(item, torch.nn.Module) else [item]
+def _owner(key: str, lora: Mapping[str, Any]) -> tuple[str, str]:
+    """The LoRA layer holding ``key`` ("" if none) and the rest of the key below it."""
+    owner, _, rest = key.rpartition(".")
+    while owner and owner not in lora:
+        owner, _, part = owner.rpartition(".")
+        rest = f"{part}.{rest}"
+    return owner, rest
+
+
+def _identities(root: torch.nn.Module) -> tuple[dict[str, Any], set[int]]:
+    """State key -> the parameter or buffer object, and the ids of tied parameters."""
+    params = dict(root.named_parameters(remove_duplicate=False))
+    counts: dict[int, int] = {}
+    for p in params.values():
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    objects: dict[str, Any] = dict(root.named_buffers(remove_duplicate=False))
+    objects.update(params)
+    return objects, {i for i, n in counts.items() if n > 1}
 
 
 def sync_state(
     root: torch.nn.Module | None, state: Mapping[str, Any], changing_only: bool
 ) -> SyncState:
-    """``state`` (``root.state_dict()``-like) as the engine's model sees it.
+    """``state`` (``root.state_dict()``-like) as the engine's model sees it, as :class:`Item`\\ s.
 
     LoRA layers of ``root`` become their merged weight under the base name; PEFT's wrapper
     prefix is dropped. ``changing_only`` keeps just the tensors training can change: merged
     weights with a trainable adapter, parameters that require grad, and buffers. Without a
-    ``root`` (a custom ``source``) the state is passed through whole.
+    ``root`` (a custom ``source``) the state is passed through whole. Non-tensors are skipped.
     """
     out = SyncState()
-    if root is None:
-        out.update(state)
-        return out
-    params = dict(root.named_parameters(remove_duplicate=False))
-    counts: dict[int, int] = {}
-    for p in params.values():
-        counts[id(p)] = counts.get(id(p), 0) + 1
-    tied = {i for i, n in counts.items() if n > 1}
-    lora = _lora_layers(root)
+    objects, tied = _identities(root) if root is not None else ({}, set())
+    lora = _lora_layers(root) if root is not None else {}
     peft = hasattr(root, "peft_config") and all(k.startswith(_PEFT_PREFIX) for k in state)
     for key, t in state.items():
         if not isinstance(t, torch.Tensor):
             continue
         if ".modules_to_save." in key or ".original_module." in key:
             raise ValueError(f"{key}: PEFT modules_to_save are not supported by the weight sync")
-        owner, _, rest = key.rpartition(".")
-        while owner and owner not in lora:
-            owner, _, part = owner.rpartition(".")
-            rest = f"{part}.{rest}"
-        name, changing = key, True
+        owner, rest = _owner(key, lora)
+        name, obj = key, objects.get(key)
+        item = Item((t,), None, ("object", id(obj)) if obj is not None else tie_key(t))
+        changing = obj.requires_grad if isinstance(obj, torch.nn.Parameter) else True
         if owner:
             if not rest.startswith(_ADAPTER_PARTS):
                 raise ValueError(f"{key}: unexpected tensor in a LoRA layer")
@@ -112,13 +174,15 @@ def sync_state(
                 continue  # adapter matrices: folded into the merged weight
             name = f"{owner}.{rest.removeprefix('base_layer.')}"
             if rest == "base_layer.weight":
-                t, changing = _merged_weight(owner, lora[owner], tied)
-            else:
-                changing = params[key].requires_grad if key in params else True
-        elif key in params:
-            changing = params[key].requires_grad
+                item, changing = _merged(owner, lora[owner], tied)
         if changing_only and not changing:
             out.partial = True
             continue
-        out[name.removeprefix(_PEFT_PREFIX) if peft else name] = t
+        out[name.removeprefix(_PEFT_PREFIX) if peft else name] = item
     return out
+
+
+def materialize(state: SyncState) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each item's tensor, for a state whose sources are plain (not sharded) tensors."""
+    for name, item in state.items():
+        yield name, item.merge(item.sources) if item.merge else item.sources[0]

@@ -1,59 +1,89 @@
-"""From a trainer's state dict to the tensors of a checkpoint under Hugging Face names."""
+"""From a trainer's state to the tensors of a checkpoint under Hugging Face names."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointNames"]
+from .changed import Item, SyncState, materialize, sync_state
+
+__all__ = ["CheckpointNames", "Entry", "parse_dtype"]
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the checkpoint to write: its name, shape and dtype in the file, and the
+    trainer tensors it is made of."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    item: Item
+
+
+@dataclass(frozen=True)
 class CheckpointNames:
-    """Renames (``strip_prefix``, then each ``rename`` regex in order), writes tied tensors
-    once, optionally casts floating tensors to ``dtype``; refuses two names mapping to one."""
+    """How trainer names become checkpoint names, and the dtype floating tensors are saved in.
 
-    def __init__(self, strip_prefix: str, rename: Mapping[str, str], dtype: str | None) -> None:
-        self.strip_prefix = strip_prefix
-        self._rename = [(re.compile(p), r) for p, r in rename.items()]
-        self._dtype = parse_dtype(dtype) if dtype is not None else None
+    ``strip_prefix`` is removed from the front of each name, then each ``rename`` regex is
+    applied in order (``{pattern: replacement}``, :func:`re.sub`). Tied tensors (embeddings and
+    ``lm_head``) are written once, under their first name, as vLLM and Hugging Face expect. Two
+    names mapping to one are refused. ``dtype`` (e.g. ``"bfloat16"``): floating tensors are cast
+    to it; None keeps the trainer's dtype.
+    """
 
-    def checkpoint_tensors(self, state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
-        """The tensors to save, and the floating dtype the trainer holds them in."""
-        out: dict[str, torch.Tensor] = {}
-        origin: dict[str, str] = {}
-        seen: set[tuple] = set()
-        source_dtype = ""
-        for name, t in state.items():
-            if not isinstance(t, torch.Tensor):
-                continue
-            if t.numel():
-                # Tied weights (embeddings and lm_head) are one storage: vLLM and Hugging Face
-                # both expect it written once, under its first name.
-                key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
-                if key in seen:
-                    continue
-                seen.add(key)
-            new = self.hf_name(name)
-            if new in out:
-                raise ValueError(f"{origin[new]!r} and {name!r} both map to {new!r}")
-            origin[new] = name
-            t = t.detach()
-            if t.is_floating_point():
-                source_dtype = source_dtype or str(t.dtype).removeprefix("torch.")
-                if self._dtype is not None:
-                    t = t.to(self._dtype)
-            out[new] = t.cpu()
-        return out, source_dtype
+    strip_prefix: str = ""
+    rename: dict[str, str] = field(default_factory=dict)
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rename", dict(self.rename or {}))
+        if self.dtype is not None:
+            parse_dtype(self.dtype)  # refused up front, not at the first sync
+        patterns = [(re.compile(p), r) for p, r in self.rename.items()]
+        object.__setattr__(self, "_patterns", patterns)
 
     def hf_name(self, name: str) -> str:
         if self.strip_prefix and name.startswith(self.strip_prefix):
             name = name[len(self.strip_prefix) :]
-        for pattern, replacement in self._rename:
+        for pattern, replacement in self._patterns:  # type: ignore[attr-defined]
             name = pattern.sub(replacement, name)
         return name
+
+    def entries(self, state: SyncState) -> tuple[list[Entry], str]:
+        """The checkpoint's tensors from shapes and dtypes alone (nothing is gathered), and the
+        floating dtype the trainer holds them in."""
+        cast = parse_dtype(self.dtype) if self.dtype is not None else None
+        out: list[Entry] = []
+        origin: dict[str, str] = {}
+        seen: set[object] = set()
+        source_dtype = ""
+        for name, item in state.items():
+            if item.key in seen:
+                continue
+            seen.add(item.key)
+            new = self.hf_name(name)
+            if new in origin:
+                raise ValueError(f"{origin[new]!r} and {name!r} both map to {new!r}")
+            origin[new] = name
+            first = item.sources[0]
+            dtype = first.dtype
+            if dtype.is_floating_point:
+                source_dtype = source_dtype or str(dtype).removeprefix("torch.")
+                dtype = cast or dtype
+            out.append(Entry(new, tuple(first.shape), dtype, item))
+        return out, source_dtype
+
+    def checkpoint_tensors(self, state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
+        """The tensors of a plain (not sharded) state dict as they would be saved, in memory."""
+        entries, source_dtype = self.entries(sync_state(None, state, changing_only=False))
+        full = dict(materialize(SyncState((e.name, e.item) for e in entries)))
+        out = {e.name: full[e.name].detach().to(e.dtype).cpu() for e in entries}
+        return out, source_dtype
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -11,11 +11,35 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["prune", "release", "sync_dir"]
+__all__ = ["CheckpointFiles", "prune", "release", "sync_dir"]
 
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """Where each sync's ``step-{step:08d}.safetensors`` goes, and how many are kept.
+
+    ``dirpath`` (default ``<trainer.log_dir>/weight_sync``); ``ram_dir=True``: a private
+    directory in ``/dev/shm`` instead, removed at teardown. Checkpoints beyond the newest
+    ``keep_last_k`` are deleted after a successful push, except those an engine serves.
+    ``node_local=True`` is the multi-node layout: each node's local rank zero writes its own
+    copy into ``<dir>/node<node_rank>`` (a node-local disk or ``/dev/shm`` at the same path on
+    every node) and every rank pushes from its own node's copy, so no node waits on another
+    node's disk. The engine built by the callback may read checkpoints from this directory only.
+    """
+
+    dirpath: str | None = None
+    ram_dir: bool = False
+    keep_last_k: int = 2
+    node_local: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keep_last_k < 1:
+            raise ValueError(f"keep_last_k must be >= 1, not {self.keep_last_k}")
 
 
 def sync_dir(ram_dir: bool, dirpath: str | None, log_dir: str) -> Path:

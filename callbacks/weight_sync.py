@@ -1,18 +1,24 @@
 """``VLLMWeightSync``: a Lightning callback that keeps a colocated vLLM engine on the live policy.
 
 On-policy RL loops generate with the weights being trained. Instead of a weight-transfer
-protocol, the callback saves the module's weights as one safetensors checkpoint (atomic, hashed)
-and pushes it into a :class:`~weight_bridge.vllm.ColocatedEngine`, which copies the bytes in place
-into its live storage. A checkpoint on disk is also what a cold start would load, so what the
-engine serves after a push is exactly what a fresh engine on that file would serve.
+protocol, the callback saves the module's weights as one safetensors checkpoint (streamed,
+atomic, hashed) and pushes it into an engine, which copies the bytes in place into its live
+storage. A checkpoint on disk is also what a cold start would load, so what the engine serves
+after a push is exactly what a fresh engine on that file would serve.
+
+The callback only wires the parts together: :class:`~callbacks.schedule.SyncClock` decides when
+(and whether a sync may be partial), :class:`~callbacks.gather.Gatherer` what is sent and how
+each tensor reaches the writer (DTensors of sharded trainers one at a time),
+:class:`~callbacks.collective.Collective` makes each step fail on every rank or none, and the
+engine (any :class:`~callbacks.client.EngineClient`) is pushed.
 """
 
 from __future__ import annotations
 
 import os
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +28,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import BASE_VERSION_KEY, save_checkpoint
-from weight_bridge.vllm.engine import ColocatedEngine
+from weight_bridge.checkpoint import BASE_VERSION_KEY
 
-from .canary import CanaryError, default_probe, logprob_gap
-from .changed import sync_state
+from .canary import CanaryCheck
+from .client import EngineClient, build_engine
+from .collective import Collective, StepFailed
+from .gather import Gatherer
 from .names import CheckpointNames
-from .retention import prune, release, sync_dir
+from .options import flat_options, regroup
+from .retention import CheckpointFiles, prune, release, sync_dir
+from .schedule import Schedule, SyncClock
 
 __all__ = ["VLLMWeightSync"]
 
@@ -39,100 +48,61 @@ _ON = {"1", "true", "on", "yes"}
 class VLLMWeightSync(Callback):
     """Push the trained weights into a colocated vLLM engine every few optimizer steps.
 
-    The engine is either passed in (``engine``) or built in :meth:`setup` from ``model_path``
-    and ``engine_kwargs`` (then closed in :meth:`teardown`). Either way :meth:`setup` exposes it
-    as ``pl_module.vllm_engine``, so a rollout in ``training_step`` reads::
+    Args:
+        engine: the engine to push into (any :class:`~callbacks.client.EngineClient`), or
+        model_path: a model directory to build a :class:`~weight_bridge.vllm.ColocatedEngine`
+            from in :meth:`setup` (with ``engine_kwargs``; closed in :meth:`teardown`). It may
+            read checkpoints from the sync's directory only. Under ``ddp_spawn`` pass this:
+            each rank builds its own engine and nothing unpicklable travels to the ranks.
+        schedule: when to sync and when a sync must be complete (:class:`Schedule`).
+        files: where checkpoints go and how many are kept (:class:`CheckpointFiles`).
+        names: checkpoint names and dtype (:class:`CheckpointNames`).
+        module_attr: the LightningModule attribute holding the model (``""``: the module
+            itself); ``source``: a callable ``pl_module -> state dict`` instead.
+        canary: check every push end to end (:class:`~callbacks.canary.CanaryCheck`; ``True``:
+            with defaults); the logprob gap is logged as ``weight_sync/canary_gap``.
+        enabled: ``False`` (or ``env_var`` set to 0/false/off; 1/true/on forces it on, read at
+            construction) makes the callback a no-op: no files, no engine.
+        on_error: ``"raise"``, or ``"warn"``: a failed save, push or canary becomes a warning
+            and the engine stays on the last good version (it rolls a failed push back itself);
+            the next sync is complete.
+        verify_hash: the engine recomputes each checkpoint's content hash before writing.
 
-        outputs = self.vllm_engine.generate(prompts, sampling_params)
-        # outputs[i].policy_version == the global step whose weights produced them
-
-    Cadence counts optimizer steps (``trainer.global_step``), so gradient accumulation does not
-    change it: a push happens when the step advanced to one that is due (``every_n_train_steps``
-    and/or ``at_steps``), before the first step (``push_on_train_start``; version = the current
-    step), and at the end (``push_on_train_end``). No step is pushed twice in one run. The
-    engine version is the global step. A run resumed from a checkpoint (or starting past step
-    0) always pushes its restored weights on train start, since the engine would otherwise
-    serve the weights it was started with.
-
-    Each sync gathers ``getattr(pl_module, module_attr).state_dict()`` (``module_attr=""``:
-    the whole LightningModule through the strategy, which also gathers sharded states; or
-    ``source(pl_module)``) on every rank, renames it to Hugging Face names (``strip_prefix``,
-    then each ``rename`` regex in order), writes tied tensors once, optionally casts floating
-    tensors to ``dtype``, and global rank zero writes ``step-{step:08d}.safetensors`` under
-    ``dirpath`` (default ``<trainer.log_dir>/weight_sync``; ``ram_dir=True``: a private
-    directory in ``/dev/shm``, removed at teardown). Then every rank pushes into its own engine,
-    if it has one. After a successful push, checkpoints beyond the newest ``keep_last_k`` are
-    deleted, except the one an engine serves.
-
-    ``node_local=True`` is the multi-node layout: each node's local rank zero writes its own copy
-    into ``<dir>/node<node_rank>`` (a node-local disk or ``/dev/shm`` at the same path on every
-    node) and every rank pushes from its own node's copy, so no node waits on another node's disk.
-
-    ``enabled=False`` (or the ``env_var`` set to 0/false/off; 1/true/on forces it on) turns the
-    callback into a no-op: no files, no engine, ``pl_module.vllm_engine`` is None.
-    ``on_error="warn"`` turns a failed save or push into a warning and keeps the engine on the
-    last good version (re-pushing it if the failure left the engine's weights half-written).
-
-    Only ``fit`` builds an engine and pushes; other stages see a passed-in engine as it is.
-    ``env_var`` is read when the callback is constructed. Under ``ddp_spawn`` pass
-    ``model_path``: each rank then builds its own engine, and nothing unpicklable (an engine, a
-    lambda ``source``) has to travel to the ranks.
-    ``canary=True`` (or ``canary_prompts``, lists of token ids) checks every push end to end:
-    the trainer's model (``module_attr``) and the engine score the same probe batch and the
-    largest logprob difference is logged as ``weight_sync/canary_gap``; above
-    ``canary_tolerance`` the sync fails (:class:`~callbacks.canary.CanaryError`, or a warning
-    with ``on_error="warn"``). It catches what the bridge's own proofs cannot: derived state it
-    does not know, names mapped onto the wrong weights (see :mod:`callbacks.canary`).
-    Metrics ``weight_sync/{save_s,push_s,bytes,version}`` go to the trainer's loggers.
-
-    Only what can change is sent (``skip_frozen=True``, see :mod:`callbacks.changed`): after a
-    complete first push (on train start, on resume, after any failed sync, and every
-    ``full_every_k``-th sync if set), a sync saves a *partial* checkpoint holding only the
-    parameters that require grad, the buffers, and the merged weight of each PEFT LoRA layer,
-    applied by the engine on top of the version it serves. PEFT-wrapped modules are always
-    pushed under the base model's names with their adapters merged, partial or not.
+    Either way :meth:`setup` exposes the engine as ``pl_module.vllm_engine``, so a rollout in
+    ``training_step`` reads ``self.vllm_engine.generate(prompts, sampling_params)``; each output's
+    ``policy_version`` is the global step whose weights produced it. Every sync, the ranks plan the
+    checkpoint from metadata, the writer (global rank zero, or each node's local rank zero with
+    ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every rank with an
+    engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather one tensor at
+    a time, every rank taking part. Only ``fit`` builds an engine and pushes. Metrics
+    ``weight_sync/{save_s,push_s,bytes,version}`` go to the trainer's loggers; ``history`` holds
+    the last ``history_limit`` syncs. Flat keywords of earlier releases (``every_n_train_steps``,
+    ``dirpath``, ...) are still accepted, with a DeprecationWarning (:mod:`callbacks.options`).
     """
+
+    history_limit = 256
 
     def __init__(
         self,
-        engine: ColocatedEngine | None = None,
+        engine: EngineClient | None = None,
         model_path: str | None = None,
         engine_kwargs: dict | None = None,
-        every_n_train_steps: int | None = 1,
-        at_steps: list[int] | None = None,
-        push_on_train_start: bool = True,
-        push_on_train_end: bool = True,
+        schedule: Schedule = Schedule(),  # noqa: B008 (frozen: shared safely)
+        files: CheckpointFiles = CheckpointFiles(),  # noqa: B008
+        names: CheckpointNames = CheckpointNames(),  # noqa: B008
         module_attr: str = "model",
         source: Callable | None = None,
-        strip_prefix: str = "",
-        rename: dict[str, str] | None = None,
-        dtype: str | None = None,
-        dirpath: str | None = None,
-        ram_dir: bool = False,
-        keep_last_k: int = 2,
+        canary: CanaryCheck | bool | None = None,
         enabled: bool = True,
         env_var: str = "WEIGHT_BRIDGE_SYNC",
         on_error: str = "raise",
         verify_hash: bool = True,
-        node_local: bool = False,
-        canary: bool = False,
-        canary_prompts: list[list[int]] | None = None,
-        canary_tolerance: float = 1e-3,
-        skip_frozen: bool = True,
-        full_every_k: int | None = None,
+        **flat: Any,
     ) -> None:
-        if every_n_train_steps is not None and every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps must be >= 1 or None, not {every_n_train_steps}")
-        if at_steps is not None and any(s < 0 for s in at_steps):
-            raise ValueError(f"at_steps must be non-negative, not {at_steps}")
-        if keep_last_k < 1:
-            raise ValueError(f"keep_last_k must be >= 1, not {keep_last_k}")
-        if full_every_k is not None and full_every_k < 1:
-            raise ValueError(f"full_every_k must be >= 1 or None, not {full_every_k}")
-        if canary_tolerance <= 0:
-            raise ValueError(f"canary_tolerance must be positive, not {canary_tolerance}")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        check = CanaryCheck() if canary is True else (canary or None)
+        schedule, files, names, check = regroup(flat_options(**flat), schedule, files, names, check)
         self.env_var = env_var
         self.enabled = _resolve_enabled(enabled, env_var)
         if self.enabled and engine is None and model_path is None:
@@ -143,38 +113,52 @@ class VLLMWeightSync(Callback):
         self._owns_engine = False
         self.model_path = model_path
         self.engine_kwargs = dict(engine_kwargs or {})
-        self.every_n_train_steps = every_n_train_steps
-        self.at_steps = sorted(set(at_steps or ()))
-        self.push_on_train_start = push_on_train_start
-        self.push_on_train_end = push_on_train_end
-        self.module_attr = module_attr
-        self.source = source
-        self.strip_prefix = strip_prefix
-        self.rename = dict(rename or {})
-        self.dtype = dtype
-        self._names = CheckpointNames(strip_prefix, self.rename, dtype)
-        self.dirpath = dirpath
-        self.ram_dir = ram_dir
-        self.keep_last_k = keep_last_k
+        self.files = files
+        self.canary = check
         self.on_error = on_error
         self.verify_hash = verify_hash
-        self.node_local = node_local
-        self.canary = canary or canary_prompts is not None
-        self.canary_prompts = canary_prompts
-        self.canary_tolerance = canary_tolerance
-        self.skip_frozen = skip_frozen
-        self.full_every_k = full_every_k
-        self._partials_in_row: int | None = None  # None: the next sync must be complete
-        self.last_pushed_step: int | None = None
+        self.clock = SyncClock(schedule)
+        self.gatherer = Gatherer(names, module_attr, source)
         self.last_checkpoint: str | None = None
-        self.history: list[dict[str, Any]] = []
+        self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
-        self._seen_step: int | None = None
+        self._writers: list[int] = [0]
+
+    # -- what users and the recipe read --------------------------------------------------------
 
     @property
-    def engine(self) -> ColocatedEngine | None:
+    def engine(self) -> EngineClient | None:
         """The engine pushed into (None when disabled or not built yet)."""
         return self._engine
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.clock.schedule
+
+    @property
+    def names(self) -> CheckpointNames:
+        return self.gatherer.names
+
+    @property
+    def module_attr(self) -> str:
+        return self.gatherer.module_attr
+
+    @property
+    def every_n_train_steps(self) -> int | None:
+        return self.schedule.every_n_train_steps
+
+    @property
+    def at_steps(self) -> list[int]:
+        return list(self.schedule.at_steps)
+
+    @property
+    def last_pushed_step(self) -> int | None:
+        return self.clock.last_pushed_step
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The last ``history_limit`` successful syncs, oldest first (a copy)."""
+        return list(self._history)
 
     @property
     @override
@@ -187,7 +171,7 @@ class VLLMWeightSync(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_pushed_step = state_dict.get("last_pushed_step")
+        self.clock.last_pushed_step = state_dict.get("last_pushed_step")
         self.last_checkpoint = state_dict.get("last_checkpoint")
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -198,15 +182,17 @@ class VLLMWeightSync(Callback):
             _expose(pl_module, None)
             return
         if stage == "fit":
-            if self._engine is None and self.model_path is not None:
-                self._engine = ColocatedEngine(self.model_path, **self.engine_kwargs)
-                self._owns_engine = True
-            where = sync_dir(
-                self.ram_dir, self.dirpath, trainer.log_dir or trainer.default_root_dir
-            )
+            f = self.files
+            where = sync_dir(f.ram_dir, f.dirpath, trainer.log_dir or trainer.default_root_dir)
             self._dir = Path(trainer.strategy.broadcast(str(where)))
-            if self.node_local:
+            if f.node_local:
                 self._dir = self._dir / f"node{trainer.node_rank}"
+            self._dir.mkdir(parents=True, exist_ok=True)
+            flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
+            self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
+            if self._engine is None and self.model_path is not None:
+                self._engine = build_engine(self.model_path, self._dir, self.engine_kwargs)
+                self._owns_engine = True
         _expose(pl_module, self._engine)
 
     @override
@@ -228,20 +214,16 @@ class VLLMWeightSync(Callback):
             self._engine = None
             self._owns_engine = False
             _expose(pl_module, None)
-        if self.ram_dir and self._dir is not None and self._is_writer(trainer):
+        if self.files.ram_dir and self._dir is not None and self._is_writer(trainer):
             release(self._dir, self._engine.served_checkpoints if self._engine else ())
 
     # -- cadence -----------------------------------------------------------------------------
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.enabled:
-            return
         step = trainer.global_step
-        self._seen_step = step
-        self._partials_in_row = None
         resumed = step > 0 or trainer.ckpt_path is not None
-        if self.push_on_train_start or resumed or step in self.at_steps:
+        if self.enabled and self.clock.at_train_start(step, resumed):
             self._sync(trainer, pl_module, step)
 
     @override
@@ -253,189 +235,135 @@ class VLLMWeightSync(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self.enabled:
-            return
-        step = trainer.global_step
-        advanced = step != self._seen_step
-        self._seen_step = step
-        if advanced and self._due(step) and step != self.last_pushed_step:
-            self._sync(trainer, pl_module, step)
+        if self.enabled and self.clock.at_batch_end(trainer.global_step):
+            self._sync(trainer, pl_module, trainer.global_step)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.enabled and self.push_on_train_end and trainer.global_step != self.last_pushed_step:
+        if self.enabled and self.clock.at_train_end(trainer.global_step):
             self._sync(trainer, pl_module, trainer.global_step)
 
     def _is_writer(self, trainer: pl.Trainer) -> bool:
         """The rank that writes checkpoints: global rank zero, or each node's local rank zero."""
-        return trainer.local_rank == 0 if self.node_local else trainer.is_global_zero
-
-    def _due(self, step: int) -> bool:
-        n = self.every_n_train_steps
-        return (n is not None and step % n == 0) or step in self.at_steps
+        return trainer.local_rank == 0 if self.files.node_local else trainer.is_global_zero
 
     # -- one sync ----------------------------------------------------------------------------
 
     def _sync(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        """Gather (all ranks), write (rank 0), push (every rank with an engine), prune.
+        """Save (every rank plans; the writers write), push (every rank with an engine), check.
 
-        Every collective call is made by every rank whatever happens locally, and the ranks
-        agree on success before going on, so one rank's failure cannot leave the others waiting.
+        Each step is tried locally and agreed on by every rank (:class:`Collective`), so one
+        rank's failure fails every rank at the same point and none is left waiting.
         """
         if self._dir is None:
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
-        strategy = trainer.strategy
+        collective = Collective(trainer.strategy)
         path = self._dir / f"step-{step:08d}.safetensors"
-        error: BaseException | None = None
-        nbytes = 0
-        started = time.perf_counter()
-        partial = False
+        times = [time.perf_counter()]
+        failed: StepFailed | None = None
         try:
-            tensors, source_dtype, partial = self._gather(trainer, pl_module)
-            if self._is_writer(trainer):
-                metadata = {
-                    "step": str(step),
-                    "version": str(step),
-                    "source_dtype": source_dtype,
-                }
-                if partial:
-                    metadata[BASE_VERSION_KEY] = str(self.last_pushed_step)
-                nbytes = save_checkpoint(tensors, path, metadata).bytes
-            del tensors
-        except Exception as exc:
-            error = exc
-        save_s = time.perf_counter() - started
-        if not strategy.reduce_boolean_decision(error is None, all=True):
-            self._fail(step, "save", error)
+            saved = collective.run(
+                "save", lambda: self._save(trainer, pl_module, path, step, collective)
+            )
+            nbytes, partial, shared = trainer.strategy.broadcast(saved, src=0)
+            path = path if self.files.node_local else Path(shared)
+            times.append(time.perf_counter())
+            report = collective.run("push", lambda: self._push(path, step))
+            times.append(time.perf_counter())
+            gap = collective.run("canary", lambda: self._canary_gap(pl_module))
+        except StepFailed as exc:
+            failed = exc
+        if failed is not None:
+            self._fail(step, failed)  # outside the handler: the error's own traceback
             return
-        if not self.node_local:
-            path = Path(strategy.broadcast(str(path), src=0))
-
-        report = None
-        started = time.perf_counter()
-        if self._engine is not None:
-            try:
-                report = self._engine.push(path, version=step, verify_hash=self.verify_hash)
-            except Exception as exc:
-                error = exc
-                self._recover()
-        push_s = time.perf_counter() - started
-        if not strategy.reduce_boolean_decision(error is None, all=True):
-            self._fail(step, "push", error)
-            return
-        gap = None
-        if self.canary and self._engine is not None:
-            try:
-                gap = self._canary_gap(pl_module)
-            except Exception as exc:
-                error = exc
-        if not strategy.reduce_boolean_decision(error is None, all=True):
-            self._fail(step, "canary", error)
-            return
-
-        self.last_pushed_step = step
+        self.clock.synced(step, partial)
         self.last_checkpoint = str(path)
-        self._partials_in_row = (self._partials_in_row or 0) + 1 if partial else 0
         record = {
             "step": step,
             "checkpoint": str(path),
             "bytes": nbytes,
             "partial": partial,
-            "save_s": save_s,
-            "push_s": push_s,
-            "mode": report.mode if report is not None else None,
+            "save_s": times[1] - times[0],
+            "push_s": times[2] - times[1],
+            "mode": getattr(report, "mode", None),
             "canary_gap": gap,
         }
-        self.history.append(record)
+        self._history.append(record)
+        self._report(trainer, record, report is not None)
+
+    def _save(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        path: Path,
+        step: int,
+        collective: Collective,
+    ) -> tuple[int, bool, str]:
+        """Plan the checkpoint (every rank) and stream it (writers; sharded: every rank)."""
+        writer = self._is_writer(trainer)
+        plan = self.gatherer.plan(trainer, pl_module, self.clock.partial_due(), writer)
+        metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}
+        if plan.partial:
+            metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
+        where = path if writer else None
+        saved = self.gatherer.stream(plan, where, metadata, collective, self._writers)
+        return (saved.bytes if saved else 0), plan.partial, str(path)
+
+    def _push(self, path: Path, step: int) -> Any:
+        if self._engine is None:
+            return None
+        return self._engine.push(path, version=step, verify_hash=self.verify_hash)
+
+    def _canary_gap(self, pl_module: pl.LightningModule) -> float | None:
+        if self.canary is None or self._engine is None:
+            return None
+        return self.canary.gap(self.gatherer.model(pl_module), self._engine)
+
+    def _report(self, trainer: pl.Trainer, record: dict[str, Any], pushed: bool) -> None:
+        """Prune old files, log metrics (writer) and one line (rank zero)."""
+        path = Path(record["checkpoint"])
         if self._is_writer(trainer):
             served = self._engine.served_checkpoints if self._engine is not None else []
             assert self._dir is not None
-            prune(self._dir, path, self.keep_last_k, served)
+            prune(self._dir, path, self.files.keep_last_k, served)
             metrics = {
-                "weight_sync/save_s": save_s,
-                "weight_sync/push_s": push_s,
-                "weight_sync/bytes": float(nbytes),
-                "weight_sync/version": float(step),
+                "weight_sync/save_s": record["save_s"],
+                "weight_sync/push_s": record["push_s"],
+                "weight_sync/bytes": float(record["bytes"]),
+                "weight_sync/version": float(record["step"]),
             }
-            if gap is not None:
-                metrics["weight_sync/canary_gap"] = gap
+            if record["canary_gap"] is not None:
+                metrics["weight_sync/canary_gap"] = record["canary_gap"]
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-        mode = f", {report.mode}" if report is not None else ", no engine on rank 0"
-        mode += ", partial" if partial else ""
+                logger.log_metrics(metrics, step=record["step"])
+        mode = f", {record['mode']}" if pushed else ", no engine on rank 0"
+        mode += ", partial" if record["partial"] else ""
         rank_zero_info(
-            f"weight_sync: step {step} -> {path.name} ({nbytes / 2**20:.1f} MiB, "
-            f"save {save_s:.2f} s, push {push_s:.2f} s{mode})"
+            f"weight_sync: step {record['step']} -> {path.name} "
+            f"({record['bytes'] / 2**20:.1f} MiB, save {record['save_s']:.2f} s, "
+            f"push {record['push_s']:.2f} s{mode})"
         )
 
-    def _gather(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> tuple[dict[str, torch.Tensor], str, bool]:
-        """The tensors to save, their source dtype, and whether they are a partial set."""
-        root: torch.nn.Module | None = None
-        if self.source is not None:
-            state: Mapping[str, Any] = self.source(pl_module)
-        elif self.module_attr:
-            root = getattr(pl_module, self.module_attr)
-            state = root.state_dict()
-        else:
-            root = pl_module
-            state = trainer.strategy.lightning_module_state_dict()
-        if not self._is_writer(trainer):
-            return {}, "", False  # the state dict call above may be collective; writers save
-        changing = sync_state(root, state, changing_only=self._partial_due())
-        tensors, source_dtype = self._names.checkpoint_tensors(changing)
-        return tensors, source_dtype, changing.partial
-
-    def _partial_due(self) -> bool:
-        """Whether this sync may leave out what cannot change (see the class docstring)."""
-        if not self.skip_frozen or self._partials_in_row is None:
-            return False
-        return self.full_every_k is None or self._partials_in_row + 1 < self.full_every_k
-
-    def _canary_gap(self, pl_module: pl.LightningModule) -> float:
-        model = getattr(pl_module, self.module_attr) if self.module_attr else pl_module
-        probe = self.canary_prompts
-        if probe is None:
-            probe = default_probe(int(getattr(model.config, "vocab_size", 256)))
-        gap = logprob_gap(model, self._engine, probe)
-        if gap > self.canary_tolerance:
-            raise CanaryError(
-                f"after the push the engine's logprobs differ from the trainer's by {gap:.3g} "
-                f"(canary_tolerance={self.canary_tolerance:g}): the engine does not compute "
-                "what the trainer computes"
-            )
-        return gap
-
-    def _recover(self) -> None:
-        """After a failed push in warn mode, put half-written weights back to the last good
-        version (its complete checkpoint, then the partial ones on top of it)."""
-        engine = self._engine
-        if self.on_error != "warn" or engine is None or engine.undefined is None:
-            return
-        chain = engine.served_checkpoints
-        try:
-            for path in chain:
-                engine.push(path)
-        except Exception as exc:
-            message = f"weight_sync: restoring {chain} failed: {exc}"
-            warnings.warn(message, stacklevel=2)
-
-    def _fail(self, step: int, what: str, error: BaseException | None) -> None:
-        self._partials_in_row = None  # the next sync is complete
+    def _fail(self, step: int, failed: StepFailed) -> None:
+        """Every rank: the next sync is complete; then raise this rank's error (or say another
+        rank failed), or warn with ``on_error="warn"``."""
+        self.clock.failed()
+        error = failed.error
         if error is None:
-            error = RuntimeError(f"weight sync of step {step} failed on another rank ({what})")
+            error = RuntimeError(
+                f"weight sync of step {step} failed on another rank ({failed.what})"
+            )
         if self.on_error == "raise":
             raise error
         version = self._engine.version if self._engine is not None else None
         message = (
-            f"weight_sync: {what} of step {step} failed, the engine stays on version {version}: "
-            f"{type(error).__name__}: {error}"
+            f"weight_sync: {failed.what} of step {step} failed, the engine stays on version "
+            f"{version}: {type(error).__name__}: {error}"
         )
         rank_zero_warn(message)
 
 
-def _expose(pl_module: pl.LightningModule, engine: ColocatedEngine | None) -> None:
+def _expose(pl_module: pl.LightningModule, engine: EngineClient | None) -> None:
     # nn.Module.__setattr__ is typed for tensors and modules; a plain attribute is what we want.
     object.__setattr__(pl_module, "vllm_engine", engine)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,7 +27,7 @@ from helpers import (
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-from callbacks import VLLMWeightSync
+from callbacks import CanaryCheck, CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
 from callbacks.canary import CanaryError
 from callbacks.retention import prune
 from weight_bridge.checkpoint import CheckpointReader
@@ -93,7 +94,11 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 
 def train_every_two_steps(models, engine, tmp_path: Path) -> tuple[Recorder, CSVLogger]:
-    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, keep_last_k=10)
+    sync = VLLMWeightSync(
+        engine=engine,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(keep_last_k=10),
+    )
     recorder = Recorder(sync, outputs=True)
     logger = CSVLogger(tmp_path, name="run")
     trainer(tmp_path, [sync, recorder], max_steps=6, logger=logger).fit(
@@ -141,7 +146,11 @@ def test_gradient_accumulation_keeps_the_cadence_in_optimizer_steps(
     models, shared_engine, tmp_path
 ) -> None:
     engine = shared_engine("llama_A")
-    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, dirpath=str(tmp_path / "ws"))
+    sync = VLLMWeightSync(
+        engine=engine,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws")),
+    )
     recorder = Recorder(sync)
     run = trainer(tmp_path, [sync, recorder], max_steps=4, accumulate_grad_batches=2)
     run.fit(TinyLM(str(models["llama_A"])))
@@ -156,11 +165,8 @@ def test_at_steps_and_train_end(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
     sync = VLLMWeightSync(
         engine=engine,
-        every_n_train_steps=None,
-        at_steps=[1, 4],
-        push_on_train_start=False,
-        dirpath=str(tmp_path / "ws"),
-        keep_last_k=5,
+        schedule=Schedule(every_n_train_steps=None, at_steps=(4, 1), push_on_train_start=False),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=5),
     )
     trainer(tmp_path, [sync], max_steps=5).fit(TinyLM(str(models["llama_A"])))
     assert [h["step"] for h in sync.history] == [1, 4, 5]
@@ -175,7 +181,8 @@ def test_disabled_does_nothing(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
     before = (engine.version, engine.checkpoint)
     for kwargs in ({"engine": engine}, {"model_path": str(models["llama_A"])}):
-        sync = VLLMWeightSync(enabled=False, dirpath=str(tmp_path / "ws"), **kwargs)
+        files = CheckpointFiles(dirpath=str(tmp_path / "ws"))
+        sync = VLLMWeightSync(enabled=False, files=files, **kwargs)
         module = TinyLM(str(models["llama_A"]))
         trainer(tmp_path, [sync], max_steps=2).fit(module)
         assert module.vllm_engine is None
@@ -188,12 +195,16 @@ def test_disabled_does_nothing(models, shared_engine, tmp_path) -> None:
 def test_env_var_overrides_enabled(models, shared_engine, tmp_path, monkeypatch) -> None:
     engine = shared_engine("llama_A")
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "0")
-    off = VLLMWeightSync(engine=engine, enabled=True, dirpath=str(tmp_path / "off"))
+    off = VLLMWeightSync(
+        engine=engine, enabled=True, files=CheckpointFiles(dirpath=str(tmp_path / "off"))
+    )
     assert not off.enabled
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "OFF")
     assert not VLLMWeightSync(engine=engine).enabled
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "1")
-    on = VLLMWeightSync(engine=engine, enabled=False, dirpath=str(tmp_path / "on"))
+    on = VLLMWeightSync(
+        engine=engine, enabled=False, files=CheckpointFiles(dirpath=str(tmp_path / "on"))
+    )
     assert on.enabled
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "maybe")
     with pytest.warns(UserWarning, match="ignoring WEIGHT_BRIDGE_SYNC"):
@@ -215,7 +226,11 @@ def test_env_var_overrides_enabled(models, shared_engine, tmp_path, monkeypatch)
 def test_keeps_the_last_k_and_never_the_served_one(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
     out = tmp_path / "ws"
-    sync = VLLMWeightSync(engine=engine, keep_last_k=2, dirpath=str(out))
+
+    class ShortHistory(VLLMWeightSync):
+        history_limit = 3
+
+    sync = ShortHistory(engine=engine, files=CheckpointFiles(dirpath=str(out), keep_last_k=2))
     seen: list[list[str]] = []
 
     class Watch(Callback):
@@ -227,6 +242,7 @@ def test_keeps_the_last_k_and_never_the_served_one(models, shared_engine, tmp_pa
     names = [f"step-{s:08d}.safetensors" for s in range(6)]
     assert seen == [names[0:2], names[1:3], names[2:4], names[3:5], names[4:6]]
     assert step_files(out) == names[4:6]
+    assert [h["step"] for h in sync.history] == [3, 4, 5]  # bounded: the last history_limit
 
     # An engine serving an older file (pushed by someone else) keeps it across pruning.
     shutil.copy(out / names[4], out / names[1])
@@ -246,10 +262,10 @@ def test_names_and_dtype_are_converted(models, shared_engine, tmp_path) -> None:
     sync = VLLMWeightSync(
         engine=engine,
         source=wrapped,
-        strip_prefix="policy.",
-        rename={r"^backbone\.": "model."},
-        dtype="bfloat16",
-        dirpath=str(tmp_path / "ws"),
+        names=CheckpointNames(
+            strip_prefix="policy.", rename={r"^backbone\.": "model."}, dtype="bfloat16"
+        ),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws")),
     )
     module = TinyLM(str(models["llama_A"]))
     trainer(tmp_path, [sync], max_steps=1).fit(module)
@@ -266,7 +282,10 @@ def test_whole_module_state_through_the_strategy(models, shared_engine, tmp_path
     gather it) and strip_prefix removes the attribute name Lightning puts in front."""
     engine = shared_engine("llama_A")
     sync = VLLMWeightSync(
-        engine=engine, module_attr="", strip_prefix="model.", dirpath=str(tmp_path / "ws")
+        engine=engine,
+        module_attr="",
+        names=CheckpointNames(strip_prefix="model."),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws")),
     )
     module = TinyLM(str(models["llama_A"]))
     trainer(tmp_path, [sync], max_steps=1).fit(module)
@@ -276,16 +295,50 @@ def test_whole_module_state_through_the_strategy(models, shared_engine, tmp_path
 
 def test_bad_arguments_are_refused_up_front(models) -> None:
     path = str(models["llama_A"])
-    for kwargs, words in [
-        ({}, "needs an engine or a model_path"),
-        ({"model_path": path, "on_error": "ignore"}, "on_error"),
-        ({"model_path": path, "dtype": "int8"}, "floating torch dtype"),
-        ({"model_path": path, "keep_last_k": 0}, "keep_last_k"),
-        ({"model_path": path, "every_n_train_steps": 0}, "every_n_train_steps"),
+    for make, words in [
+        (lambda: VLLMWeightSync(), "needs an engine or a model_path"),
+        (lambda: VLLMWeightSync(model_path=path, on_error="ignore"), "on_error"),
+        (lambda: CheckpointNames(dtype="int8"), "floating torch dtype"),
+        (lambda: CheckpointFiles(keep_last_k=0), "keep_last_k"),
+        (lambda: Schedule(every_n_train_steps=0), "every_n_train_steps"),
+        (lambda: Schedule(at_steps=(-1,)), "at_steps"),
+        (lambda: Schedule(full_every_k=0), "full_every_k"),
+        (lambda: CanaryCheck(tolerance=0), "canary_tolerance"),
     ]:
         with pytest.raises(ValueError, match=words):
-            VLLMWeightSync(**kwargs)  # type: ignore[arg-type]
+            make()
     assert not VLLMWeightSync(enabled=False).enabled  # disabled needs nothing
+
+
+def test_flat_keywords_map_onto_the_groups_with_a_deprecation_warning(models) -> None:
+    path = str(models["llama_A"])
+    with pytest.warns(DeprecationWarning, match=r"every_n_train_steps.*schedule\.every_n"):
+        sync = VLLMWeightSync(
+            model_path=path,
+            every_n_train_steps=None,
+            at_steps=[4, 1, 4],
+            dirpath="x",
+            keep_last_k=3,
+            strip_prefix="model.",
+            dtype="bfloat16",
+            full_every_k=2,
+            canary_prompts=[[1, 2, 3]],
+        )
+    assert sync.schedule == Schedule(every_n_train_steps=None, at_steps=(1, 4), full_every_k=2)
+    assert sync.files == CheckpointFiles(dirpath="x", keep_last_k=3)
+    assert sync.names == CheckpointNames(strip_prefix="model.", dtype="bfloat16")
+    assert sync.canary == CanaryCheck(prompts=[[1, 2, 3]])
+    assert sync.every_n_train_steps is None and sync.at_steps == [1, 4]  # read from the groups
+    with pytest.raises(ValueError, match="keep_last_k"), pytest.warns(DeprecationWarning):
+        VLLMWeightSync(model_path=path, keep_last_k=0)
+    with pytest.raises(TypeError, match="every_n_steps"):
+        VLLMWeightSync(model_path=path, every_n_steps=2)  # type: ignore[call-arg]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a flat value equal to its default changes nothing
+        grouped = VLLMWeightSync(
+            model_path=path, schedule=Schedule(every_n_train_steps=4), every_n_train_steps=1
+        )
+    assert grouped.every_n_train_steps == 4
 
 
 # -- failures ------------------------------------------------------------------------------
@@ -297,7 +350,8 @@ def test_crash_between_write_and_rename_leaves_the_previous_checkpoint(
 ) -> None:
     engine = shared_engine("llama_A")
     out = tmp_path / "ws"
-    sync = VLLMWeightSync(engine=engine, dirpath=str(out), keep_last_k=5, on_error=on_error)
+    files = CheckpointFiles(dirpath=str(out), keep_last_k=5)
+    sync = VLLMWeightSync(engine=engine, files=files, on_error=on_error)
     crash_before_rename(monkeypatch, "step-00000002.safetensors")
     module = TinyLM(str(models["llama_A"]))
     run = trainer(tmp_path, [sync], max_steps=3)
@@ -327,7 +381,10 @@ def test_rejected_push_keeps_the_last_good_version(models, shared_engine, tmp_pa
         return state
 
     sync = VLLMWeightSync(
-        engine=engine, source=poisoned_at_step_2, dirpath=str(tmp_path / "ws"), on_error="warn"
+        engine=engine,
+        source=poisoned_at_step_2,
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws")),
+        on_error="warn",
     )
     versions: list[object] = []
 
@@ -346,7 +403,8 @@ def test_canary_logs_the_logprob_gap_and_fails_when_the_engine_serves_something_
     models, shared_engine, tmp_path
 ) -> None:
     engine = shared_engine("llama_A")
-    sync = VLLMWeightSync(engine=engine, dirpath=str(tmp_path / "ok"), canary=True)
+    ok = CheckpointFiles(dirpath=str(tmp_path / "ok"))
+    sync = VLLMWeightSync(engine=engine, files=ok, canary=True)
     trainer(tmp_path, [sync], max_steps=2).fit(TinyLM(str(models["llama_A"])))
     gaps = [h["canary_gap"] for h in sync.history]
     assert len(gaps) == 3 and all(g is not None and g < 1e-4 for g in gaps)
@@ -359,7 +417,10 @@ def test_canary_logs_the_logprob_gap_and_fails_when_the_engine_serves_something_
         return state
 
     bad = VLLMWeightSync(
-        engine=engine, source=wrong_names, dirpath=str(tmp_path / "bad"), canary=True
+        engine=engine,
+        source=wrong_names,
+        files=CheckpointFiles(dirpath=str(tmp_path / "bad")),
+        canary=True,
     )
     with pytest.raises(CanaryError, match="differ from the trainer's"):
         trainer(tmp_path, [bad], max_steps=1).fit(TinyLM(str(models["llama_A"])))
@@ -370,7 +431,10 @@ def test_canary_logs_the_logprob_gap_and_fails_when_the_engine_serves_something_
 
 def test_resumed_run_pushes_its_restored_weights_first(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
-    first = VLLMWeightSync(engine=engine, every_n_train_steps=2, dirpath=str(tmp_path / "one"))
+    every_2 = Schedule(every_n_train_steps=2)
+    first = VLLMWeightSync(
+        engine=engine, schedule=every_2, files=CheckpointFiles(dirpath=str(tmp_path / "one"))
+    )
     run = trainer(tmp_path, [first], max_steps=4)
     run.fit(TinyLM(str(models["llama_A"])))
     ckpt = tmp_path / "run.ckpt"
@@ -385,9 +449,8 @@ def test_resumed_run_pushes_its_restored_weights_first(models, shared_engine, tm
     engine.push(models["llama_B"], version="elsewhere")  # as a fresh engine would serve
     second = VLLMWeightSync(
         engine=engine,
-        every_n_train_steps=2,
-        push_on_train_start=False,  # a resumed run pushes regardless
-        dirpath=str(tmp_path / "two"),
+        schedule=Schedule(every_n_train_steps=2, push_on_train_start=False),  # resumed: pushes
+        files=CheckpointFiles(dirpath=str(tmp_path / "two")),
     )
     recorder = Recorder(second, outputs=True)
     trainer(tmp_path, [second, recorder], max_steps=6).fit(
@@ -409,7 +472,7 @@ def test_resumed_run_pushes_its_restored_weights_first(models, shared_engine, tm
 def test_tied_weights_are_written_once(models, engine_factory, cold, tmp_path) -> None:
     """Qwen2 ties lm_head to the embeddings: one tensor in the file, as save_pretrained does."""
     engine = engine_factory(models["qwen2_A"])
-    sync = VLLMWeightSync(engine=engine, dirpath=str(tmp_path / "ws"))
+    sync = VLLMWeightSync(engine=engine, files=CheckpointFiles(dirpath=str(tmp_path / "ws")))
     module = TinyLM(str(models["qwen2_A"]))
     assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
     trainer(tmp_path, [sync], max_steps=1).fit(module)
@@ -442,8 +505,8 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
                     "init_args": {
                         "model_path": str(models["llama_A"]),
                         "engine_kwargs": ENGINE_KWARGS,
-                        "every_n_train_steps": 2,
-                        "ram_dir": True,
+                        "schedule": {"every_n_train_steps": 2},
+                        "files": {"ram_dir": True},
                     },
                 }
             ],
@@ -462,6 +525,10 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
         return found
 
     assert not sync_of(cli("--trainer.callbacks.init_args.enabled=false")).enabled
+    with pytest.warns(DeprecationWarning, match="flat arguments keep_last_k"):
+        flat = sync_of(cli("--trainer.callbacks.init_args.keep_last_k=7"))  # the old form
+    assert flat.files == CheckpointFiles(ram_dir=True, keep_last_k=7)
+    assert flat.every_n_train_steps == 2
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "off")
     assert not sync_of(cli()).enabled
     monkeypatch.delenv("WEIGHT_BRIDGE_SYNC")
@@ -511,8 +578,8 @@ def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
     sync = VLLMWeightSync(
         model_path=str(models["llama_A"]),
         engine_kwargs=ENGINE_KWARGS,
-        every_n_train_steps=2,
-        ram_dir=True,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(ram_dir=True),
     )
     module = TinyLM(str(models["llama_A"]), rollout=True)
     run = trainer(

@@ -23,8 +23,8 @@ from helpers import (
 )
 from lightning.pytorch.callbacks import Callback
 
-from callbacks import VLLMWeightSync
-from callbacks.changed import sync_state
+from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+from callbacks.changed import materialize, sync_state
 from callbacks.names import CheckpointNames
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
 
@@ -84,7 +84,11 @@ def test_frozen_layers_are_never_pushed_after_the_first_sync(
     module = TinyLM(str(models["llama_A"]), lr=0.05)
     for name, p in module.model.named_parameters():
         p.requires_grad_(not name.startswith(FROZEN))
-    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, keep_last_k=10, full_every_k=3)
+    sync = VLLMWeightSync(
+        engine=engine,
+        schedule=Schedule(every_n_train_steps=2, full_every_k=3),
+        files=CheckpointFiles(keep_last_k=10),
+    )
     recorder = FullWeights(sync)
     trainer(tmp_path, [sync, recorder], max_steps=6).fit(module)
 
@@ -109,7 +113,8 @@ def test_a_failed_sync_makes_the_next_one_complete(
     crash_before_rename(monkeypatch, "step-00000002.safetensors")  # a mock: the save fails
     module = TinyLM(str(models["llama_A"]))
     module.model.model.embed_tokens.weight.requires_grad_(False)
-    sync = VLLMWeightSync(engine=engine, dirpath=str(tmp_path / "ws"), on_error="warn")
+    files = CheckpointFiles(dirpath=str(tmp_path / "ws"))
+    sync = VLLMWeightSync(engine=engine, files=files, on_error="warn")
     with pytest.warns(UserWarning, match="save of step 2 failed"):
         trainer(tmp_path, [sync], max_steps=4).fit(module)
     assert [(h["step"], h["partial"]) for h in sync.history] == [
@@ -143,7 +148,11 @@ def test_lora_pushes_merged_adapted_weights_under_base_names(
     gate_proj half of its fused gate_up_proj."""
     engine = shared_engine("qwen2_A")
     module = lora_module(["q_proj", "v_proj", "gate_proj"])
-    sync = VLLMWeightSync(engine=engine, every_n_train_steps=2, keep_last_k=10)
+    sync = VLLMWeightSync(
+        engine=engine,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(keep_last_k=10),
+    )
     recorder = FullWeights(sync, merge=True)
     trainer(tmp_path, [sync, recorder], max_steps=4).fit(module)
 
@@ -178,4 +187,24 @@ def test_sync_state_without_peft_keeps_names_and_drops_only_frozen(models) -> No
     changing = sync_state(module.model, state, changing_only=True)
     assert changing.partial
     assert set(state) - set(changing) == {"model.embed_tokens.weight", "lm_head.weight"}
-    assert all(torch.equal(changing[k], state[k]) for k in changing)
+    assert all(torch.equal(item.sources[0], state[k]) for k, item in changing.items())
+    assert all(item.merge is None for item in changing.values())
+
+
+def test_lora_merge_is_peft_merge(lora_module) -> None:
+    """The merged weight the sync plans (base + PEFT's delta, from the adapter matrices it is
+    handed) equals PEFT's own merge_and_unload, and only the adapted weights change."""
+    module = lora_module(["q_proj", "gate_proj"])
+    for name, p in module.model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: give the delta something to show
+            p.data.normal_(generator=torch.Generator().manual_seed(len(name)))
+    state = sync_state(module.model, module.model.state_dict(), changing_only=True)
+    merged = dict(materialize(state))
+    want = copy.deepcopy(module.model).merge_and_unload().state_dict()
+    assert set(merged) == {n for n in want if "q_proj.weight" in n or "gate_proj.weight" in n}
+    for name, t in merged.items():
+        torch.testing.assert_close(t, want[name], rtol=0, atol=1e-6)
+        base = module.model.get_base_model().state_dict()[
+            name.replace(".weight", ".base_layer.weight")
+        ]
+        assert (t - base).abs().max() > 1e-3, name  # the delta is really in it

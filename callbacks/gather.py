@@ -1,0 +1,174 @@
+"""The gatherer: what a sync sends, and how each tensor reaches the checkpoint's writer.
+
+A sync first *plans* from metadata alone (names, shapes, dtypes, ``requires_grad``, module
+structure): which checkpoint tensors, made of which trainer tensors (:mod:`callbacks.changed`),
+under which names and dtypes (:mod:`callbacks.names`). The plan is the checkpoint's header, so
+the writer (:class:`~weight_bridge.checkpoint.CheckpointWriter`) opens before any tensor is
+gathered. Then each tensor is produced in header order, written at its offset and freed.
+
+Replicated trainers (one device, DDP) hold every tensor on every rank: the writer streams them
+and the other ranks do nothing. Sharded trainers (FSDP2 through ``ModelParallelStrategy``: the
+state holds DTensors) need every rank in every gather: each rank plans the same header (checked:
+a digest of rank zero's plan), and for each tensor the ranks prepare locally, agree that all are
+ready, gather (:mod:`callbacks.dtensor`), after which the writers merge, cast and write. Any
+local failure (a shard that does not fit, a buffer that cannot be allocated, a full disk) is
+reported at the next agreement, so every rank stops at the same tensor: nobody waits in a
+gather that will not come, the writer's temporary file is removed, and the file at the final
+path is never half-written. The writer's peak extra memory is one full tensor (plus its cast),
+not the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint
+
+from .changed import sync_state
+from .collective import Collective
+from .dtensor import ShardGather, is_dtensor
+from .names import CheckpointNames, Entry
+
+__all__ = ["GatherPlan", "Gatherer"]
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """The checkpoint to write, from metadata; ``sharded``: every rank takes part."""
+
+    entries: list[Entry]
+    partial: bool
+    source_dtype: str
+    sharded: bool
+
+    def specs(self) -> list[tuple[str, torch.Tensor]]:
+        """The header: each name with a data-less tensor of its shape and dtype."""
+        return [(e.name, torch.empty(e.shape, dtype=e.dtype, device="meta")) for e in self.entries]
+
+    def digest(self) -> str:
+        text = "\n".join(f"{e.name} {list(e.shape)} {e.dtype}" for e in self.entries)
+        return hashlib.sha256(f"{self.partial}\n{text}".encode()).hexdigest()
+
+
+class Gatherer:
+    """Plans a sync's checkpoint and streams it into the writer, one tensor at a time.
+
+    The state comes from ``source(pl_module)`` if given, else from
+    ``getattr(pl_module, module_attr)`` (``module_attr=""``: the LightningModule itself; for a
+    replicated one through the strategy, which gathers sharded states of strategies that do not
+    use DTensors, such as ``FSDPStrategy``).
+    """
+
+    def __init__(self, names: CheckpointNames, module_attr: str, source: Callable | None) -> None:
+        self.names = names
+        self.module_attr = module_attr
+        self.source = source
+
+    def model(self, pl_module: Any) -> torch.nn.Module:
+        """The module the checkpoint is of (what the canary scores)."""
+        return getattr(pl_module, self.module_attr) if self.module_attr else pl_module
+
+    def _state(self, trainer: Any, pl_module: Any) -> tuple[torch.nn.Module | None, Mapping]:
+        if self.source is not None:
+            return None, self.source(pl_module)
+        root = self.model(pl_module)
+        if not self.module_attr and not any(is_dtensor(p) for p in root.parameters()):
+            return root, trainer.strategy.lightning_module_state_dict()
+        return root, root.state_dict()
+
+    def plan(self, trainer: Any, pl_module: Any, changing_only: bool, writer: bool) -> GatherPlan:
+        """Every rank calls this (the state dict call may be collective). Ranks that neither
+        write nor take part in gathers get an empty plan."""
+        root, state = self._state(trainer, pl_module)
+        sharded = any(is_dtensor(t) for t in state.values())
+        if not sharded and not writer:
+            return GatherPlan([], False, "", False)
+        selected = sync_state(root, state, changing_only)
+        entries, source_dtype = self.names.entries(selected)
+        return GatherPlan(entries, selected.partial, source_dtype, sharded)
+
+    def stream(
+        self,
+        plan: GatherPlan,
+        path: Path | None,
+        metadata: Mapping[str, str],
+        collective: Collective,
+        writers: Sequence[int],
+    ) -> SavedCheckpoint | None:
+        """Write ``plan`` to ``path`` (None: this rank does not write). Sharded plans need every
+        rank here; a failure anywhere raises ``StepFailed`` on every rank at the same tensor."""
+        if plan.sharded:
+            collective.same("save (the checkpoint's tensors)", plan.digest())
+        error: BaseException | None = None
+        writer: CheckpointWriter | None = None
+        try:
+            try:
+                if path is not None:
+                    writer = CheckpointWriter(path, plan.specs(), metadata)
+            except Exception as exc:
+                error = exc
+            for entry in plan.entries:
+                error = self._one(entry, plan.sharded, writer, writers, collective, error)
+            if error is not None:
+                raise error
+            return writer.finish() if writer is not None else None
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+
+    def _one(
+        self,
+        entry: Entry,
+        sharded: bool,
+        writer: CheckpointWriter | None,
+        writers: Sequence[int],
+        collective: Collective,
+        error: BaseException | None,
+    ) -> BaseException | None:
+        """One tensor: prepare (local), agree (sharded), gather, then merge, cast and write.
+
+        Returns the first local error so far; it is raised at the next agreement."""
+        if not sharded and (writer is None or error is not None):
+            return error  # replicated: nothing to gather, nobody to wait for us
+        gathers: list[Any] = []
+        if error is None:
+            try:
+                gathers = [self._prepare(t, writers) for t in entry.item.sources]
+            except Exception as exc:
+                error = exc
+        if sharded:
+            collective.agree("save", error)  # every rank ready, or every rank stops here
+        if error is not None:
+            return error
+        try:
+            full = [g.run() if isinstance(g, ShardGather) else g for g in gathers]
+            del gathers
+            if writer is not None:
+                tensor = self._combine(entry, full)
+                del full
+                writer.write(entry.name, tensor.detach().to(entry.dtype))
+        except Exception as exc:
+            return exc
+        return None
+
+    @staticmethod
+    def _combine(entry: Entry, full: list[torch.Tensor | None]) -> torch.Tensor:
+        """On a writer: the checkpoint tensor from its gathered sources (a LoRA merge)."""
+        tensors = [t for t in full if t is not None]
+        if len(tensors) != len(full):
+            raise RuntimeError(f"{entry.name}: a source was not gathered onto this writer")
+        merge = entry.item.merge
+        return merge(tensors) if merge is not None else tensors[0]
+
+    @staticmethod
+    def _prepare(t: torch.Tensor, writers: Sequence[int]) -> ShardGather | torch.Tensor:
+        if is_dtensor(t):
+            return ShardGather(t, writers).prepare()
+        return t
