@@ -38,7 +38,7 @@ def main() -> None:
     from helpers import ENGINE_KWARGS, greedy
     from transformers import AutoModelForCausalLM
 
-    from callbacks import VLLMWeightSync
+    from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
 
     class Policy(pl.LightningModule):
         def __init__(self) -> None:
@@ -59,10 +59,8 @@ def main() -> None:
     sync = VLLMWeightSync(
         model_path=args.model,
         engine_kwargs=dict(ENGINE_KWARGS, max_num_seqs=4),
-        every_n_train_steps=2,
-        dirpath=args.dirpath,
-        keep_last_k=10,
-        node_local=args.nodes > 1,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(dirpath=args.dirpath, keep_last_k=10, node_local=args.nodes > 1),
     )
     result: dict = {}
 
