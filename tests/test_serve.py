@@ -240,6 +240,28 @@ def test_a_prefix_cached_before_a_push_is_not_served_after_it(dense, stock_cold)
     assert_differs(on_b, on_a)
 
 
+def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, stock_cold) -> None:
+    """vLLM's trainer side, unchanged: ``WeightTransferTrainerFactory.trainer_init`` with the
+    bridge's init info, vLLM's own HTTP client, vLLM's ``ModuleSource`` over a module."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weight_bridge.vllm.trainer import WeightBridgeTrainerInitInfo
+
+    client, b, root = dense["client"], dense["b"], dense["root"]
+    model = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
+    sender = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeTrainerInitInfo(directory=str(root / "trainer-api"), rank=0),
+        client=HTTPVLLMWeightSyncClient(client.url),
+        source=ModuleSource(model),  # Hugging Face names; the tied lm_head is yielded once
+    )
+    sender.send_weights(version="from-trainer-api")
+    assert client.weight_version() == "from-trainer-api"
+    assert_parity(http_greedy(client), stock_cold(b))
+
+
 def test_the_moe_family_over_http(moe, stock_cold) -> None:
     client, a, b = moe["client"], moe["a"], moe["b"]
     assert_parity(http_greedy(client), stock_cold(a))

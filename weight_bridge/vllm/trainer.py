@@ -136,3 +136,15 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
             if old != current:
                 with contextlib.suppress(OSError):
                     os.unlink(old)
+
+
+def _register() -> None:
+    """Importing this module (to build a :class:`WeightBridgeTrainerInitInfo`) registers the
+    trainer side in vLLM's factory, so a trainer process with no engine needs nothing else."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    with contextlib.suppress(ValueError):  # registered already (the plugin, or an earlier import)
+        WeightTransferTrainerFactory.register_engine(BACKEND, WeightBridgeTrainer)
+
+
+_register()
