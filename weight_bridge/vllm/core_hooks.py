@@ -88,6 +88,7 @@ def _with_served(info: Any, served: str | None) -> Any:
 
 def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
     state = _state(core)
+    state.results = []  # nothing of an earlier update may stand for this one
     info = (kwargs or {}).get("update_info", args[0] if args else None)
     served = served_version(core)
     out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})

@@ -256,7 +256,8 @@ class ColocatedEngine:
         results = self._call(
             lambda llm: update_results(llm.llm_engine.engine_core), "weight_bridge_results"
         )
-        self._served = list(results[0].served)
+        if results:
+            self._served = list(results[0].served)
         return results
 
     @property
