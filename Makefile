@@ -8,7 +8,7 @@ export VLLM_TARGET_DEVICE ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup demo demo-real test test-fast lint bench explain gpu-check clean
+.PHONY: setup demo demo-real demo-async demo-server test test-fast lint bench explain gpu-check clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,16 @@ demo: setup
 demo-real: setup
 	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml \
 		--config examples/grpo/real_model.yaml
+
+# Asynchronous GRPO: rollouts generated while the trainer trains, pushes in flight.
+demo-async: setup
+	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml \
+		--config examples/grpo/async.yaml
+
+# The engine as a `vllm serve` process started for the run, trained against over HTTP.
+demo-server: setup
+	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml \
+		--config examples/grpo/server.yaml
 
 bench: setup
 	$(PY) -m benchmarks --out bench/results.json

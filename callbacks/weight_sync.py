@@ -31,7 +31,7 @@ from typing_extensions import override
 from weight_bridge.checkpoint import BASE_VERSION_KEY
 
 from .canary import CanaryCheck
-from .client import EngineClient, build_engine
+from .client import ENGINE_MODES, EngineClient, as_client, build_engine, connect
 from .collective import Collective, StepFailed
 from .gather import Gatherer
 from .names import CheckpointNames
@@ -49,11 +49,14 @@ class VLLMWeightSync(Callback):
     """Push the trained weights into a colocated vLLM engine every few optimizer steps.
 
     Args:
-        engine: the engine to push into (any :class:`~callbacks.client.EngineClient`), or
-        model_path: a model directory to build a :class:`~weight_bridge.vllm.ColocatedEngine`
-            from in :meth:`setup` (with ``engine_kwargs``; closed in :meth:`teardown`). It may
-            read checkpoints from the sync's directory only. Under ``ddp_spawn`` pass this:
-            each rank builds its own engine and nothing unpicklable travels to the ranks.
+        engine: the engine to push into (any :class:`~callbacks.client.EngineClient`, or a
+            ``vllm.LLM`` started with the ``weight_bridge`` backend), or
+        engine_url: a ``vllm serve`` process running the backend, whose checkpoint root holds
+            ``files.dirpath`` (pushed over HTTP), or
+        model_path: a model directory to build an engine from in :meth:`setup` (with
+            ``engine_kwargs``, ``engine_mode`` and ``inflight``: :func:`~callbacks.client.
+            build_engine`; closed in :meth:`teardown`), reading checkpoints from the sync's
+            directory only. Under ``ddp_spawn`` pass this: each rank builds its own engine.
         schedule: when to sync and when a sync must be complete (:class:`Schedule`).
         files: where checkpoints go and how many are kept (:class:`CheckpointFiles`).
         names: checkpoint names and dtype (:class:`CheckpointNames`).
@@ -84,9 +87,12 @@ class VLLMWeightSync(Callback):
 
     def __init__(
         self,
-        engine: EngineClient | None = None,
+        engine: EngineClient | Any = None,
         model_path: str | None = None,
         engine_kwargs: dict | None = None,
+        engine_mode: str = "colocated",
+        engine_url: str | None = None,
+        inflight: str | None = "recompute",
         schedule: Schedule = Schedule(),  # noqa: B008 (frozen: shared safely)
         files: CheckpointFiles = CheckpointFiles(),  # noqa: B008
         names: CheckpointNames = CheckpointNames(),  # noqa: B008
@@ -105,14 +111,23 @@ class VLLMWeightSync(Callback):
         schedule, files, names, check = regroup(flat_options(**flat), schedule, files, names, check)
         self.env_var = env_var
         self.enabled = _resolve_enabled(enabled, env_var)
-        if self.enabled and engine is None and model_path is None:
-            raise ValueError("VLLMWeightSync needs an engine or a model_path to build one from")
-        if engine is not None and model_path is not None:
-            raise ValueError("pass either an engine or a model_path, not both")
-        self._engine = engine
+        given = [x is not None for x in (engine, model_path, engine_url)]
+        if self.enabled and not any(given):
+            raise ValueError(
+                "VLLMWeightSync needs an engine, an engine_url or a model_path to build one from"
+            )
+        if sum(given) > 1:
+            raise ValueError("pass one of engine, engine_url and model_path")
+        if engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, not {engine_mode!r}")
+        self._engine = as_client(engine) if engine is not None else None
+        if engine_url is not None:
+            self._engine = connect(engine_url, inflight)
         self._owns_engine = False
         self.model_path = model_path
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.engine_mode = engine_mode
+        self.inflight = inflight
         self.files = files
         self.canary = check
         self.on_error = on_error
@@ -191,7 +206,9 @@ class VLLMWeightSync(Callback):
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             if self._engine is None and self.model_path is not None:
-                self._engine = build_engine(self.model_path, self._dir, self.engine_kwargs)
+                self._engine = build_engine(
+                    self.model_path, self._dir, self.engine_kwargs, self.engine_mode, self.inflight
+                )
                 self._owns_engine = True
         _expose(pl_module, self._engine)
 

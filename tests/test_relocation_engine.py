@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 import weight_bridge.direct.plan as plan_mod
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
-from weight_bridge.direct import DirectReloadError, ResolvedTarget
+from weight_bridge.direct import DirectReloadError
+from weight_bridge.direct.resolve import ResolvedTarget
 from weight_bridge.testing import TEST_ARCHITECTURES
 from weight_bridge.testing.architectures import (
     ARCHITECTURE,

@@ -262,6 +262,29 @@ def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, sto
     assert_parity(http_greedy(client), stock_cold(b))
 
 
+def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
+    """A real ``Trainer`` with ``VLLMWeightSync(engine_url=...)``: after training, the server
+    serves exactly the trainer's weights (a stock cold start on them), its version the step."""
+    from helpers import TinyLM, model_dir_with, trainer
+
+    from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+
+    client, a, root = dense["client"], dense["a"], dense["root"]
+    sync = VLLMWeightSync(
+        engine_url=client.url,
+        inflight=None,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(dirpath=str(root / "callback-checkpoints")),
+    )
+    module = TinyLM(str(a), lr=0.05)
+    trainer(root / "callback-run", [sync], max_steps=4).fit(module)
+    assert client.weight_version() == "4" and sync.engine is not None
+    state = {n: t.detach().clone() for n, t in module.model.state_dict().items()}
+    state.pop("lm_head.weight", None)  # tied: the checkpoint holds the embedding once
+    trained = model_dir_with(a, state, root / "callback-trained")
+    assert_parity(http_greedy(client), stock_cold(trained))
+
+
 def test_the_moe_family_over_http(moe, stock_cold) -> None:
     client, a, b = moe["client"], moe["a"], moe["b"]
     assert_parity(http_greedy(client), stock_cold(a))

@@ -438,6 +438,7 @@ class GRPO(pl.LightningModule):
         self._source: Any = None
         self._data: Any = None
         self._started = time.perf_counter()
+        self._first_step_at = self._started
         self._last_step_at: float | None = None
 
     # -- data / optimiser ----------------------------------------------------------------------
@@ -549,6 +550,8 @@ class GRPO(pl.LightningModule):
         step = self.global_step
         now = time.perf_counter()
         step_s = now - self._last_step_at if self._last_step_at is not None else 0.0
+        if self._last_step_at is None:
+            self._first_step_at = now
         self._last_step_at = now
         digits = [int(d) for d in batch.tolist()]
         prompts = [self.task.prompt(d) for d in digits]
@@ -766,7 +769,8 @@ class GRPO(pl.LightningModule):
             "logprob_gap_last20": sum(gaps[-k:]) / k,
             "staleness_max": max(h["staleness"] for h in self.history),
             "staleness_tokens": {str(k): v for k, v in sorted(self.staleness_counts.items())},
-            "steps_per_s": len(self.history) / (time.perf_counter() - self._started),
+            # training steps only: from the first step's start (engine start-up excluded)
+            "steps_per_s": len(self.history) / (time.perf_counter() - self._first_step_at),
             "generate_s_mean": sum(h["generate_s"] for h in self.history) / len(self.history),
             "wall_s": time.perf_counter() - self._started,
             # Short runs (the real model's): first and last quarter, at most 20 steps each.

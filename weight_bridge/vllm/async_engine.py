@@ -118,10 +118,13 @@ class AsyncColocatedEngine:
         self, prompts: Sequence[Any], sampling_params: Any
     ) -> concurrent.futures.Future[list[Any]]:
         """Start generating ``prompts`` in the background; the future's result is their final
-        ``RequestOutput``\\s, in order. Pushes meanwhile land in flight."""
-        return asyncio.run_coroutine_threadsafe(
-            self._generate(list(prompts), sampling_params), self.loop
-        )
+        ``RequestOutput``\\s, in order, each with all its ``n`` completions. Pushes meanwhile
+        land in flight."""
+        from vllm.sampling_params import RequestOutputKind
+
+        final = sampling_params.clone()
+        final.output_kind = RequestOutputKind.FINAL_ONLY  # one output, every completion in it
+        return asyncio.run_coroutine_threadsafe(self._generate(list(prompts), final), self.loop)
 
     def generate(self, prompts: Sequence[Any], sampling_params: Any = None, **_: Any) -> list[Any]:
         """:meth:`submit` and wait (what the callback's canary and a synchronous caller use)."""
