@@ -45,6 +45,14 @@ def fused_weights_match(worker, path: str) -> list[str]:
     return bad
 
 
+def forget_plan(worker) -> None:
+    """The worker's cached plan dropped, so the next push resolves every weight again (with
+    whatever resolver is installed now)."""
+    from weight_bridge.direct.state import bridge_state
+
+    bridge_state(worker.model_runner.get_model()).plan_cache = None
+
+
 def offset_only_resolver(entry, live):  # the bug of vLLM PR 65281, reproduced on purpose
     view = torch.as_strided(live.detach(), entry.shape, entry.stride, entry.storage_offset)
     return ResolvedTarget(entry.name, view)
@@ -68,6 +76,7 @@ def test_push_into_relocated_engine_matches_cold_start(
         # off: its targets are not the views proven at load, so nothing is written.
         monkeypatch.setattr(plan_mod, "resolve_target", offset_only_resolver)
         monkeypatch.setattr(plan_mod, "overlapping_targets", lambda targets, aliases: {})
+        engine.llm.collective_rpc(forget_plan)  # the plan above was cached with the right one
         with pytest.raises(DirectReloadError, match="not the view proven") as info:
             engine.push(b, version=1)
         assert any("o_proj" in n for n in info.value.names)
@@ -100,7 +109,8 @@ def test_multiprocess_engine_with_relocations(relocating) -> None:
 def test_explain_prints_every_weight(relocating, tmp_path) -> None:
     a, _ = relocating
     out = subprocess.run(
-        [sys.executable, "-m", "weight_bridge.explain", str(a), "--plugin", TEST_ARCHITECTURES],
+        [sys.executable, "-m", "weight_bridge.explain", str(a), "--plugin", TEST_ARCHITECTURES]
+        + ["--dtype", "float32"],  # "auto" is bfloat16 where the CPU has it: no packing there
         capture_output=True,
         text=True,
         timeout=600,
@@ -119,6 +129,8 @@ def test_explain_prints_every_weight(relocating, tmp_path) -> None:
             str(a),
             "--cpu-linear",
             "stock",
+            "--dtype",
+            "float32",
             "--plugin",
             TEST_ARCHITECTURES,
         ],

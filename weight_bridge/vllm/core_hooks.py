@@ -30,6 +30,7 @@ next call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,8 +105,8 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
             forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")
         except Exception as exc:
             why = (
-                f"resetting the prefix cache after the update failed ({type(exc).__name__}: "
-                f"{exc}): its cached KV may be from the old weights"
+                f"prefix cache reset failed after the update ({type(exc).__name__}: {exc}): "
+                "its cached KV may be from the old weights"
             )
             results = _phase(rpc, core, timeout, "fail", why)
             error = merged_error(results)
@@ -163,7 +164,17 @@ def install() -> None:
             return original(self, method, timeout, args, kwargs)
         state = _state(self)
         if method == "update_weights":
-            return _update(original, self, timeout, args, kwargs)
+            try:
+                return _update(original, self, timeout, args, kwargs)
+            except (DirectReloadError, CheckpointError):
+                raise
+            except BaseException:
+                # Not an outcome of the update (an interrupt, a worker that died): the workers'
+                # session must not stay open, or no update could ever start again.
+                with contextlib.suppress(Exception):
+                    original(self, "finish_weight_update", timeout, (), None)
+                state.failed = "the last update did not finish"
+                raise
         if method == "finish_weight_update" and state.failed is not None:
             failed, state.failed = state.failed, None
             raise RuntimeError(

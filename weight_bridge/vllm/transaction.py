@@ -78,6 +78,7 @@ class PushTransaction:
         self.served: list[ServedCheckpoint] = (
             [ServedCheckpoint(os.path.abspath(start), None)] if os.path.isdir(start) else []
         )
+        self._started_on = list(self.served)
         # the chain served before the last commit, kept until no rank needs to roll back to it
         self._before: list[ServedCheckpoint] | None = None
 
@@ -120,7 +121,8 @@ class PushTransaction:
         elif served is None or not self.served:
             what = "an unknown version (nothing it can roll back to)"
         elif served != base:
-            what = f"version {served!r}"
+            started = self.served == self._started_on
+            what = f"version {served!r}" + (" (the weights it started with)" if started else "")
         else:
             return
         raise DirectReloadError(
