@@ -303,6 +303,8 @@ class VLLMWeightSync(Callback):
             "save_s": times[1] - times[0],
             "push_s": times[2] - times[1],
             "mode": getattr(report, "mode", None),
+            "inflight": getattr(report, "inflight", None),
+            "paused_s": getattr(report, "paused_s", None),
             "canary_gap": gap,
         }
         self._history.append(record)

@@ -153,3 +153,44 @@ def test_lora_overlay_pushes_only_merged_adapted_weights_and_stays_on_policy(
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["partial_pushes"] == steps
+
+
+def test_async_overlay_overlaps_rollouts_and_training_within_the_staleness_bound(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``async.yaml``: an AsyncLLM engine generates the next step's rollouts while a step
+    trains, pushes land in flight; every token carries the version that sampled it and none is
+    more than ``max_staleness`` (1) steps old."""
+    steps = 6
+    cli, callback = _fit(monkeypatch, tmp_path, steps, "async.yaml")
+    history = cli.model.history
+    assert [h["step"] for h in history] == list(range(steps))
+    assert all(0 <= h["staleness"] <= 1 for h in history), history
+    assert history[0]["logprob_gap"] < 1e-3  # step 0 samples the weights the trainer starts on
+    counts = cli.model.staleness_counts
+    hp = cli.model.hparams
+    assert sum(counts.values()) == steps * hp.prompts_per_step * hp.group_size * hp.max_new_tokens
+    assert set(counts) <= {0, 1} and counts.get(1, 0) > 0  # generated while the step before trained
+    assert callback.last_pushed_step == steps
+    pushes = callback.history
+    assert all(p["inflight"] == "recompute" for p in pushes[1:]), pushes
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["staleness_tokens"] == {str(k): v for k, v in sorted(counts.items())}
+    assert summary["steps_per_s"] > 0
+
+
+def test_server_overlay_trains_against_a_vllm_serve_process_and_stops_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``server.yaml``: a ``vllm serve`` process started for the run, rollouts and pushes over
+    HTTP, on policy (the server computes what the trainer computes), stopped at the end."""
+    import psutil
+
+    steps = 4
+    cli, callback = _fit(monkeypatch, tmp_path, steps, "server.yaml")
+    history = cli.model.history
+    assert [h["staleness"] for h in history] == [0] * steps
+    assert max(h["logprob_gap"] for h in history) < 1e-3
+    assert callback.last_pushed_step == steps
+    children = psutil.Process().children(recursive=True)
+    assert not [p for p in children if "api_server" in " ".join(p.cmdline())]
