@@ -167,10 +167,10 @@ class AsyncLLMClient(ServedChain):
         version = path if version is None else version
         started = time.perf_counter()
         paused = None
-        if mode is not None:
+        if mode is not None:  # paused from the request on: a drain's wait included
             pause_mode, clear = _PAUSE[mode]
-            await self.engine.pause_generation(mode=pause_mode, clear_cache=clear)
             paused = time.perf_counter()
+            await self.engine.pause_generation(mode=pause_mode, clear_cache=clear)
         try:
             await self.engine.start_weight_update()
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
@@ -264,10 +264,10 @@ class HTTPClient(ServedChain):
         version = path if version is None else version
         started = time.perf_counter()
         paused = None
-        if mode is not None:
+        if mode is not None:  # paused from the request on: a drain's wait included
             pause_mode, clear = _PAUSE[mode]
-            self.call(f"pause?mode={pause_mode}&clear_cache={str(clear).lower()}")
             paused = time.perf_counter()
+            self.call(f"pause?mode={pause_mode}&clear_cache={str(clear).lower()}")
         try:
             self.call("start_weight_update")
             self.call("update_weights", {"update_info": info})
