@@ -19,7 +19,10 @@ What the loader patches do for a bridged engine:
 3. During processing, each module's state right after its own quantization method (or
    attention layer) processed it is noted: a module whose state did not change after that is
    one vLLM's layerwise path can re-process by itself.
-4. After processing, the proof (:func:`weight_bridge.direct.prove_checkpoint_layout`) compares
+4. On the CPU backend, glibc keeps freed buffers for reuse in the engine's process
+   (:mod:`.allocator`), so the packed state re-derived on every push reuses memory already
+   faulted in.
+5. After processing, the proof (:func:`weight_bridge.direct.prove_checkpoint_layout`) compares
    what processing left with what was recorded, with the refreshers of
    :mod:`weight_bridge.vllm.refresh` declaring the derived state the bridge re-derives.
 """
@@ -39,6 +42,7 @@ from ..direct.readback import ReadBack
 from ..direct.snapshot import snapshot_module
 from ..direct.state import bridge_state
 from ..layout import TensorSpec, fingerprint, live_tensors, storage_ptr
+from .allocator import keep_freed_memory
 from .layerwise import reprocessable_module
 from .lifeline import follow_parent
 from .options import BACKEND, bridge_options
@@ -131,6 +135,7 @@ def _patch_loader() -> None:
     def load_weights(self, model, model_config):
         if bridge_options() is None:
             return original_load(self, model, model_config)
+        _keep_freed_memory()
         live = list(live_tensors(model))
         watch = ReadBack({storage_ptr(t) for _, t, _ in live}, "off")
         with watch:
@@ -164,6 +169,15 @@ def _patch_loader() -> None:
         return out
 
     base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+def _keep_freed_memory() -> None:
+    """On the CPU backend, a bridged engine's process keeps freed packed buffers for reuse
+    (:mod:`.allocator`): each push re-packs every linear."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        keep_freed_memory()
 
 
 def _register_backend() -> None:
