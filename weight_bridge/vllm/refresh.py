@@ -62,6 +62,11 @@ class CpuLinearRepack:
         self.dispatch = dispatch
 
     def refresh(self, module: torch.nn.Module) -> None:
+        # The old handle (held only by the layer's ``cpu_linear`` closure) goes first: its
+        # packed buffer is freed before the new one is allocated, so the allocator can hand
+        # the same memory back and a push holds one packed copy of a linear, not two. The
+        # model is undefined until the push ends, so no forward pass sees the gap.
+        module.__dict__.pop("cpu_linear", None)
         self.dispatch(module, False)
 
 
