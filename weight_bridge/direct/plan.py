@@ -9,11 +9,12 @@ reuses it instead of resolving and proving every weight again.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from ..layout import live_tensors
+from ..layout import byte_span, live_tensors, storage_ptr
 from .errors import NotDirectlyReloadable
 from .proof import module_of, write_tensor
 from .record import ensure_proof, require_layout
@@ -42,6 +43,17 @@ class ReloadPlan:
     @property
     def relocations(self) -> list[Relocation]:
         return [t.relocation for t in self.targets.values() if t.relocation is not None]
+
+    @functools.cached_property
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Name -> the bytes its target view covers (computed once per plan: a cached plan
+        is reused only while no address changed)."""
+        return {name: byte_span(t.view) for name, t in self.targets.items()}
+
+    @functools.cached_property
+    def storages(self) -> frozenset[int]:
+        """The storages the targets live in (what the read-back watches)."""
+        return frozenset(storage_ptr(t.view) for t in self.targets.values())
 
 
 def plan_direct_reload(

@@ -17,6 +17,7 @@ refreshes the derived state of the modules it wrote into, and only those.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -32,6 +33,24 @@ _SAMPLE_ROWS = 8
 _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow")
 )
+_IN_PLACE: dict[Any, bool] = {}
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``copy_``, ``__setitem__``...);
+    decided once per function: a loader calls a few functions hundreds of times."""
+    try:
+        return _IN_PLACE[func]
+    except KeyError:
+        known = _IN_PLACE[func] = _named_in_place(func)
+        return known
+    except TypeError:  # not hashable: decide every time
+        return _named_in_place(func)
+
+
+def _named_in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
 def _rows(n: int) -> list[int]:
@@ -63,10 +82,9 @@ class ReadBack(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = getattr(func, "__name__", "")
         if (
-            (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_")))
-            and args
+            args
+            and _in_place(func)
             and isinstance(args[0], torch.Tensor)
             and storage_ptr(args[0]) in self.storages
         ):
@@ -77,7 +95,11 @@ class ReadBack(TorchFunctionMode):
         return out
 
     def wrote_into(self, view: torch.Tensor) -> bool:
-        """Whether a noted write overlaps ``view``'s memory (a binary search over the merged
+        """Whether a noted write overlaps ``view``'s memory."""
+        return self.wrote(byte_span(view))
+
+    def wrote(self, span: tuple[int, int]) -> bool:
+        """Whether a noted write overlaps the bytes ``span`` (a binary search over the merged
         spans written, so checking every target of a push stays linear in their number)."""
         if self._merged is None:
             starts: list[int] = []
@@ -90,7 +112,7 @@ class ReadBack(TorchFunctionMode):
                     ends.append(hi)
             self._merged = (starts, ends)
         starts, ends = self._merged
-        lo, hi = byte_span(view)
+        lo, hi = span
         i = bisect.bisect_right(starts, hi - 1) - 1  # the last merged span starting before hi
         return i >= 0 and ends[i] > lo and hi > lo
 
@@ -101,22 +123,29 @@ class ReadBack(TorchFunctionMode):
         if self.mode == "off":
             return bad
         for name, dst, src in self.writes:
-            if dst.shape != src.shape:
-                src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
-            if self.mode == "sampled" and dst.dim() > 0 and dst.shape[0] > _SAMPLE_ROWS:
-                idx = torch.tensor(_rows(dst.shape[0]), device=dst.device)
-                got, want = dst.index_select(0, idx), src.index_select(0, idx.to(src.device))
-            else:
-                got, want = dst, src
-            want = want.to(device=got.device, dtype=got.dtype)
-            same = (
-                torch.allclose(got, want, rtol=0.0, atol=0.0, equal_nan=True)
-                if got.is_floating_point()
-                else torch.equal(got, want)
-            )
-            if not same:
+            if not _same(dst, src, self.mode == "sampled"):
                 bad[name or "<unnamed>"] = (
                     "read back after the push differs from the checkpoint "
                     "(a later write overwrote it, or it went elsewhere)"
                 )
         return bad
+
+
+@functools.lru_cache(maxsize=256)
+def _row_index(n: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(_rows(n), device=device)
+
+
+def _same(dst: torch.Tensor, src: torch.Tensor, sampled: bool) -> bool:
+    """Whether ``dst`` holds ``src``'s values (cast to ``dst``'s dtype): one comparison pass,
+    no temporaries; the NaN-aware comparison only for a view that is not bit-equal."""
+    if dst.shape != src.shape:
+        src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
+    if sampled and dst.dim() > 0 and dst.shape[0] > _SAMPLE_ROWS:
+        dst = dst.index_select(0, _row_index(dst.shape[0], dst.device))
+        src = src.index_select(0, _row_index(src.shape[0], src.device))
+    if src.dtype != dst.dtype or src.device != dst.device:
+        src = src.to(device=dst.device, dtype=dst.dtype)
+    if torch.equal(dst, src):
+        return True
+    return dst.is_floating_point() and torch.allclose(dst, src, rtol=0.0, atol=0.0, equal_nan=True)

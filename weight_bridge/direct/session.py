@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layout import live_tensors, storage_ptr
+from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .extension import Reprocessor
 from .plan import ReloadPlan, plan_direct_reload
@@ -36,7 +36,7 @@ from .proof import module_of
 from .readback import ReadBack
 from .record import require_layout
 from .resolve import Relocation
-from .snapshot import addresses
+from .snapshot import addresses, addresses_of, named_tensors
 from .state import bridge_state
 from .validate import validate_checkpoint
 
@@ -108,22 +108,24 @@ class _Session:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.started = time.perf_counter()
 
-    def open(self) -> None:
-        """Point every directly written parameter at its target; the model is undefined."""
-        live = {name: t for name, t, _ in live_tensors(self.model)}
+    def open(self, live: Mapping[str, torch.Tensor]) -> None:
+        """Point every directly written parameter (``live``: the model's tensors by name) at
+        its target; the model is undefined."""
         self.state.writing = True
         self.state.undefined = self.was_undefined or WRITING
-        for name, target in self.plan.targets.items():
-            tensor = live[name]
-            if id(tensor) not in self.saved:
-                self.saved[id(tensor)] = (tensor, tensor.data)
-                tensor.data = target.view
+        with torch._C.DisableTorchFunctionSubclass():  # see snapshot.addresses_of
+            for name, target in self.plan.targets.items():
+                tensor = live[name]
+                if id(tensor) not in self.saved:
+                    self.saved[id(tensor)] = (tensor, tensor.data)
+                    tensor.data = target.view
         if self.reprocessor is not None and self.plan.reprocess:
             self.reprocessor.begin(sorted(self.plan.reprocess))
 
     def _restore(self) -> None:
-        for tensor, original in self.saved.values():
-            tensor.data = original
+        with torch._C.DisableTorchFunctionSubclass():
+            for tensor, original in self.saved.values():
+                tensor.data = original
         self.state.writing = False
 
     def abort(self, reason: str) -> None:
@@ -177,7 +179,8 @@ class _Session:
         """The targets written: all of them for a complete reload (refused otherwise, naming
         the ones the load left out), those the load wrote into for a partial one."""
         layout = require_layout(self.model)
-        written = {n: t for n, t in self.plan.targets.items() if self.readback.wrote_into(t.view)}
+        spans = self.plan.spans
+        written = {n: t for n, t in self.plan.targets.items() if self.readback.wrote(spans[n])}
         if self.partial:
             return written
         missing = {
@@ -234,17 +237,17 @@ class PreparedReload:
         state = bridge_state(self.model)
         if state.writing:
             raise DirectReloadError("a direct reload is already in progress on this model")
-        if addresses(self.model) != self.addresses:
+        live = named_tensors(self.model)
+        if addresses_of(live) != self.addresses:
             raise DirectReloadError(
                 "the model's storages changed since this reload was prepared (nothing was "
                 "written): prepare it again"
             )
-        storages = {storage_ptr(t.view) for t in self.plan.targets.values()}
-        readback = ReadBack(storages, self.readback)
+        readback = ReadBack(set(self.plan.storages), self.readback)
         session = _Session(
             self.model, self.plan, readback, self.reprocessor, self.partial, self.addresses
         )
-        session.open()
+        session.open(live)
         handle = OpenReload(self.plan, readback.track(self.items))
         try:
             with readback:
@@ -378,23 +381,3 @@ def _copy_by_name(plan: ReloadPlan) -> Callable[[Iterable[tuple[str, torch.Tenso
             plan.targets[name].view.copy_(t)
 
     return load
-
-
-def refresh_derived_state(model: torch.nn.Module, modules: Iterable[str]) -> dict[str, str]:
-    """Re-derive the state of ``modules`` from their written weights with their refreshers;
-    module -> kind refreshed. A failure leaves the model undefined, naming the module."""
-    state = bridge_state(model)
-    live = dict(model.named_modules())
-    done: dict[str, str] = {}
-    for name in modules:
-        refresher = state.refreshers[name]
-        try:
-            refresher.refresh(live[name])
-        except Exception as exc:
-            state.undefined = (
-                f"refreshing the {refresher.kind} of {name} after the write failed: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            raise DirectReloadError(state.undefined) from exc
-        done[name] = refresher.kind
-    return done
