@@ -362,6 +362,8 @@ class GRPO(pl.LightningModule):
             ``serve``), how many steps ahead rollouts are generated while the trainer trains,
             and the most steps a token's policy may lag behind the step it trains (checked when
             ``strict_on_policy``).
+        torch_threads: the trainer's compute threads (``torch.set_num_threads``); with an
+            asynchronous engine bound to its own cores, the trainer keeps to the others.
         run_dir: where ``reward.png`` and ``summary.json`` go.
         data_seed: seed of the prompt stream.
     """
@@ -391,9 +393,12 @@ class GRPO(pl.LightningModule):
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
         max_staleness: int = 1,
+        torch_threads: int | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
         from lightning_utilities.core import rank_zero
         from transformers import AutoModelForCausalLM
 

@@ -47,8 +47,13 @@ class AsyncColocatedEngine:
     """An ``AsyncLLM`` with the ``weight_bridge`` backend, on its own event loop.
 
     ``inflight``: how a push treats requests in flight (``recompute``, ``keep``, ``drain``, or
-    None: no pause). ``checkpoint_root``, ``reload_mode``, ``cpu_linear``, ``readback``,
-    ``check_finite``, ``verify_hash``, ``rollback``, ``plugins``, ``kv_cache_gb``: as for
+    None: no pause). ``cpu_threads_bind`` (CPU backend): the cores the engine's worker computes
+    on (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"``). Generation and training overlap
+    only if they do not fight over the same cores: on a small machine give the engine its own
+    and the trainer the rest (``torch.set_num_threads``); measured on 2 cores, overlapping
+    without that is twice as slow as taking turns (:mod:`benchmarks.inflight`).
+    ``checkpoint_root``, ``reload_mode``, ``cpu_linear``, ``readback``, ``check_finite``,
+    ``verify_hash``, ``rollback``, ``plugins``, ``kv_cache_gb``: as for
     :class:`~weight_bridge.vllm.ColocatedEngine`. Every other keyword goes to vLLM's
     ``AsyncEngineArgs``.
     """
@@ -66,6 +71,7 @@ class AsyncColocatedEngine:
         rollback: bool = True,
         plugins: Sequence[str] = (),
         kv_cache_gb: float | None = None,
+        cpu_threads_bind: str | None = None,
         **engine_kwargs: Any,
     ):
         self.model = str(model)
@@ -86,7 +92,8 @@ class AsyncColocatedEngine:
         self._thread.start()
         self._ids = itertools.count()
         started = time.perf_counter()
-        with engine_environment(plugins):
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind} if cpu_threads_bind else None
+        with engine_environment(plugins, bind):
             self.engine = self._run(self._start(kwargs))
         self.startup_s = time.perf_counter() - started
         self.client = AsyncLLMClient(self.engine, self.loop, inflight)

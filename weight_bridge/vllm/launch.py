@@ -34,11 +34,14 @@ def default_checkpoint_root() -> str:
 
 
 @contextlib.contextmanager
-def engine_environment(plugins: Sequence[str]) -> Iterator[None]:
+def engine_environment(
+    plugins: Sequence[str], extra: dict[str, str] | None = None
+) -> Iterator[None]:
     """The environment the engine processes started inside this block inherit: ``plugins``
-    (run here too, and in no other engine) and this process's id, which the engine core
-    watches so that it does not outlive this process (:mod:`weight_bridge.vllm.lifeline`)."""
-    values = {FRONTEND_ENV: str(os.getpid())}
+    (run here too, and in no other engine), this process's id, which the engine core watches
+    so that it does not outlive this process (:mod:`weight_bridge.vllm.lifeline`), and
+    ``extra`` variables (vLLM reads its own, such as ``VLLM_CPU_OMP_THREADS_BIND``, there)."""
+    values = {FRONTEND_ENV: str(os.getpid()), **(extra or {})}
     if plugins:
         before = os.environ.get(PLUGINS_ENV)
         values[PLUGINS_ENV] = ",".join([*filter(None, (before or "").split(",")), *plugins])
