@@ -23,12 +23,10 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from .clients import AsyncLLMClient, InflightMode
-from .launch import bridged_engine_args, default_checkpoint_root, engine_environment
-from .options import BridgeOptions, ReloadMode
+from .launch import bridged_engine_args, engine_environment, pop_engine_options
 from .results import PushReport
 
 __all__ = ["AsyncColocatedEngine", "token_versions"]
@@ -52,38 +50,23 @@ class AsyncColocatedEngine:
     only if they do not fight over the same cores: on a small machine give the engine its own
     and the trainer the rest (``torch.set_num_threads``); measured on 2 cores, overlapping
     without that is twice as slow as taking turns (:mod:`benchmarks.inflight`).
-    ``checkpoint_root``, ``reload_mode``, ``cpu_linear``, ``readback``, ``check_finite``,
-    ``verify_hash``, ``rollback``, ``plugins``, ``kv_cache_gb``: as for
-    :class:`~weight_bridge.vllm.ColocatedEngine`. Every other keyword goes to vLLM's
-    ``AsyncEngineArgs``.
+    ``plugins``, ``kv_cache_gb`` and the bridge's options (``checkpoint_root``,
+    ``reload_mode``, ``cpu_linear``, ``readback``, ``check_finite``, ``verify_hash``,
+    ``rollback``): as for :class:`~weight_bridge.vllm.ColocatedEngine`. Every other keyword
+    goes to vLLM's ``AsyncEngineArgs``.
     """
 
     def __init__(
         self,
         model: str | os.PathLike,
         inflight: InflightMode | None = "recompute",
-        checkpoint_root: str | os.PathLike | None = None,
-        reload_mode: ReloadMode = "direct",
-        cpu_linear: str = "repack",
-        readback: str = "sampled",
-        check_finite: bool = True,
-        verify_hash: bool = False,
-        rollback: bool = True,
         plugins: Sequence[str] = (),
         kv_cache_gb: float | None = None,
         cpu_threads_bind: str | None = None,
         **engine_kwargs: Any,
     ):
         self.model = str(model)
-        self.options = BridgeOptions(
-            checkpoint_root=str(Path(checkpoint_root or default_checkpoint_root()).resolve()),
-            reload_mode=reload_mode,
-            cpu_linear=cpu_linear,
-            readback=readback,
-            check_finite=check_finite,
-            verify_hash=verify_hash,
-            rollback=rollback,
-        )
+        self.options = pop_engine_options(engine_kwargs)
         kwargs = bridged_engine_args(self.model, self.options, engine_kwargs, kv_cache_gb)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

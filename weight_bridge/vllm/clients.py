@@ -25,6 +25,7 @@ generation was paused (``paused_s``).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import os
@@ -129,7 +130,58 @@ class LLMClient(ServedChain):
         """The ``LLM`` is the caller's: nothing to close."""
 
 
-class AsyncLLMClient(ServedChain):
+class _InflightClient(ServedChain, abc.ABC):
+    """What an engine that generates while it is pushed shares: the default in-flight mode and
+    the one push routine (:meth:`_push`) over the engine's own five calls, which each client
+    provides (``_pause``, ``_start``, ``_update``, ``_finish``, ``_resume``)."""
+
+    def __init__(self, inflight: InflightMode | None) -> None:
+        super().__init__()
+        _check_inflight(inflight)
+        self.inflight = inflight
+
+    async def _push(
+        self, checkpoint: str | os.PathLike, version: Any, verify_hash: bool | None, inflight: Any
+    ) -> tuple[str, Any, float | None, str | None]:
+        """vLLM's three weight-update calls, inside pause ... resume when in flight (a failed
+        update resumes generation on the version served before); the path, the version, how
+        long generation was paused (from the pause's request on: a drain's wait included; None
+        if not paused) and the mode."""
+        mode = self.inflight if inflight == "default" else inflight
+        _check_inflight(mode)
+        path, info = _request(checkpoint, verify_hash)
+        version = path if version is None else version
+        paused = None
+        if mode is not None:
+            paused = time.perf_counter()
+            await self._pause(*_PAUSE[mode])
+        try:
+            await self._start()
+            await self._update(info)
+            await self._finish(str(version))
+        finally:
+            if paused is not None:
+                await self._resume()
+                paused = time.perf_counter() - paused
+        return path, version, paused, mode
+
+    @abc.abstractmethod
+    async def _pause(self, mode: str, clear_cache: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def _start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _update(self, info: dict) -> None: ...
+
+    @abc.abstractmethod
+    async def _finish(self, version: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _resume(self) -> None: ...
+
+
+class AsyncLLMClient(_InflightClient):
     """Pushes into an ``AsyncLLM`` started with the backend, in flight if asked.
 
     ``loop``: the event loop the engine runs on, for :meth:`push` from another thread (a
@@ -144,11 +196,9 @@ class AsyncLLMClient(ServedChain):
         loop: asyncio.AbstractEventLoop | None = None,
         inflight: InflightMode | None = "recompute",
     ) -> None:
-        super().__init__()
-        _check_inflight(inflight)
+        super().__init__(inflight)
         self.engine = engine
         self.loop = loop
-        self.inflight = inflight
 
     async def push_async(
         self,
@@ -157,28 +207,10 @@ class AsyncLLMClient(ServedChain):
         verify_hash: bool | None = None,
         inflight: InflightMode | None | Literal["default"] = "default",
     ) -> PushReport:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         from .api_hooks import update_results_async
 
-        mode = self.inflight if inflight == "default" else inflight
-        _check_inflight(mode)
-        path, info = _request(checkpoint, verify_hash)
-        version = path if version is None else version
         started = time.perf_counter()
-        paused = None
-        if mode is not None:  # paused from the request on: a drain's wait included
-            pause_mode, clear = _PAUSE[mode]
-            paused = time.perf_counter()
-            await self.engine.pause_generation(mode=pause_mode, clear_cache=clear)
-        try:
-            await self.engine.start_weight_update()
-            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-            await self.engine.finish_weight_update(str(version))
-        finally:
-            if paused is not None:
-                await self.engine.resume_generation()
-                paused = time.perf_counter() - paused
+        path, version, paused, mode = await self._push(checkpoint, version, verify_hash, inflight)
         results = await update_results_async(self.engine.engine_core)
         self.served(path, version, results[0].partial)
         report = _report(results, version, started)
@@ -198,6 +230,23 @@ class AsyncLLMClient(ServedChain):
         coroutine = self.push_async(checkpoint, version, verify_hash, inflight)
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
+    async def _pause(self, mode: str, clear_cache: bool) -> None:
+        await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def _start(self) -> None:
+        await self.engine.start_weight_update()
+
+    async def _update(self, info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    async def _finish(self, version: str) -> None:
+        await self.engine.finish_weight_update(version)
+
+    async def _resume(self) -> None:
+        await self.engine.resume_generation()
+
     def close(self) -> None:
         """The ``AsyncLLM`` is the caller's: nothing to close."""
 
@@ -212,11 +261,12 @@ class RemoteUpdateError(RuntimeError):
         self.message = message
 
 
-class HTTPClient(ServedChain):
+class HTTPClient(_InflightClient):
     """Pushes into a ``vllm serve`` process over its RL routes, in flight if asked.
 
     ``url``: the server's base URL; ``api_key``: its ``--api-key`` (the RL routes belong behind
-    one, or on a private network); ``inflight``: the default mode (None: no pause).
+    one, or on a private network); ``inflight``: the default mode (None: no pause). Blocking
+    calls, from a thread without a running event loop (a trainer's).
     """
 
     def __init__(
@@ -226,12 +276,10 @@ class HTTPClient(ServedChain):
         timeout_s: float = 300.0,
         inflight: InflightMode | None = "recompute",
     ) -> None:
-        super().__init__()
-        _check_inflight(inflight)
+        super().__init__(inflight)
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self.inflight = inflight
 
     def call(self, route: str, body: Any = None, method: str = "POST") -> Any:
         """One request to the server; its JSON answer, or :class:`RemoteUpdateError`."""
@@ -258,29 +306,29 @@ class HTTPClient(ServedChain):
         verify_hash: bool | None = None,
         inflight: InflightMode | None | Literal["default"] = "default",
     ) -> PushReport:
-        mode = self.inflight if inflight == "default" else inflight
-        _check_inflight(mode)
-        path, info = _request(checkpoint, verify_hash)
-        version = path if version is None else version
         started = time.perf_counter()
-        paused = None
-        if mode is not None:  # paused from the request on: a drain's wait included
-            pause_mode, clear = _PAUSE[mode]
-            paused = time.perf_counter()
-            self.call(f"pause?mode={pause_mode}&clear_cache={str(clear).lower()}")
-        try:
-            self.call("start_weight_update")
-            self.call("update_weights", {"update_info": info})
-            self.call("finish_weight_update", {"weight_version": str(version)})
-        finally:
-            if paused is not None:
-                self.call("resume")
-                paused = time.perf_counter() - paused
+        pushed = self._push(checkpoint, version, verify_hash, inflight)
+        path, version, paused, mode = asyncio.run(pushed)  # each call blocks: no loop needed
         self.served(path, version, _is_partial(path))
         report = PushReport(checkpoint=path, version=version, mode="remote")
         report.elapsed_s = time.perf_counter() - started
         report.paused_s, report.inflight = paused, mode
         return report
+
+    async def _pause(self, mode: str, clear_cache: bool) -> None:
+        self.call(f"pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
+
+    async def _start(self) -> None:
+        self.call("start_weight_update")
+
+    async def _update(self, info: dict) -> None:
+        self.call("update_weights", {"update_info": info})
+
+    async def _finish(self, version: str) -> None:
+        self.call("finish_weight_update", {"weight_version": version})
+
+    async def _resume(self) -> None:
+        self.call("resume")
 
     def generate_tokens(self, token_ids: list[int], sampling_params: dict) -> list[dict]:
         """Completions of one prompt given as token ids (``POST /inference/v1/generate``; the

@@ -47,8 +47,8 @@ from ..direct import DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
 from .api_hooks import update_results
-from .launch import bridged_engine_args, default_checkpoint_root, engine_environment
-from .options import BridgeOptions, ReloadMode, SessionOptions
+from .launch import bridged_engine_args, engine_environment, engine_options
+from .options import ReloadMode, SessionOptions
 from .results import PushReport, PushResult
 
 __all__ = [
@@ -113,8 +113,8 @@ class ColocatedEngine:
         checkpoint_root: str | os.PathLike | None = None,
         **llm_kwargs: Any,
     ):
-        options = BridgeOptions(
-            checkpoint_root=str(Path(checkpoint_root or default_checkpoint_root()).resolve()),
+        options = engine_options(
+            checkpoint_root,
             reload_mode=reload_mode,
             cpu_linear=cpu_linear,
             readback=readback,

@@ -6,9 +6,11 @@ their engine processes inherit."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from .lifeline import FRONTEND_ENV
@@ -20,6 +22,8 @@ __all__ = [
     "WORKER_EXTENSION",
     "bridged_engine_args",
     "default_checkpoint_root",
+    "engine_options",
+    "pop_engine_options",
     "engine_environment",
     "worker_extension",
 ]
@@ -31,6 +35,23 @@ ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # the default checkpoint root of the
 def default_checkpoint_root() -> str:
     """``$WEIGHT_BRIDGE_CHECKPOINT_ROOT``, else the current directory."""
     return os.environ.get(ROOT_ENV) or os.getcwd()
+
+
+def engine_options(
+    checkpoint_root: str | os.PathLike | None = None, **fields: Any
+) -> BridgeOptions:
+    """The options of one of the bridge's own engines: ``fields`` of
+    :class:`~.options.BridgeOptions`, the checkpoint root defaulting to
+    :func:`default_checkpoint_root`, resolved."""
+    root = Path(checkpoint_root or default_checkpoint_root()).resolve()
+    return BridgeOptions(checkpoint_root=str(root), **fields)
+
+
+def pop_engine_options(kwargs: dict[str, Any]) -> BridgeOptions:
+    """:func:`engine_options` from the :class:`~.options.BridgeOptions` fields found in
+    ``kwargs``, removed from it (the rest are vLLM's)."""
+    names = [f.name for f in dataclasses.fields(BridgeOptions)]
+    return engine_options(**{k: kwargs.pop(k) for k in names if k in kwargs})
 
 
 @contextlib.contextmanager
