@@ -15,19 +15,29 @@ median with min/max and quartiles:
   same tensors into preallocated tensors: the memory bandwidth) and ``read_copy`` (the
   safetensors file opened with :class:`~weight_bridge.checkpoint.CheckpointReader`, mmap views
   of the page cache, every tensor copied into preallocated memory);
-* ours: :meth:`ColocatedEngine.push <weight_bridge.vllm.ColocatedEngine.push>` (``elapsed_s``
-  of the report, split into ``read_s``/``write_s``) with default guards, with
-  ``check_finite`` off and with ``verify_hash``; in-process and, from a child process, the
+* ours: :meth:`ColocatedEngine.push <weight_bridge.vllm.ColocatedEngine.push>` (vLLM's own
+  RL update API with the ``weight_bridge`` backend; ``elapsed_s`` of the report, split into
+  validation, write, read-back and refresh) with default guards, with ``check_finite`` off,
+  with ``verify_hash`` and each read-back mode; in-process and, from a child process, the
   multi-process engine;
-* vLLM's own layerwise ``reload_weights``, from the model directory (``weights_path``) and from
-  an iterator over the same file; a naive per-tensor ``model.load_weights([(name, t)])`` loop;
-  a cold restart of the engine on the new checkpoint (in-process, ``enforce_eager=True``);
+* each lever of the default CPU push on its own (:mod:`benchmarks.levers`: the allocator, the
+  plan cache, the fixed cost of a push);
+* vLLM's own checkpoint-format reload through its API (``collective_rpc("reload_weights",
+  kwargs={"weights_path": ...})``) on the same engine and on vLLM's own engine without the
+  bridge; its layerwise ``reload_weights`` from inside the worker, from the model directory and
+  from an iterator over the same file; a naive per-tensor ``model.load_weights([(name, t)])``
+  loop; a cold restart of the engine on the new checkpoint (in-process, ``enforce_eager=True``);
+* the HTTP overhead of a push: the same push through a ``vllm serve`` process
+  (:mod:`benchmarks.serve`, ``--http-sizes``);
+* a sync from an FSDP2 trainer against one from a DDP trainer (:mod:`benchmarks.fsdp`,
+  ``--fsdp-size``);
 * save: :func:`~weight_bridge.checkpoint.save_checkpoint` against a raw write of the same bytes
   to the same directory, both fsynced, on disk and on ``/dev/shm``;
 * peak extra resident memory during a push (``RssAnon`` and ``RssFile`` of ``/proc/PID/status``
   sampled in a background thread, plus the kernel's exact ``VmHWM`` after a reset);
-* generation speed of the CPU linear modes (``cpu_linear`` torch / repack / stock), three
-  multi-process engines alive together and measured round-robin (``--gen-sizes`` only).
+* generation speed of the CPU linear modes (``cpu_linear`` repack / torch, repack with glibc's
+  default allocator, and vLLM's own engine), multi-process engines alive together and
+  measured round-robin (``--gen-sizes`` only).
 
 Every path above runs on the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, this
 process) and on the multi-process engine (vLLM's default, in a child process started with
@@ -57,31 +67,57 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .analysis import analyse
 from .config import (
     ARCH,
     DEFAULT_GEN_SIZES,
     DEFAULT_SIZES,
     ENGINE_KWARGS,
     ENGINES,
+    FSDP_SIZE,
     GEN_BATCH,
     QUICK_SIZES,
     REAL_MODEL,
     TARGETS,
 )
 from .machine import CpuLoad, fs_type, machine_info, versions
-from .measure import (
-    bench_inprocess,
-    bench_multiprocess,
-    build_models,
-    child_multiprocess,
-    describe_checkpoint,
-)
+from .measure import bench_inprocess, bench_multiprocess, build_models, describe_checkpoint
 from .plot import render_plot
 from .report import dig, render_markdown
 from .save import bench_save
-from .stats import analyse
 
 __all__ = ["main"]
+
+
+def _section(result: dict[str, Any], name: str, fn: Callable[[], dict], log: Any) -> None:
+    """Run one section into ``result[name]``; an exception is recorded, not fatal."""
+    log(f"{name} ...")
+    load = CpuLoad()
+    try:
+        result[name] = fn()
+    except Exception as exc:
+        traceback.print_exc()
+        result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    result[name]["load"] = load.report()
+    log(f"{name} done in {result[name]['load']['wall_s']:.1f} s")
+
+
+def _errors(result: dict[str, Any], names: tuple[str, ...]) -> list[str]:
+    """Every ``error`` entry up to three levels into the sections ``names``."""
+    errors = []
+    for name in names:
+        sec = result.get(name, {})
+        if "error" in sec:
+            errors.append(f"{name}: {sec['error'][-2000:]}")
+        for key, value in sec.items():
+            if not isinstance(value, dict):
+                continue
+            if "error" in value:
+                errors.append(f"{name}.{key}: {value['error']}")
+            for sub, inner in value.items():
+                if isinstance(inner, dict) and "error" in inner:
+                    errors.append(f"{name}.{key}.{sub}: {inner['error']}")
+    return errors
 
 
 def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -96,38 +132,17 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     result["build_s"] = time.perf_counter() - t0
     result["model"] = describe_checkpoint(b / "model.safetensors")
     gen = (args.gen_tokens, args.gen_reps) if size in args.gen_sizes else None
+    http = size in args.http_sizes
     shm = args.shm_dir / f"wb-bench-{os.getpid()}"
+    save_dirs = {"disk": workdir / "save", "shm": shm}
     sections: list[tuple[str, Callable[[], dict]]] = [
         ("inprocess", lambda: bench_inprocess(a, b, args.reps, log)),
-        ("multiprocess", lambda: bench_multiprocess(a, b, args.reps, workdir, gen)),
-        (
-            "save",
-            lambda: bench_save(
-                b / "model.safetensors", {"disk": workdir / "save", "shm": shm}, args.reps
-            ),
-        ),
+        ("multiprocess", lambda: bench_multiprocess(a, b, args.reps, workdir, gen, http)),
+        ("save", lambda: bench_save(b / "model.safetensors", save_dirs, args.reps)),
     ]
     for name, fn in sections:
-        log(f"{name} ...")
-        section_load = CpuLoad()
-        try:
-            result[name] = fn()
-        except Exception as exc:
-            traceback.print_exc()
-            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        result[name]["load"] = section_load.report()
-        log(f"{name} done in {result[name]['load']['wall_s']:.1f} s")
-    for name in ("inprocess", "multiprocess", "save"):
-        sec = result.get(name, {})
-        if "error" in sec:
-            result["errors"].append(f"{name}: {sec['error'][-2000:]}")
-        for key, value in sec.items():
-            if isinstance(value, dict) and "error" in value:
-                result["errors"].append(f"{name}.{key}: {value['error']}")
-            if isinstance(value, dict):
-                for sub, inner in value.items():
-                    if isinstance(inner, dict) and "error" in inner:
-                        result["errors"].append(f"{name}.{key}.{sub}: {inner['error']}")
+        _section(result, name, fn, log)
+    result["errors"] = _errors(result, ("inprocess", "multiprocess", "save"))
     shutil.rmtree(shm, ignore_errors=True)
     result["load"] = load.report()
     analyse(result)
@@ -135,6 +150,22 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
         for d in (a, b):
             shutil.rmtree(d, ignore_errors=True)
     return result
+
+
+def bench_fsdp_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """:mod:`benchmarks.fsdp` (two Lightning jobs of two ranks each) as a section."""
+    from .fsdp import bench_fsdp
+
+    result: dict[str, Any] = {}
+    fsdp_dir = workdir / "fsdp"
+    fsdp_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(f"[bench fsdp] {msg}", flush=True)
+
+    _section(result, "fsdp", lambda: bench_fsdp(fsdp_dir, args.fsdp_size, args.fsdp_reps, log), log)
+    shutil.rmtree(fsdp_dir, ignore_errors=True)
+    return result["fsdp"]
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
@@ -154,7 +185,11 @@ def _env() -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _sizes(value: str) -> list[str]:
+    return [s.strip() for s in value.split(",") if s.strip() and s.strip() != "none"]
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("bench/results.json"), help="JSON results")
     p.add_argument(
@@ -170,6 +205,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gen-tokens", type=int, default=16, help="tokens per prompt, generation")
     p.add_argument("--gen-reps", type=int, default=3, help="repetitions of the generation batch")
+    p.add_argument(
+        "--http-sizes", default=None, help="sizes pushed through vllm serve too (default: all)"
+    )
+    p.add_argument("--fsdp-size", default=FSDP_SIZE, help="FSDP2 vs DDP sync size ('none': skip)")
+    p.add_argument("--fsdp-reps", type=int, default=4, help="syncs measured per FSDP/DDP job")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: 1m, 2 reps")
     p.add_argument(
         "--workdir", type=Path, default=None, help="models and disk saves (default: tmp)"
@@ -179,54 +219,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
     p.add_argument("--render", type=Path, default=None, help="only redraw .md/.png of a JSON")
     p.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes = ",".join(QUICK_SIZES)
-        args.gen_sizes = ",".join(QUICK_SIZES)
+        args.sizes = args.gen_sizes = ",".join(QUICK_SIZES)
         args.reps = min(args.reps, 2)
         args.gen_tokens = min(args.gen_tokens, 4)
         args.gen_reps = 1
-    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    args.gen_sizes = [s.strip() for s in args.gen_sizes.split(",") if s.strip()]
+        if args.fsdp_size not in ("", "none"):
+            args.fsdp_size, args.fsdp_reps = QUICK_SIZES[0], min(args.fsdp_reps, 2)
+    args.sizes = _sizes(args.sizes)
+    args.gen_sizes = _sizes(args.gen_sizes)
+    args.http_sizes = args.sizes if args.http_sizes is None else _sizes(args.http_sizes)
+    args.fsdp_size = None if args.fsdp_size in ("", "none") else args.fsdp_size
     from weight_bridge.testing.models import SIZES
 
     known = [*SIZES, REAL_MODEL]
-    unknown = [s for s in args.sizes if s not in known]
-    if unknown:
-        p.error(f"unknown sizes {unknown}; choose from {known}")
+    unknown = [
+        s for s in [*args.sizes, *([args.fsdp_size] if args.fsdp_size else [])] if s not in known
+    ]
+    if unknown or args.fsdp_size == REAL_MODEL:
+        p.error(f"unknown sizes {unknown or [args.fsdp_size]}; choose from {known}")
     if args.reps < 1:
         p.error("--reps must be at least 1")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(raw_argv)
-    _env()
-    if args.child is not None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        spec = json.loads(Path(args.child).read_text())
-        args.out.write_text(json.dumps(child_multiprocess(spec), default=str))
-        return 0
-    if args.render is not None:
-        rendered = json.loads(args.render.read_text())
-        for p in write_outputs(rendered, args.render):
-            print(p)
-        return 0
-    # In-process engines here; the multi-process engine runs in a child (vLLM caches its env).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-    started = datetime.now(timezone.utc)
-    t0 = time.perf_counter()
-    load = CpuLoad()
-    own_workdir = args.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="wb-bench-")) if own_workdir else args.workdir
-    workdir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {
-        "schema": 1,
+def _header(args: argparse.Namespace, raw_argv: list[str], workdir: Path) -> dict[str, Any]:
+    return {
+        "schema": 2,
         "command": shlex.join([sys.executable, "-m", "benchmarks", *raw_argv]),
         "make_target": "make bench  (= .venv/bin/python -m benchmarks --out bench/results.json)",
-        "started": started.isoformat(timespec="seconds"),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "versions": versions(),
         "settings": {
@@ -236,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             "gen_tokens": args.gen_tokens,
             "gen_reps": args.gen_reps,
             "gen_batch": GEN_BATCH,
+            "http_sizes": args.http_sizes,
+            "fsdp_size": args.fsdp_size,
+            "fsdp_reps": args.fsdp_reps,
             "engine_kwargs": ENGINE_KWARGS,
             "arch": ARCH,
             "workdir": str(workdir),
@@ -249,43 +280,79 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "sizes": {},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        for size in args.sizes:
-            results["sizes"][size] = bench_size(size, args, workdir)
-            results["elapsed_s"] = time.perf_counter() - t0
-            results["load"] = load.report()
-            args.out.write_text(json.dumps(results, indent=1, default=str))  # partial results
-    finally:
-        if own_workdir and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
 
-    last = results["sizes"][args.sizes[-1]]
+
+def _summarise(results: dict[str, Any], sizes: list[str]) -> None:
+    last = results["sizes"][sizes[-1]]
+    machine = results["machine"]
     for eng in ENGINES:
-        results["machine"][f"copy_bandwidth_{eng}_bytes_per_s"] = dig(
-            last, eng, "copy", "rate_bytes_per_s"
-        )
-    results["machine"]["copy_bandwidth_bytes_per_s"] = (
-        results["machine"]["copy_bandwidth_multiprocess_bytes_per_s"]
-        or results["machine"]["copy_bandwidth_inprocess_bytes_per_s"]
+        machine[f"copy_bandwidth_{eng}_bytes_per_s"] = dig(last, eng, "copy", "rate_bytes_per_s")
+    machine["copy_bandwidth_bytes_per_s"] = (
+        machine["copy_bandwidth_multiprocess_bytes_per_s"]
+        or machine["copy_bandwidth_inprocess_bytes_per_s"]
     )
-    results["machine"]["copy_bandwidth_note"] = (
+    machine["copy_bandwidth_note"] = (
         "payload bytes per second of the copy_ limit (every tensor of the largest size, "
         "between preallocated tensors) inside the engine's worker process; memory traffic is "
         "about twice that (read + write)"
     )
-    results["elapsed_s"] = time.perf_counter() - t0
-    results["load"] = load.report()
-    results["correctness_passed"] = all(
-        s["correctness"]["passed"] for s in results["sizes"].values()
-    )
+    sizes_ = results["sizes"].values()
+    results["correctness_passed"] = all(s["correctness"]["passed"] for s in sizes_)
     results["errors"] = [f"{n}: {e}" for n, s in results["sizes"].items() for e in s["errors"]]
+    fsdp = results.get("fsdp")
+    if isinstance(fsdp, dict) and "error" in fsdp:
+        results["errors"].append(f"fsdp: {fsdp['error'][-2000:]}")
     results["targets_missed"] = [
         f"{n}: {k}"
         for n, s in results["sizes"].items()
         for k, t in s["targets"].items()
         if t["met"] is False
     ]
+
+
+def _run(args: argparse.Namespace, raw_argv: list[str]) -> dict[str, Any]:
+    """Every size, then the FSDP section; partial results written after each."""
+    t0 = time.perf_counter()
+    load = CpuLoad()
+    own_workdir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="wb-bench-")) if own_workdir else args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = _header(args, raw_argv, workdir)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for size in args.sizes:
+            results["sizes"][size] = bench_size(size, args, workdir)
+            results["elapsed_s"], results["load"] = time.perf_counter() - t0, load.report()
+            args.out.write_text(json.dumps(results, indent=1, default=str))  # partial results
+        if args.fsdp_size:
+            results["fsdp"] = bench_fsdp_section(args, workdir)
+    finally:
+        if own_workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    _summarise(results, args.sizes)
+    results["elapsed_s"], results["load"] = time.perf_counter() - t0, load.report()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    _env()
+    if args.child is not None:
+        from .child import child_multiprocess
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        spec = json.loads(Path(args.child).read_text())
+        args.out.write_text(json.dumps(child_multiprocess(spec), default=str))
+        return 0
+    if args.render is not None:
+        rendered = json.loads(args.render.read_text())
+        for p in write_outputs(rendered, args.render):
+            print(p)
+        return 0
+    # In-process engines here; the multi-process engine runs in a child (vLLM caches its env).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    results = _run(args, raw_argv)
     args.out.write_text(json.dumps(results, indent=1, default=str))
     md, png = write_outputs(results, args.out)
     print(md.read_text())

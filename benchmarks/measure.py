@@ -12,22 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.testing import parity
-
-from .config import (
-    ARCH,
-    DEFAULT_CPU_LINEAR,
-    ENGINE_KWARGS,
-    GEN_BATCH,
-    OTHER_CPU_LINEAR,
-    PARITY_PROMPTS,
-    PARITY_TOKENS,
-    REAL_MODEL,
-)
-from .machine import RssSampler, descendants, proc_name
-from .partial import measure_partial
-from .stats import Rounds, compare, median, ratio, stats
-from .worker import BENCH_EXTENSION
+from .config import ARCH, REAL_MODEL
+from .engines import api_reload, greedy, push, rpc, rpc_reload, start_engine
+from .levers import measure_levers
+from .machine import RssSampler
+from .stats import Rounds, median, ratio, stats
 
 
 def build_models(workdir: Path, size: str) -> tuple[Path, Path]:
@@ -93,71 +82,13 @@ def describe_checkpoint(file: Path) -> dict[str, Any]:
         }
 
 
-def greedy(engine: Any, max_tokens: int = PARITY_TOKENS) -> list:
-    """Greedy tokens and sorted top-3 logprobs per parity prompt."""
-    return parity.greedy(engine, PARITY_PROMPTS, max_tokens, logprobs=3, ignore_eos=True)
-
-
-def _gen_call(engine: Any, tokens: int) -> Callable[[int], float]:
-    return lambda rep: generation_rate(engine, tokens)
-
-
-def generation_rate(engine: Any, tokens: int) -> float:
-    """Tokens/s of one fixed greedy batch (``GEN_BATCH`` prompts, prefill included)."""
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
-    prompts = token_prompts([[1, 10 + i, 20 + i, 30 + i, 40 + i] for i in range(GEN_BATCH)])
-    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, sp)
-    dt = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
-
-
-def _push(
-    engine: Any,
-    ckpt: Path,
-    version: Any,
-    finite: bool = True,
-    verify: bool = False,
-    readback: str = "sampled",
-):
-    """One ``ColocatedEngine.push``; ``finite=False`` turns the NaN/Inf guard off,
-    ``readback`` sets the read-back proof of the writes (the default is ``"sampled"``)."""
-    engine.readback = readback
-    try:
-        report = engine.push(ckpt, version=version, verify_hash=verify, check_finite=finite)
-    finally:
-        engine.readback = "sampled"
-    if report.mode != "direct":
-        raise RuntimeError(f"push went {report.mode}: {report.reason}")
-    return {
-        "elapsed_s": report.elapsed_s,
-        "read_s": report.read_s,
-        "write_s": report.write_s,
-        # what the worker did not spend reading or writing: RPCs, header checks in the caller,
-        # planning, the address audit, the prefix-cache reset
-        "overhead_s": report.elapsed_s - report.read_s - report.write_s,
-    }
-
-
-def _rpc(engine: Any, method: str, arg: str) -> float:
-    return max(engine.llm.collective_rpc(method, args=(arg,)))
-
-
-def _rpc_reload(engine: Any, method: str, arg: str) -> dict[str, float]:
-    """A reload by another path, timed like a push: the whole call plus the prefix-cache reset
-    (which ``push`` also pays and any weight change needs)."""
-    t0 = time.perf_counter()
-    inner = _rpc(engine, method, arg)
-    engine.llm.reset_prefix_cache()
-    return {"elapsed_s": time.perf_counter() - t0, "inner_s": inner}
-
-
 def reload_methods(engine: Any, a: Path, b: Path) -> dict[str, Callable[[int], Any]]:
-    """Every reload path and both limits; round ``rep`` loads B on even rounds, A on odd ones."""
+    """Every reload path and both limits; round ``rep`` loads B on even rounds, A on odd ones.
+
+    ``vllm_api_reload`` is vLLM's own checkpoint-format reload through its public API
+    (``llm.collective_rpc("reload_weights", kwargs={"weights_path": ...})``, as RL libraries
+    call it) on the same engine, plus the prefix-cache reset a push also pays.
+    """
     fa, fb = a / "model.safetensors", b / "model.safetensors"
 
     def file(rep: int) -> Path:
@@ -167,16 +98,17 @@ def reload_methods(engine: Any, a: Path, b: Path) -> dict[str, Callable[[int], A
         return str(b if rep % 2 == 0 else a)
 
     return {
-        "copy": lambda rep: max(engine.llm.collective_rpc("bench_copy")),
-        "read_copy": lambda rep: _rpc(engine, "bench_read_copy", str(file(rep))),
-        "direct": lambda rep: _push(engine, file(rep), rep),
-        "direct_no_finite": lambda rep: _push(engine, file(rep), rep, finite=False),
-        "direct_verify_hash": lambda rep: _push(engine, file(rep), rep, verify=True),
-        "direct_readback_off": lambda rep: _push(engine, file(rep), rep, readback="off"),
-        "direct_readback_full": lambda rep: _push(engine, file(rep), rep, readback="full"),
-        "layerwise_file": lambda rep: _rpc_reload(engine, "bench_layerwise_file", folder(rep)),
-        "layerwise_iter": lambda rep: _rpc_reload(engine, "bench_layerwise_iter", str(file(rep))),
-        "naive_loop": lambda rep: _rpc_reload(engine, "bench_naive_loop", str(file(rep))),
+        "copy": lambda rep: rpc(engine, "bench_copy"),
+        "read_copy": lambda rep: rpc(engine, "bench_read_copy", str(file(rep))),
+        "direct": lambda rep: push(engine, file(rep), rep),
+        "direct_no_finite": lambda rep: push(engine, file(rep), rep, finite=False),
+        "direct_verify_hash": lambda rep: push(engine, file(rep), rep, verify=True),
+        "direct_readback_off": lambda rep: push(engine, file(rep), rep, readback="off"),
+        "direct_readback_full": lambda rep: push(engine, file(rep), rep, readback="full"),
+        "vllm_api_reload": lambda rep: api_reload(engine, folder(rep)),
+        "layerwise_file": lambda rep: rpc_reload(engine, "bench_layerwise_file", folder(rep)),
+        "layerwise_iter": lambda rep: rpc_reload(engine, "bench_layerwise_iter", str(file(rep))),
+        "naive_loop": lambda rep: rpc_reload(engine, "bench_naive_loop", str(file(rep))),
     }
 
 
@@ -193,13 +125,14 @@ def memory_probe(pids: list[int], fn: Callable[[], Any]) -> dict[str, Any]:
 def measure_engine(
     engine: Any, a: Path, b: Path, reps: int, pids: list[int], log: Callable[[str], None]
 ) -> dict[str, Any]:
-    """Limits, every reload path, memory and correctness outputs on one live engine (on A)."""
+    """Limits, every reload path, the levers, memory and correctness outputs on one live
+    engine (on A)."""
     fa, fb = a / "model.safetensors", b / "model.safetensors"
     out: dict[str, Any] = {"startup_s": engine.startup_s, "pids": pids}
     out["first_push_s"] = engine.push(fa, version="warm-up").elapsed_s
-    nbytes = max(engine.llm.collective_rpc("bench_prepare_limits", args=(str(fb),)))
+    nbytes = rpc(engine, "bench_prepare_limits", str(fb))
     for file in (fa, fb):  # both files in the page cache before any timing
-        _rpc(engine, "bench_read_copy", str(file))
+        rpc(engine, "bench_read_copy", str(file))
     methods = reload_methods(engine, a, b)
     log(f"  timed rounds ({reps} x {len(methods)} methods)")
     rounds = Rounds()
@@ -207,39 +140,53 @@ def measure_engine(
     for name in methods:
         out[name] = rounds.result(name)
     out["copy"]["rate_bytes_per_s"] = ratio(nbytes, median(out["copy"]))
+    out["levers"] = measure_levers(engine, a, b, reps, log)
 
     log(f"  rollbacks ({reps}): a loader fault mid-push, the previous version re-written")
     out["rollback"] = measure_rollback(engine, fa, fb, reps)
-
     log("  memory probes (one sampled run each)")
-    out["memory"] = {
-        "read_copy": memory_probe(pids, lambda: _rpc(engine, "bench_read_copy", str(fb))),
-        "direct": memory_probe(pids, lambda: _push(engine, fa, "mem")),
-        "direct_no_finite": memory_probe(pids, lambda: _push(engine, fb, "mem", finite=False)),
-        "direct_verify_hash": memory_probe(pids, lambda: _push(engine, fa, "mem", verify=True)),
-        "layerwise_iter": memory_probe(pids, lambda: _rpc(engine, "bench_layerwise_iter", str(fb))),
-        "layerwise_file": memory_probe(pids, lambda: _rpc(engine, "bench_layerwise_file", str(a))),
-        "naive_loop": memory_probe(pids, lambda: _rpc(engine, "bench_naive_loop", str(fb))),
-    }
+    out["memory"] = memory_probes(engine, a, b, pids)
     engine.llm.collective_rpc("bench_free_limits")
-
     log("  correctness: outputs after each path")
+    out["outputs"] = outputs_after_each_path(engine, a, b)
+    return out
+
+
+def memory_probes(engine: Any, a: Path, b: Path, pids: list[int]) -> dict[str, Any]:
+    """Peak extra resident memory of one run of each path."""
+    fa, fb = a / "model.safetensors", b / "model.safetensors"
+    return {
+        "read_copy": memory_probe(pids, lambda: rpc(engine, "bench_read_copy", str(fb))),
+        "direct": memory_probe(pids, lambda: push(engine, fa, "mem")),
+        "direct_no_finite": memory_probe(pids, lambda: push(engine, fb, "mem", finite=False)),
+        "direct_verify_hash": memory_probe(pids, lambda: push(engine, fa, "mem", verify=True)),
+        "vllm_api_reload": memory_probe(pids, lambda: api_reload(engine, str(b))),
+        "layerwise_iter": memory_probe(pids, lambda: rpc(engine, "bench_layerwise_iter", str(fb))),
+        "layerwise_file": memory_probe(pids, lambda: rpc(engine, "bench_layerwise_file", str(a))),
+        "naive_loop": memory_probe(pids, lambda: rpc(engine, "bench_naive_loop", str(fb))),
+    }
+
+
+def outputs_after_each_path(engine: Any, a: Path, b: Path) -> dict[str, Any]:
+    """Greedy outputs on A, then after loading B by each path (from A each time); the
+    bridge's push last, so the engine ends on B."""
+    fa, fb = a / "model.safetensors", b / "model.safetensors"
     outputs: dict[str, Any] = {}
     engine.push(fa, version="A")
     outputs["A"] = greedy(engine)
-    for name, method, arg in (
-        ("layerwise_iter", "bench_layerwise_iter", str(fb)),
-        ("layerwise_file", "bench_layerwise_file", str(b)),
-        ("naive_loop", "bench_naive_loop", str(fb)),
+    for name, load in (
+        ("vllm_api_reload", lambda: api_reload(engine, str(b))),
+        ("layerwise_iter", lambda: rpc_reload(engine, "bench_layerwise_iter", str(fb))),
+        ("layerwise_file", lambda: rpc_reload(engine, "bench_layerwise_file", str(b))),
+        ("naive_loop", lambda: rpc_reload(engine, "bench_naive_loop", str(fb))),
     ):
         engine.push(fa, version="A")
-        _rpc_reload(engine, method, arg)
+        load()
         outputs[name] = greedy(engine)
     engine.push(fa, version="A")
-    engine.push(fb, version="B")  # the bridge's push last: the engine ends on B
+    engine.push(fb, version="B")
     outputs["direct"] = greedy(engine)
-    out["outputs"] = outputs
-    return out
+    return outputs
 
 
 def measure_rollback(engine: Any, fa: Path, fb: Path, reps: int) -> dict[str, Any]:
@@ -262,14 +209,6 @@ def measure_rollback(engine: Any, fa: Path, fb: Path, reps: int) -> dict[str, An
             raise RuntimeError(f"rollback left version {engine.version!r}: {engine.undefined}")
         times.append(engine.last_rollback_s)
     return stats(times)
-
-
-def start_engine(model: Path, **kwargs: Any) -> Any:
-    from weight_bridge.vllm import ColocatedEngine
-
-    return ColocatedEngine(
-        model, worker_extension_cls=BENCH_EXTENSION, **{**ENGINE_KWARGS, **kwargs}
-    )
 
 
 def bench_inprocess(a: Path, b: Path, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -308,76 +247,15 @@ def bench_inprocess(a: Path, b: Path, reps: int, log: Callable[[str], None]) -> 
     return out
 
 
-def child_multiprocess(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a child process with ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (vLLM's default engine)."""
-    a, b, reps = Path(spec["a"]), Path(spec["b"]), int(spec["reps"])
-    fa, fb = a / "model.safetensors", b / "model.safetensors"
-
-    def log(msg: str) -> None:
-        print(f"[bench child] {msg}", flush=True)
-
-    engine = start_engine(a)
-    engines: dict[str, Any] = {DEFAULT_CPU_LINEAR: engine}
-    try:
-        # The engine's processes (engine core, worker) are this process's descendants.
-        pids = descendants(os.getpid())
-        out = measure_engine(engine, a, b, reps, pids, log)
-        out["partial"] = measure_partial(engine, a, b, a.parent, reps, log)
-        out["process_names"] = [proc_name(p) for p in pids]
-        out["worker_pids"] = engine.llm.collective_rpc("bench_pid")
-        gen = spec.get("gen")
-        if gen:
-            log(f"  cpu_linear modes: {OTHER_CPU_LINEAR} and stock engines (on B)")
-            refs: dict[str, Any] = {}
-            for mode in (OTHER_CPU_LINEAR, "stock"):
-                extra = {"reload_mode": "auto"} if mode == "stock" else {}
-                engines[mode] = start_engine(b, cpu_linear=mode, **extra)
-                out[f"engine_{mode}"] = {"startup_s": engines[mode].startup_s}
-                refs[mode] = greedy(engines[mode])
-            other = engines[OTHER_CPU_LINEAR]
-            r = Rounds()
-            r.run(
-                {
-                    "direct": lambda rep: _push(other, fb if rep % 2 == 0 else fa, rep),
-                },
-                reps,
-            )
-            key = f"engine_{OTHER_CPU_LINEAR}"
-            out[key]["direct"] = r.result("direct")
-            other.push(fa, version="A")
-            other.push(fb, version="B")
-            out[key]["parity_vs_own_cold"] = compare(greedy(other), refs[OTHER_CPU_LINEAR])
-            out["engine_stock"]["cold_vs_torch_pushed"] = compare(
-                refs["stock"], out["outputs"]["direct"]
-            )
-            log("  generation speed, interleaved across the three engines")
-            tokens, gen_reps = int(gen[0]), int(gen[1])
-            for e in engines.values():  # warm-up: first-batch costs stay out of the timing
-                generation_rate(e, 2)
-            g = Rounds()
-            g.run(
-                {mode: _gen_call(e, tokens) for mode, e in engines.items()},
-                gen_reps,
-            )
-            out["generation"] = {
-                "batch": GEN_BATCH,
-                "max_tokens": tokens,
-                "engine": "multi-process, enforce_eager=True",
-                **{mode: {"tokens_per_s": g.result(mode)} for mode in engines},
-            }
-    finally:
-        for e in engines.values():
-            e.close()
-    return out
-
-
 def bench_multiprocess(
-    a: Path, b: Path, reps: int, workdir: Path, gen: tuple[int, int] | None
+    a: Path, b: Path, reps: int, workdir: Path, gen: tuple[int, int] | None, http: bool
 ) -> dict[str, Any]:
+    """The multi-process engine's measurements (:mod:`.child`) in a child process."""
     spec_file = workdir / "child_spec.json"
     result_file = workdir / "child_result.json"
     result_file.unlink(missing_ok=True)
-    spec_file.write_text(json.dumps({"a": str(a), "b": str(b), "reps": reps, "gen": gen}))
+    spec = {"a": str(a), "b": str(b), "reps": reps, "gen": gen, "http": http}
+    spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [sys.executable, "-m", "benchmarks", "--_child", str(spec_file)]
     cmd += ["--out", str(result_file)]

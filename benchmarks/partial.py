@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .engines import greedy, start_engine
 from .stats import Rounds, compare, ratio
 
 __all__ = ["measure_partial"]
@@ -50,8 +51,6 @@ def measure_partial(
 ) -> dict[str, Any]:
     """Push time and bytes of a full push and of each partial kind; parity of a chain."""
     from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
-
-    from .measure import greedy, start_engine
 
     fb = b / "model.safetensors"
     with CheckpointReader(a / "model.safetensors") as reader:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import GEN_BATCH
+from .config import GEN_BATCH, GLIBC
 from .report import TIME_ROWS, dig, fmt_load, getter
 
 
@@ -74,11 +74,8 @@ def render_plot(results: dict[str, Any], path: Path) -> None:
     bars(
         ax,
         [
-            (
-                f"cpu_linear={mode}",
-                getter("multiprocess", "generation", mode, "tokens_per_s"),
-            )
-            for mode in ("torch", "repack", "stock")
+            (mode, getter("multiprocess", "generation", mode, "tokens_per_s"))
+            for mode in ("repack", GLIBC, "torch", "stock")
         ],
         gen_names,
     )

@@ -1,4 +1,4 @@
-"""Statistics of repeated samples, round-robin runs, ratios, targets and the correctness verdict."""
+"""Statistics of repeated samples, round-robin runs, ratios and output comparisons."""
 
 from __future__ import annotations
 
@@ -9,16 +9,7 @@ from typing import Any
 
 from weight_bridge.testing.parity import check_parity
 
-from .config import (
-    DEFAULT_CPU_LINEAR,
-    ENGINES,
-    LOGPROB_TOL,
-    MEM_FIXED_ALLOWANCE,
-    OTHER_CPU_LINEAR,
-    PARITY_PROMPTS,
-    PARITY_TOKENS,
-    TARGETS,
-)
+from .config import LOGPROB_TOL
 
 
 def stats(samples: Iterable[float]) -> dict[str, Any]:
@@ -98,112 +89,4 @@ def compare(got: list | None, want: list | None) -> dict[str, Any]:
         "match": p.match,
         "tokens_equal": p.tokens_equal,
         "max_logprob_diff": p.max_logprob_diff,
-    }
-
-
-def _target(name: str, value: float | None) -> dict[str, Any]:
-    t = TARGETS[name.rsplit(".", 1)[-1]]
-    met = None
-    if value is not None:
-        met = value <= t["value"] if t["op"] == "<=" else value >= t["value"]
-    return {"value": value, "target": f"{t['op']} {t['value']}", "met": met, "what": t["what"]}
-
-
-def engine_ratios(e: dict[str, Any], largest: int) -> dict[str, float | None]:
-    """The ratios of one engine's measurements (medians over medians)."""
-    if not e or "error" in e and "direct" not in e:
-        return {}
-    direct = median(e.get("direct"))
-    read_copy = median(e.get("read_copy"))
-    lw_file, lw_iter = median(e.get("layerwise_file")), median(e.get("layerwise_iter"))
-    lw_best = min((x for x in (lw_file, lw_iter) if x is not None), default=None)
-    mem = e.get("memory", {}).get("direct", {})
-    peak = mem.get("peak_extra_anon")
-    return {
-        "direct_vs_read_copy": ratio(direct, read_copy),
-        "direct_no_finite_vs_read_copy": ratio(median(e.get("direct_no_finite")), read_copy),
-        "direct_vs_copy": ratio(direct, median(e.get("copy"))),
-        "read_copy_vs_copy": ratio(read_copy, median(e.get("copy"))),
-        "finite_guard_cost": ratio(direct, median(e.get("direct_no_finite"))),
-        "verify_hash_cost": ratio(median(e.get("direct_verify_hash")), direct),
-        "readback_cost": ratio(direct, median(e.get("direct_readback_off"))),
-        "readback_full_cost": ratio(
-            median(e.get("direct_readback_full")), median(e.get("direct_readback_off"))
-        ),
-        "rollback_vs_direct": ratio(median(e.get("rollback")), direct),
-        "layerwise_vs_direct": ratio(lw_best, direct),
-        "layerwise_file_vs_direct": ratio(lw_file, direct),
-        "layerwise_iter_vs_direct": ratio(lw_iter, direct),
-        "naive_vs_direct": ratio(median(e.get("naive_loop")), direct),
-        "cold_vs_direct": ratio(median(e.get("cold_restart")), direct),
-        "startup_vs_direct": ratio(e.get("startup_s"), direct),
-        "peak_anon_vs_largest": (
-            None if peak is None else max(0, peak - MEM_FIXED_ALLOWANCE) / largest
-        ),
-        "peak_anon_raw_vs_largest": None if peak is None else peak / largest,
-    }
-
-
-def analyse(size: dict[str, Any]) -> None:
-    """Ratios, targets and correctness of one size's raw results (in place)."""
-    largest = size["model"]["largest_tensor_bytes"]
-    save = size.get("save", {})
-    ratios: dict[str, Any] = {eng: engine_ratios(size.get(eng, {}), largest) for eng in ENGINES}
-    for where in ("disk", "shm"):
-        ratios[f"save_vs_raw_{where}"] = ratio(
-            median(save.get(where, {}).get("save_checkpoint")),
-            median(save.get(where, {}).get("raw_write")),
-        )
-    gen = size.get("multiprocess", {}).get("generation", {})
-    base = median(gen.get(DEFAULT_CPU_LINEAR, {}).get("tokens_per_s"))
-    for mode in (OTHER_CPU_LINEAR, "stock"):
-        ratios[f"gen_{DEFAULT_CPU_LINEAR}_vs_{mode}"] = ratio(
-            base, median(gen.get(mode, {}).get("tokens_per_s"))
-        )
-    size["ratios"] = ratios
-    targets: dict[str, Any] = {}
-    for eng in ENGINES:
-        for name in (
-            "direct_vs_read_copy",
-            "layerwise_vs_direct",
-            "peak_anon_vs_largest",
-            "readback_cost",
-        ):
-            targets[f"{eng}.{name}"] = _target(name, ratios[eng].get(name))
-    targets["inprocess.cold_vs_direct"] = _target(
-        "cold_vs_direct", ratios["inprocess"].get("cold_vs_direct")
-    )
-    for where in ("disk", "shm"):
-        targets[f"save_vs_raw_{where}"] = _target(
-            f"save_vs_raw_{where}", ratios[f"save_vs_raw_{where}"]
-        )
-    size["targets"] = targets
-
-    ip, mp = size.get("inprocess", {}), size.get("multiprocess", {})
-    cold = ip.get("outputs", {}).get("cold_B")
-    checks: dict[str, Any] = {}
-    for eng, e in (("inprocess", ip), ("multiprocess", mp)):
-        outs = e.get("outputs", {})
-        for path in ("direct", "layerwise_iter", "layerwise_file", "naive_loop"):
-            checks[f"{path}_{eng}"] = compare(outs.get(path), cold)
-    if f"engine_{OTHER_CPU_LINEAR}" in mp:
-        checks[f"direct_{OTHER_CPU_LINEAR}_multiprocess"] = mp[f"engine_{OTHER_CPU_LINEAR}"].get(
-            "parity_vs_own_cold", {"match": False}
-        )
-    if "partial" in mp:
-        checks["partial_chain_multiprocess"] = mp["partial"].get("parity_vs_cold", {"match": False})
-    a_out = ip.get("outputs", {}).get("A")
-    discriminates = a_out is not None and cold is not None and a_out != cold
-    required = ["direct_inprocess", "direct_multiprocess"]
-    if "partial" in mp:
-        required.append("partial_chain_multiprocess")
-    size["correctness"] = {
-        "reference": "greedy output of a cold in-process start on B (same engine settings)",
-        "prompts": PARITY_PROMPTS,
-        "max_tokens": PARITY_TOKENS,
-        "logprob_tolerance": LOGPROB_TOL,
-        "prompts_discriminate_A_from_B": discriminates,
-        "checks": checks,
-        "required": list(required),
-        "passed": bool(discriminates and all(checks[k]["match"] for k in required)),
     }

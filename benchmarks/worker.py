@@ -25,6 +25,73 @@ class BenchWorkerExtension(WeightBridgeWorkerExtension):
     def bench_pid(self) -> int:
         return os.getpid()
 
+    def bench_allocator(self, state: str) -> str:
+        """Switch this worker process's allocator: ``"kept"`` (what a bridged CPU engine
+        runs with, :mod:`weight_bridge.vllm.allocator`) or ``"default"`` (glibc's default
+        parameters, fixed); the state it is in afterwards."""
+        from weight_bridge.vllm import allocator
+
+        if state == "kept":
+            return allocator.keep_freed_memory()
+        return allocator.default_glibc_allocator()
+
+    def bench_plan_cache(self, forget: bool = False) -> int | None:
+        """``id`` of the plan cached on the model (None: none); ``forget`` drops it first, so
+        the next push plans every weight again."""
+        from weight_bridge.direct.state import bridge_state
+
+        state = bridge_state(self.model_runner.get_model())
+        if forget:
+            state.plan_cache = None
+        return None if state.plan_cache is None else id(state.plan_cache[1])
+
+    def bench_audit_s(self, reps: int = 21) -> float:
+        """Median seconds of one address audit (:func:`weight_bridge.direct.snapshot.addresses`
+        of the whole model; a push takes three)."""
+        import statistics
+
+        from weight_bridge.direct.snapshot import addresses
+
+        model = self.model_runner.get_model()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            addresses(model)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def bench_overlap(self, overlapped: bool) -> float:
+        """The overlap lever, probed on this engine's own packed linears: per linear, a write
+        of its weight (a copy of the same bytes from a clone, so the values do not change)
+        and its re-pack, either one after the other or with the re-pack of linear i in a
+        second thread while linear i+1 is written. Seconds for every linear."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from weight_bridge.direct.state import bridge_state
+
+        model = self.model_runner.get_model()
+        modules = dict(model.named_modules())
+        linears = [
+            (modules[name], refresher)
+            for name, refresher in bridge_state(model).refreshers.items()
+            if refresher.kind == "cpu packed linear"
+        ]
+        sources = [module.weight.detach().clone() for module, _ in linears]
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.perf_counter()
+            pending = None
+            for (module, refresher), source in zip(linears, sources, strict=True):
+                module.weight.data.copy_(source)
+                if not overlapped:
+                    refresher.refresh(module)
+                    continue
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(refresher.refresh, module)
+            if pending is not None:
+                pending.result()
+            return time.perf_counter() - t0
+
     def bench_arm_fault(self) -> None:
         """FAULT INJECTION: the next call of the last layer's down_proj loader raises, so a push
         fails after writing started (what a rollback recovers from)."""

@@ -38,7 +38,7 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)]
     cmd += ["--workdir", str(tmp_path / "work")]
     # benchmarks/ is not installed: run from the repository root, where it is importable
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
 
     r = json.loads(out.read_text())
@@ -61,20 +61,28 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
             "direct",
             "direct_no_finite",
             "direct_verify_hash",
+            "vllm_api_reload",
             "layerwise_file",
             "layerwise_iter",
             "naive_loop",
         ):
             _timed(engine[key])
-        for key in ("read_s", "write_s"):
+        for key in ("read_s", "write_s", "refresh_s", "readback_s"):
             _timed(engine["direct"][key])
+        for key in ("direct", "direct_glibc_malloc", "direct_cold_plan", "tiny"):
+            _timed(engine["levers"][key])
+        assert engine["levers"]["plan_cache_hit"] is True
         for probe in engine["memory"].values():
             assert probe["samples"] > 0
             assert probe["peak_extra_anon"] is not None and probe["peak_extra_file"] is not None
     _timed(ip["cold_restart"])
-    _timed(mp["engine_torch"]["direct"])
-    for mode in ("torch", "repack", "stock"):
+    for key in ("repack", "repack_glibc_malloc", "torch", "stock_api_reload"):
+        _timed(mp["pushes_elsewhere"][key])
+    for key in ("http", "engine", "http_tiny", "engine_tiny"):
+        _timed(mp["http"][key])
+    for mode in ("torch", "repack", "repack_glibc_malloc", "stock"):
         _timed(mp["generation"][mode]["tokens_per_s"])
+    assert r["fsdp"]["targets"]["fsdp_writer_peak"]["met"] in (True, False)
     for where in ("disk", "shm"):
         _timed(save[where]["save_checkpoint"])
         _timed(save[where]["raw_write"])
@@ -82,6 +90,7 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     for engine_name in ("inprocess", "multiprocess"):
         for name in ("direct_vs_read_copy", "layerwise_vs_direct", "peak_anon_vs_largest"):
             assert size["ratios"][engine_name][name] is not None, (engine_name, name)
+        for name in ("layerwise_vs_direct", "peak_anon_vs_largest"):
             assert size["targets"][f"{engine_name}.{name}"]["met"] in (True, False)
     for name in ("inprocess.cold_vs_direct", "save_vs_raw_disk", "save_vs_raw_shm"):
         assert size["targets"][name]["met"] in (True, False), name
@@ -90,3 +99,4 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     assert c["passed"] is True and c["prompts_discriminate_A_from_B"] is True
     assert c["checks"]["direct_inprocess"]["match"] is True
     assert c["checks"]["direct_multiprocess"]["match"] is True
+    assert c["checks"]["http_push_tokens"]["match"] is True
