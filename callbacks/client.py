@@ -70,8 +70,10 @@ def build_engine(
 
     bridge = {k: kwargs.pop(k) for k in list(kwargs) if k in BridgeOptions.__dataclass_fields__}
     kv_cache_gb = kwargs.pop("kv_cache_gb", None)
+    api_key = kwargs.pop("api_key", None)  # required on every route of the server
     kwargs.pop("plugins", None)
-    return ServedEngine(model_path, BridgeOptions(**bridge), kwargs, kv_cache_gb, inflight)
+    options = BridgeOptions(**bridge)
+    return ServedEngine(model_path, options, kwargs, kv_cache_gb, inflight, api_key=api_key)
 
 
 def connect(
