@@ -296,7 +296,7 @@ def test_whole_module_state_through_the_strategy(models, shared_engine, tmp_path
 def test_bad_arguments_are_refused_up_front(models) -> None:
     path = str(models["llama_A"])
     for make, words in [
-        (lambda: VLLMWeightSync(), "needs an engine or a model_path"),
+        (lambda: VLLMWeightSync(), "needs an engine, an engine_url or a model_path"),
         (lambda: VLLMWeightSync(model_path=path, on_error="ignore"), "on_error"),
         (lambda: CheckpointNames(dtype="int8"), "floating torch dtype"),
         (lambda: CheckpointFiles(keep_last_k=0), "keep_last_k"),

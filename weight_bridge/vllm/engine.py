@@ -224,11 +224,7 @@ class ColocatedEngine:
             try:
                 self._call(lambda llm: llm.update_weights({"update_info": info}), "update_weights")
             except (DirectReloadError, CheckpointError):
-                results = self._results()  # what the refusal or the rollback left
-                self._undefined = next((r.undefined for r in results if r.undefined), None)
-                self.last_rollback_s = max(
-                    (r.rollback_s for r in results if r.rollback_s is not None), default=None
-                )
+                self._note_refusal()
                 raise
             except (EngineCoreDeadError, TimeoutError):
                 raise  # _call noted what it means for the weights
@@ -250,6 +246,14 @@ class ColocatedEngine:
             report = PushReport.merged(results, version)
             report.elapsed_s = time.perf_counter() - started
             return report
+
+    def _note_refusal(self) -> None:
+        """What a refusal or a rolled-back failure left: undefined weights, the rollback time."""
+        results = self._results()
+        self._undefined = next((r.undefined for r in results if r.undefined), None)
+        self.last_rollback_s = max(
+            (r.rollback_s for r in results if r.rollback_s is not None), default=None
+        )
 
     def _results(self) -> list[PushResult]:
         """Every rank's result of the last update (an engine-core utility call)."""
