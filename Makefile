@@ -36,7 +36,7 @@ lint: setup
 	$(VENV)/bin/mypy weight_bridge callbacks
 
 test: setup lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=40
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow"
