@@ -58,6 +58,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +77,7 @@ from .config import (
     ENGINES,
     FSDP_SIZE,
     GEN_BATCH,
+    INFLIGHT_SIZE,
     QUICK_SIZES,
     REAL_MODEL,
     TARGETS,
@@ -168,6 +170,23 @@ def bench_fsdp_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any
     return result["fsdp"]
 
 
+def bench_inflight_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """:mod:`benchmarks.inflight` in a process of its own (its ``AsyncLLM`` runs vLLM's
+    multi-process engine, which this process has switched off)."""
+    out = workdir / "inflight.json"
+    cmd = [sys.executable, "-m", "benchmarks.inflight", "--size", args.inflight_size]
+    cmd += ["--pushes", str(args.inflight_pushes), "--steps", str(args.recipe_steps)]
+    cmd += ["--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    print(f"[bench inflight] {shlex.join(cmd)}", flush=True)
+    done = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[1], env=env, text=True, capture_output=True
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr[-4000:]}
+    return json.loads(out.read_text())
+
+
 def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
     md.write_text(render_markdown(results))
@@ -210,6 +229,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fsdp-size", default=FSDP_SIZE, help="FSDP2 vs DDP sync size ('none': skip)")
     p.add_argument("--fsdp-reps", type=int, default=4, help="syncs measured per FSDP/DDP job")
+    p.add_argument(
+        "--inflight-size", default=INFLIGHT_SIZE, help="in-flight pushes' size ('none': skip)"
+    )
+    p.add_argument("--inflight-pushes", type=int, default=8, help="pushes per in-flight mode")
+    p.add_argument(
+        "--recipe-steps", type=int, default=40, help="GRPO recipe steps, sync and async (0: skip)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny smoke run: 1m, 2 reps")
     p.add_argument(
         "--workdir", type=Path, default=None, help="models and disk saves (default: tmp)"
@@ -232,10 +258,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.gen_reps = 1
         if args.fsdp_size not in ("", "none"):
             args.fsdp_size, args.fsdp_reps = QUICK_SIZES[0], min(args.fsdp_reps, 2)
+        if args.inflight_size not in ("", "none"):
+            args.inflight_size, args.inflight_pushes = QUICK_SIZES[0], min(args.inflight_pushes, 2)
+        args.recipe_steps = 0  # the recipes' own tests run them
     args.sizes = _sizes(args.sizes)
     args.gen_sizes = _sizes(args.gen_sizes)
     args.http_sizes = args.sizes if args.http_sizes is None else _sizes(args.http_sizes)
     args.fsdp_size = None if args.fsdp_size in ("", "none") else args.fsdp_size
+    args.inflight_size = None if args.inflight_size in ("", "none") else args.inflight_size
     from weight_bridge.testing.models import SIZES
 
     known = [*SIZES, REAL_MODEL]
@@ -267,6 +297,9 @@ def _header(args: argparse.Namespace, raw_argv: list[str], workdir: Path) -> dic
             "http_sizes": args.http_sizes,
             "fsdp_size": args.fsdp_size,
             "fsdp_reps": args.fsdp_reps,
+            "inflight_size": args.inflight_size,
+            "inflight_pushes": args.inflight_pushes,
+            "recipe_steps": args.recipe_steps,
             "engine_kwargs": ENGINE_KWARGS,
             "arch": ARCH,
             "workdir": str(workdir),
@@ -302,6 +335,9 @@ def _summarise(results: dict[str, Any], sizes: list[str]) -> None:
     fsdp = results.get("fsdp")
     if isinstance(fsdp, dict) and "error" in fsdp:
         results["errors"].append(f"fsdp: {fsdp['error'][-2000:]}")
+    inflight = results.get("inflight")
+    if isinstance(inflight, dict) and "error" in inflight:
+        results["errors"].append(f"inflight: {inflight['error'][-2000:]}")
     results["targets_missed"] = [
         f"{n}: {k}"
         for n, s in results["sizes"].items()
@@ -326,6 +362,8 @@ def _run(args: argparse.Namespace, raw_argv: list[str]) -> dict[str, Any]:
             args.out.write_text(json.dumps(results, indent=1, default=str))  # partial results
         if args.fsdp_size:
             results["fsdp"] = bench_fsdp_section(args, workdir)
+        if args.inflight_size:
+            results["inflight"] = bench_inflight_section(args, workdir)
     finally:
         if own_workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -10,6 +10,7 @@ REAL_MODEL = "smollm2"  # SmolLM2-135M-Instruct, see weight_bridge.testing.real_
 DEFAULT_SIZES = ("100m", REAL_MODEL)
 DEFAULT_GEN_SIZES = ("100m", REAL_MODEL)
 FSDP_SIZE = "100m"  # benchmarks.fsdp: an FSDP2 sync against a DDP sync
+INFLIGHT_SIZE = "10m"  # benchmarks.inflight: pushes while generations run, and the async recipe
 QUICK_SIZES = ("1m",)
 ARCH = "llama"  # untied: vLLM's layerwise reload is only right for untied models on CPU
 ENGINE_KWARGS: dict[str, Any] = dict(

@@ -212,4 +212,11 @@ def summary_tables(results: dict[str, Any]) -> list[str]:
         lines += [render(fsdp), ""]
     elif isinstance(fsdp, dict):
         lines += ["## FSDP2 sync vs DDP sync", "", f"error: {fsdp.get('error', '')[-500:]}", ""]
+    inflight = results.get("inflight")
+    if isinstance(inflight, dict) and "pauses" in inflight:
+        from .inflight import render as render_inflight
+
+        lines += ["## In-flight pushes", "", render_inflight(inflight), ""]
+    elif isinstance(inflight, dict):
+        lines += ["## In-flight pushes", "", f"error: {inflight.get('error', '')[-500:]}", ""]
     return lines

@@ -83,6 +83,9 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     for mode in ("torch", "repack", "repack_glibc_malloc", "stock"):
         _timed(mp["generation"][mode]["tokens_per_s"])
     assert r["fsdp"]["targets"]["fsdp_writer_peak"]["met"] in (True, False)
+    pauses = r["inflight"]["pauses"]
+    for mode in ("idle", "recompute", "keep", "drain"):
+        assert pauses[mode]["n"] == 2 and 0 < pauses[mode]["median_s"] <= pauses[mode]["p95_s"]
     for where in ("disk", "shm"):
         _timed(save[where]["save_checkpoint"])
         _timed(save[where]["raw_write"])

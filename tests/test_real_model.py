@@ -116,7 +116,9 @@ def _scenario_push(model_a: str, model_b: str) -> dict:
     result: dict[str, Any] = {}
     # A lives in the model cache and B in a temporary directory: trust the root both are under
     root = os.path.commonpath([model_a, model_b])
-    with ColocatedEngine(model_a, kv_cache_gb=0.25, checkpoint_root=root, **ENGINE_KWARGS) as engine:
+    with ColocatedEngine(
+        model_a, kv_cache_gb=0.25, checkpoint_root=root, **ENGINE_KWARGS
+    ) as engine:
         result["startup_s"] = engine.startup_s
         result["engine_processes"] = [p.name() for p in psutil.Process().children(recursive=True)]
         result["a_first"] = answers(engine, model_a)
