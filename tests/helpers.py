@@ -82,6 +82,27 @@ def assert_differs(got: list, want: list) -> None:
     )
 
 
+def assert_recompute_continues(
+    prompts: list, outputs: list, model: Path, stock_cold: Callable, length: int
+) -> None:
+    """Each output, interrupted by one push in ``recompute`` mode, has exactly two spans
+    (``old``, ``new``) covering its ``length`` tokens, and the tokens after the push are what a
+    stock cold start on ``model`` (the new weights) continues prompt + tokens before it with.
+    ``outputs[i]`` is ``(tokens, [(version, start, end), ...])``."""
+    continuations, expected = [], []
+    for i, (ids, (tokens, spans)) in enumerate(zip(prompts, outputs, strict=True)):
+        assert len(tokens) == length, f"prompt {i}: {len(tokens)} tokens"
+        assert [s[0] for s in spans] == ["old", "new"], spans
+        cut = spans[1][1]
+        assert spans[0][1:] == (0, cut) and spans[1][2] == length, spans
+        continuations.append(list(ids) + list(tokens[:cut]))
+        expected.append(list(tokens[cut:]))
+    longest = max(len(want) for want in expected)
+    cold = stock_cold(model, continuations, max_tokens=longest, ignore_eos=True)
+    for i, want in enumerate(expected):
+        assert cold[i][0][: len(want)] == want, f"prompt {i}: {cold[i][0]} vs {want}"
+
+
 # -- engines -----------------------------------------------------------------------------------
 
 _slot: dict[str, object] = {}

@@ -10,7 +10,7 @@ naming the tensor, across vLLM's process boundary; the engine keeps serving its 
 from __future__ import annotations
 
 import pytest
-from helpers import assert_differs, assert_parity, run_script
+from helpers import assert_differs, assert_parity, assert_recompute_continues, run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -55,18 +55,9 @@ def test_async_llm_with_the_backend_in_flight(pairs, stock_cold) -> None:
         assert result["version_after_refusal"] == "b"
         prompts = result["prompts"]
         assert result["recompute_outcome"]["paused_s"] is not None
-        continuations, expected = [], []
-        for i, ids in enumerate(prompts):
-            tokens, spans = result["recompute"][str(i)]
-            assert [s[0] for s in spans] == ["old", "new"], spans
-            cut = spans[1][1]
-            assert spans[0][1:] == [0, cut] and spans[1][2] == len(tokens) == 96
-            continuations.append(ids + tokens[:cut])
-            expected.append(tokens[cut:])
-        longest = max(len(e) for e in expected)
-        cold = stock_cold(b, continuations, max_tokens=longest, ignore_eos=True)
-        for i, want in enumerate(expected):
-            assert cold[i][0][: len(want)] == want, f"prompt {i}"
+        outputs = [result["recompute"][str(i)] for i in range(len(prompts))]
+        outputs = [(tokens, [tuple(s) for s in spans]) for tokens, spans in outputs]
+        assert_recompute_continues(prompts, outputs, b, stock_cold, 96)
         assert result["refused_outcome"]["type"] == "DirectReloadError"
         on_a = stock_cold(a, prompts, max_tokens=96, ignore_eos=True)
         for i in range(len(prompts)):

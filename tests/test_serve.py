@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, assert_differs, assert_parity
+from helpers import PROMPTS, assert_differs, assert_parity, assert_recompute_continues
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
 from weight_bridge.vllm.clients import HTTPClient, RemoteUpdateError
@@ -329,20 +329,11 @@ def test_recompute_continues_every_sequence_with_the_new_policy(
     report = client.push(b, version="new", inflight="recompute")
     out = streams.join()
     assert report.paused_s is not None and report.inflight == "recompute"
-    continuations, expected = [], []
-    for i, ids in enumerate(prompts):
-        tokens, spans = out[i]
-        assert len(tokens) == LONG
-        assert [s["version"] for s in spans] == ["old", "new"], spans
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
-        assert spans[1]["end"] == LONG
-        cut = spans[1]["start"]
-        continuations.append(ids + tokens[:cut])
-        expected.append(tokens[cut:])
-    longest = max(len(want) for want in expected)
-    cold = stock_cold(b, continuations, max_tokens=longest, ignore_eos=True)
-    for i, want in enumerate(expected):
-        assert cold[i][0][: len(want)] == want, f"prompt {i}: {cold[i][0]} vs {want}"
+    outputs = [
+        (out[i][0], [(s["version"], s["start"], s["end"]) for s in out[i][1]])
+        for i in range(len(prompts))
+    ]
+    assert_recompute_continues(prompts, outputs, b, stock_cold, LONG)
 
 
 def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:

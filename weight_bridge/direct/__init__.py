@@ -40,6 +40,7 @@ from .record import prove_checkpoint_layout, record_checkpoint_layout
 from .session import (
     OpenReload,
     PreparedReload,
+    ReloadOptions,
     ReloadReport,
     direct_reload,
     direct_reload_session,
@@ -60,6 +61,7 @@ __all__ = [
     "Proof",
     "ReloadPlan",
     "ReloadReport",
+    "ReloadOptions",
     "READBACK_MODES",
     # extension points
     "Refresher",

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from typing_extensions import TypedDict, Unpack
 
 from .derived import refresh_derived_state
 from .errors import DirectReloadError
@@ -327,52 +328,34 @@ def prepare_direct_reload(
     return PreparedReload(model, items, plan, now, readback, reprocessor, partial, preflight_s)
 
 
+class ReloadOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`prepare_direct_reload`, shared by the calls built on it."""
+
+    finite: bool
+    reprocessor: Reprocessor | None
+    reprocessable: set[str] | frozenset[str]
+    readback: str
+    partial: bool
+
+
 def direct_reload_session(
-    model: torch.nn.Module,
-    weights: Weights,
-    *,
-    finite: bool = True,
-    reprocessor: Reprocessor | None = None,
-    reprocessable: set[str] | frozenset[str] = frozenset(),
-    readback: str = "sampled",
-    partial: bool = False,
+    model: torch.nn.Module, weights: Weights, **options: Unpack[ReloadOptions]
 ) -> contextlib.AbstractContextManager[OpenReload]:
     """``with direct_reload_session(model, weights) as reload: loader(reload.weights)``:
     :func:`prepare_direct_reload` (same arguments; a refusal raises here, nothing written),
     then :meth:`PreparedReload.write`."""
-    return prepare_direct_reload(
-        model,
-        weights,
-        finite=finite,
-        reprocessor=reprocessor,
-        reprocessable=reprocessable,
-        readback=readback,
-        partial=partial,
-    ).write()
+    return prepare_direct_reload(model, weights, **options).write()
 
 
 def direct_reload(
     model: torch.nn.Module,
     weights: Weights,
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
-    *,
-    finite: bool = True,
-    reprocessor: Reprocessor | None = None,
-    reprocessable: set[str] | frozenset[str] = frozenset(),
-    readback: str = "sampled",
-    partial: bool = False,
+    **options: Unpack[ReloadOptions],
 ) -> ReloadReport:
     """Write ``weights`` into ``model``'s live storages: :func:`prepare_direct_reload` (same
     keyword arguments), then :meth:`PreparedReload.run` with ``load``."""
-    return prepare_direct_reload(
-        model,
-        weights,
-        finite=finite,
-        reprocessor=reprocessor,
-        reprocessable=reprocessable,
-        readback=readback,
-        partial=partial,
-    ).run(load)
+    return prepare_direct_reload(model, weights, **options).run(load)
 
 
 def _copy_by_name(plan: ReloadPlan) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
