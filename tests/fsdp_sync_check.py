@@ -41,7 +41,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # each rank's engine core in
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from helpers import ENGINE_KWARGS, greedy  # noqa: E402
+from helpers import ENGINE_KWARGS, PushWatcher, greedy  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from callbacks import CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync  # noqa: E402
@@ -106,39 +106,25 @@ def full_weights(module: ShardedPolicy) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class Recorder(pl.Callback):
+class Recorder(PushWatcher):
     """After the sync callback: each push, seen by every rank."""
 
     def __init__(self, sync: VLLMWeightSync, out: Path) -> None:
-        self.sync, self.out = sync, out
-        self.pushes: list[dict] = []
+        super().__init__(sync)
+        self.out = out
 
-    def _look(self, trainer, pl_module) -> None:
-        if len(self.sync.history) == len(self.pushes):
-            return
-        record = self.sync.history[-1]
+    def seen(self, trainer, pl_module, record: dict) -> dict:
         tensors = full_weights(pl_module)
         if tensors:
             save_checkpoint(tensors, self.out / f"ref-{record['step']}.safetensors")
         engine = pl_module.vllm_engine
-        self.pushes.append(
-            {
-                "step": record["step"],
-                "partial": record["partial"],
-                "checkpoint": record["checkpoint"],
-                "version": engine.version,
-                "greedy": greedy(engine),
-            }
-        )
-
-    def on_train_start(self, trainer, pl_module):
-        self._look(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._look(trainer, pl_module)
-
-    def on_train_end(self, trainer, pl_module):
-        self._look(trainer, pl_module)
+        return {
+            "step": record["step"],
+            "partial": record["partial"],
+            "checkpoint": record["checkpoint"],
+            "version": engine.version,
+            "greedy": greedy(engine),
+        }
 
 
 class Fault(pl.Callback):

@@ -181,12 +181,14 @@ VOCAB = 512
 
 
 def __getattr__(name: str):
-    """``TinyLM`` is built on first use (``from helpers import TinyLM``), so that the engine
-    scripts importing this module do not pay Lightning's import (seconds on 2 cores)."""
-    if name != "TinyLM":
+    """``TinyLM`` and ``PushWatcher`` are built on first use (``from helpers import TinyLM``), so
+    that the engine scripts importing this module do not pay Lightning's import (seconds on 2
+    cores)."""
+    builders = {"TinyLM": _tiny_lm_class, "PushWatcher": _push_watcher_base}
+    if name not in builders:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    cls = _tiny_lm_class()
-    globals()["TinyLM"] = cls
+    cls = builders[name]()
+    globals()[name] = cls
     return cls
 
 
@@ -234,6 +236,36 @@ def _tiny_lm_class() -> type:
 
     TinyLM.__qualname__ = "TinyLM"  # importable as helpers.TinyLM (pickling, LightningCLI)
     return TinyLM
+
+
+def _push_watcher_base() -> type:
+    import lightning.pytorch as pl
+
+    class PushWatcher(pl.Callback):
+        """Listed after the sync callback: calls ``seen(trainer, pl_module, record)`` once per
+        push (``record``: the sync's history entry), at the first hook after it landed."""
+
+        def __init__(self, sync) -> None:
+            self.sync = sync
+            self.pushes: list[dict] = []
+
+        def seen(self, trainer, pl_module, record: dict) -> dict:
+            raise NotImplementedError
+
+        def _look(self, trainer, pl_module) -> None:
+            if len(self.sync.history) != len(self.pushes):
+                self.pushes.append(self.seen(trainer, pl_module, self.sync.history[-1]))
+
+        def on_train_start(self, trainer, pl_module):
+            self._look(trainer, pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._look(trainer, pl_module)
+
+        def on_train_end(self, trainer, pl_module):
+            self._look(trainer, pl_module)
+
+    return PushWatcher
 
 
 def trainer(tmp_path: Path, callbacks: list, max_steps: int, **kwargs):

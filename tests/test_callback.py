@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import (
     ENGINE_KWARGS,
+    PushWatcher,
     TinyLM,
     assert_differs,
     assert_parity,
@@ -33,38 +34,24 @@ from callbacks.retention import prune
 from weight_bridge.checkpoint import CheckpointReader
 
 
-class Recorder(Callback):
+class Recorder(PushWatcher):
     """Listed after the sync callback: sees each push as it lands, with the weights it carried."""
 
     def __init__(self, sync: VLLMWeightSync, outputs: bool = False) -> None:
-        self.sync = sync
+        super().__init__(sync)
         self.outputs = outputs
-        self.pushes: list[dict] = []
 
-    def _look(self, trainer: pl.Trainer, pl_module: TinyLM) -> None:
-        if len(self.sync.history) == len(self.pushes):
-            return
+    def seen(self, trainer: pl.Trainer, pl_module: TinyLM, record: dict) -> dict:
         engine = self.sync.engine
         assert engine is not None
-        self.pushes.append(
-            {
-                "step": self.sync.history[-1]["step"],
-                "global_step": trainer.global_step,
-                "version": engine.version,
-                "checkpoint": self.sync.last_checkpoint,
-                "weights": {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()},
-                "greedy": greedy(engine) if self.outputs else None,
-            }
-        )
-
-    def on_train_start(self, trainer, pl_module):
-        self._look(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._look(trainer, pl_module)
-
-    def on_train_end(self, trainer, pl_module):
-        self._look(trainer, pl_module)
+        return {
+            "step": record["step"],
+            "global_step": trainer.global_step,
+            "version": engine.version,
+            "checkpoint": self.sync.last_checkpoint,
+            "weights": {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()},
+            "greedy": greedy(engine) if self.outputs else None,
+        }
 
 
 def step_files(directory: Path) -> list[str]:
