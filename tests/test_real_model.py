@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,18 +115,18 @@ def _scenario_push(model_a: str, model_b: str) -> dict:
     from weight_bridge.vllm import ColocatedEngine
 
     result: dict[str, Any] = {}
-    # A lives in the model cache and B in a temporary directory: trust the root both are under
-    root = os.path.commonpath([model_a, model_b])
-    with ColocatedEngine(
-        model_a, kv_cache_gb=0.25, checkpoint_root=root, **ENGINE_KWARGS
-    ) as engine:
+    # A lives in the model cache, outside the tests' checkpoint root (the temporary directory):
+    # push a copy of its file from there, as a trainer's checkpoint would be
+    a_file = Path(model_b).parent / "A.safetensors"
+    shutil.copyfile(Path(model_a) / "model.safetensors", a_file)
+    with ColocatedEngine(model_a, kv_cache_gb=0.25, **ENGINE_KWARGS) as engine:
         result["startup_s"] = engine.startup_s
         result["engine_processes"] = [p.name() for p in psutil.Process().children(recursive=True)]
         result["a_first"] = answers(engine, model_a)
         before = engine.addresses()
         reports = [engine.push(Path(model_b) / "model.safetensors", version=1)]
         result["b_pushed"] = answers(engine, model_a)
-        reports.append(engine.push(Path(model_a) / "model.safetensors", version=2))
+        reports.append(engine.push(a_file, version=2))
         result["a_pushed"] = answers(engine, model_a)
         after = engine.addresses()
         result["workers"] = len(before)
