@@ -1,7 +1,8 @@
 """Benchmark: how fast a push is, against the limits of this machine and the alternatives.
 
     python -m benchmarks --out bench/results.json      # what ``make bench`` runs
-    python -m benchmarks --quick --out /tmp/r.json     # tiny smoke run (1m, 2 reps)
+    python -m benchmarks --quick --out /tmp/r.json     # smoke run: 1m, 2 reps, no generation,
+                                                       # HTTP or FSDP sections
     python -m benchmarks --render bench/results.json   # redraw .md/.png from a JSON
 
 For each model size (Llama architecture, untied, fp32, built locally by
@@ -236,7 +237,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe-steps", type=int, default=40, help="GRPO recipe steps, sync and async (0: skip)"
     )
-    p.add_argument("--quick", action="store_true", help="tiny smoke run: 1m, 2 reps")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 1m, 2 reps, no generation/HTTP/FSDP"
+    )
     p.add_argument(
         "--workdir", type=Path, default=None, help="models and disk saves (default: tmp)"
     )
@@ -251,13 +254,12 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(argv)
-    if args.quick:
-        args.sizes = args.gen_sizes = ",".join(QUICK_SIZES)
+    if args.quick:  # the push paths on both engines and the in-flight pauses, nothing else
+        args.sizes = ",".join(QUICK_SIZES)
+        args.gen_sizes, args.http_sizes, args.fsdp_size = "none", "none", "none"
         args.reps = min(args.reps, 2)
         args.gen_tokens = min(args.gen_tokens, 4)
         args.gen_reps = 1
-        if args.fsdp_size not in ("", "none"):
-            args.fsdp_size, args.fsdp_reps = QUICK_SIZES[0], min(args.fsdp_reps, 2)
         if args.inflight_size not in ("", "none"):
             args.inflight_size, args.inflight_pushes = QUICK_SIZES[0], min(args.inflight_pushes, 2)
         args.recipe_steps = 0  # the recipes' own tests run them

@@ -42,16 +42,23 @@ def cold() -> Callable[..., list]:
     reference cold start runs beside the engine under test, in a process of its own.
     """
 
-    def run(model: Path, cpu_linear: str = "repack", compile: bool = False) -> list:
-        key = (str(model), cpu_linear, compile)
-        if key not in _cold_cache:
-            args = ["cold", str(model), "--cpu-linear", cpu_linear]
+    def many(models: list[Path], cpu_linear: str = "repack", compile: bool = False) -> list:
+        """Cold starts of several models from one process (one engine at a time): one
+        interpreter and one vLLM import instead of one per model."""
+        missing = [m for m in models if (str(m), cpu_linear, compile) not in _cold_cache]
+        if missing:
+            args = ["cold", *map(str, missing), "--cpu-linear", cpu_linear]
             result = run_engine_check(
                 *args, *(["--compile"] if compile else []), multiprocess=False
             )
-            _cold_cache[key] = result["cold"]
-        return _cold_cache[key]
+            for model, outputs in zip(missing, result["colds"], strict=True):
+                _cold_cache[(str(model), cpu_linear, compile)] = outputs
+        return [_cold_cache[(str(m), cpu_linear, compile)] for m in models]
 
+    def run(model: Path, cpu_linear: str = "repack", compile: bool = False) -> list:
+        return many([model], cpu_linear, compile)[0]
+
+    run.many = many  # type: ignore[attr-defined]
     return run
 
 

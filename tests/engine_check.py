@@ -3,13 +3,14 @@
 vLLM caches its environment once an engine starts, so the multi-process engine (vLLM's
 default) and tensor parallelism are tested from their own processes through this script:
 
-    python tests/engine_check.py push MODEL_A MODEL_B [--tp 2] [--compile]
-    python tests/engine_check.py cold MODEL [--cpu-linear stock]
+    python tests/engine_check.py push MODEL_A MODEL_B [--tp 2] [--compile] [--no-cold]
+    python tests/engine_check.py cold MODEL [MODEL ...] [--cpu-linear stock]
     python tests/engine_check.py stock MODEL [--prompts JSON] [--max-tokens N] [--ignore-eos]
     python tests/engine_check.py partial MODEL_A PARTIAL [--tp 2]
 
 ``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
-greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts;
+greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts (each
+model in turn, one engine at a time, in this one process);
 ``partial`` pushes A's own checkpoint (version 0), then the partial checkpoint on top of it;
 ``stock`` cold-starts a plain ``vllm.LLM`` (no bridge at all) on ``--prompts``.
 """
@@ -27,10 +28,12 @@ def main() -> None:
     parser.add_argument("scenario", choices=["cold", "push", "partial", "stock"])
     parser.add_argument("model_a")
     parser.add_argument("model_b", nargs="?")
+    parser.add_argument("more", nargs="*", help="cold: more models, one after the other")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cpu-linear", default="repack")
     parser.add_argument("--reload-mode", default="direct")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--no-cold", action="store_true", help="push: no cold start of B")
     parser.add_argument("--pushes", type=int, default=1, help="B/A push rounds")
     parser.add_argument("--prompts", help="stock: JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=12)
@@ -58,9 +61,12 @@ def main() -> None:
         print("RESULT " + json.dumps(result, default=str))
         return
     if args.scenario == "cold":
-        with ColocatedEngine(args.model_a, **kwargs) as engine:
-            result["cold"] = greedy(engine)
-            result["startup_s"] = engine.startup_s
+        models = [args.model_a, *([args.model_b] if args.model_b else []), *args.more]
+        result["colds"] = []
+        for model in models:
+            with ColocatedEngine(model, **kwargs) as engine:
+                result["colds"].append(greedy(engine))
+        result["cold"] = result["colds"][0]
         print("RESULT " + json.dumps(result, default=str))
         return
     if args.scenario == "partial":
@@ -86,8 +92,9 @@ def main() -> None:
             result["a_pushed"] = greedy(engine)
         result["addresses_unchanged"] = engine.addresses() == addresses
         result["reports"] = reports
-    with ColocatedEngine(args.model_b, **kwargs) as engine:
-        result["b_cold"] = greedy(engine)
+    if not args.no_cold:
+        with ColocatedEngine(args.model_b, **kwargs) as engine:
+            result["b_cold"] = greedy(engine)
     print("RESULT " + json.dumps(result, default=str))
 
 

@@ -194,11 +194,9 @@ def main() -> None:
         root = Path(tmp)
         a = build_tiny_model(root / "llama_A", arch="llama", seed=0)
         b = perturb_checkpoint(a, root / "llama_B", scale=0.3, seed=1)
-        print("recording cold-start outputs of A and B (one process each)...", flush=True)
-        cold = {
-            "A": run_engine_check("cold", str(a), multiprocess=False)["cold"],
-            "B": run_engine_check("cold", str(b), multiprocess=False)["cold"],
-        }
+        print("recording cold-start outputs of A and B (a process of their own)...", flush=True)
+        colds = run_engine_check("cold", str(a), str(b), multiprocess=False)["colds"]
+        cold = {"A": colds[0], "B": colds[1]}
         assert_differs(cold["A"], cold["B"])
         with ColocatedEngine(a, **ENGINE_KWARGS) as engine:
             result = run_soak(

@@ -76,13 +76,9 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
             assert probe["samples"] > 0
             assert probe["peak_extra_anon"] is not None and probe["peak_extra_file"] is not None
     _timed(ip["cold_restart"])
-    for key in ("repack", "repack_glibc_malloc", "torch", "stock_api_reload"):
-        _timed(mp["pushes_elsewhere"][key])
-    for key in ("http", "engine", "http_tiny", "engine_tiny"):
-        _timed(mp["http"][key])
-    for mode in ("torch", "repack", "repack_glibc_malloc", "stock"):
-        _timed(mp["generation"][mode]["tokens_per_s"])
-    assert r["fsdp"]["targets"]["fsdp_writer_peak"]["met"] in (True, False)
+    # --quick leaves out the sections that start more engines (generation speed and vLLM's own
+    # engine, vllm serve, FSDP2 jobs): make bench runs them
+    assert "generation" not in mp and "http" not in mp and "fsdp" not in r
     pauses = r["inflight"]["pauses"]
     for mode in ("idle", "recompute", "keep", "drain"):
         assert pauses[mode]["n"] == 2 and 0 < pauses[mode]["median_s"] <= pauses[mode]["p95_s"]
@@ -102,4 +98,3 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     assert c["passed"] is True and c["prompts_discriminate_A_from_B"] is True
     assert c["checks"]["direct_inprocess"]["match"] is True
     assert c["checks"]["direct_multiprocess"]["match"] is True
-    assert c["checks"]["http_push_tokens"]["match"] is True

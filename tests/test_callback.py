@@ -124,9 +124,12 @@ def test_every_two_steps_pushes_the_trainer_weights(models, shared_engine, cold,
 @pytest.mark.slow
 def test_every_push_serves_like_a_cold_start(models, shared_engine, cold, tmp_path) -> None:
     recorder, _ = train_every_two_steps(models, shared_engine("llama_A"), tmp_path)
-    for push in recorder.pushes:
-        reference = model_dir_for(models, push["checkpoint"], tmp_path / f"cold-{push['step']}")
-        assert_parity(push["greedy"], cold(reference))
+    references = [
+        model_dir_for(models, push["checkpoint"], tmp_path / f"cold-{push['step']}")
+        for push in recorder.pushes
+    ]
+    for push, reference in zip(recorder.pushes, cold.many(references), strict=True):
+        assert_parity(push["greedy"], reference)
 
 
 def test_gradient_accumulation_keeps_the_cadence_in_optimizer_steps(

@@ -148,10 +148,12 @@ def test_other_modes_match_cold_start(arch, mode, cpu_linear, models, cold, engi
 
 
 @pytest.mark.slow
-def test_multiprocess_engine_push_matches_cold_start(models) -> None:
-    """vLLM's default engine (workers in their own processes), on the tied architecture."""
-    r = run_engine_check("push", str(models["qwen2_A"]), str(models["qwen2_B"]))
-    assert_parity(r["b_pushed"], r["b_cold"])
+def test_multiprocess_engine_push_matches_cold_start(models, cold) -> None:
+    """vLLM's default engine (workers in their own processes), on the tied architecture; the
+    reference is the shared in-process cold start (the same worker code computes both)."""
+    a, b = str(models["qwen2_A"]), str(models["qwen2_B"])
+    r = run_engine_check("push", a, b, "--no-cold")
+    assert_parity(r["b_pushed"], cold(models["qwen2_B"]))
     assert_parity(r["a_pushed"], r["a_before"])
     assert_differs(r["b_pushed"], r["a_before"])
     assert r["addresses_unchanged"]
@@ -159,8 +161,10 @@ def test_multiprocess_engine_push_matches_cold_start(models) -> None:
 
 @pytest.mark.slow
 def test_compiled_engine_push_matches_cold_start(models) -> None:
-    """torch.compile on (vLLM's CPU default): weights are graph inputs, not baked constants."""
-    r = run_engine_check("push", str(models["qwen2_A"]), str(models["qwen2_B"]), "--compile")
+    """torch.compile on (vLLM's CPU default): weights are graph inputs, not baked constants.
+    In-process (the multi-process engine is the test above): compiling twice is the cost."""
+    a, b = str(models["qwen2_A"]), str(models["qwen2_B"])
+    r = run_engine_check("push", a, b, "--compile", multiprocess=False)
     assert_parity(r["b_pushed"], r["b_cold"])
     assert_parity(r["a_pushed"], r["a_before"])
     assert r["addresses_unchanged"]

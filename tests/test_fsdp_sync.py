@@ -57,10 +57,13 @@ def check_pushes(ranks: list[dict], model: Path, out: Path, cold, tmp_path: Path
     """Both ranks saw the same pushes, each equal to a cold start on the full weights."""
     steps = [p["step"] for p in ranks[0]["pushes"]]
     assert [p["step"] for p in ranks[1]["pushes"]] == steps
-    for i, step in enumerate(steps):
-        reference = cold(
+    references = cold.many(
+        [
             model_dir_with(model, _tensors(out / f"ref-{step}.safetensors"), tmp_path / f"c{step}")
-        )
+            for step in steps
+        ]
+    )
+    for i, (step, reference) in enumerate(zip(steps, references, strict=True)):
         for rank in ranks:
             push = rank["pushes"][i]
             assert push["version"] == step

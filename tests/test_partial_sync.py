@@ -66,10 +66,15 @@ def checkpoint_names(path: str) -> tuple[set[str], dict[str, str]]:
 
 def run_and_check(recorder: FullWeights, config_dir: Path, cold, tmp_path: Path) -> None:
     """Every push equal to a cold start on the full weights it stood for."""
-    for i, push in enumerate(recorder.pushes):
-        reference = model_dir_with(config_dir, push["full"], tmp_path / f"cold-{push['step']}")
+    references = cold.many(
+        [
+            model_dir_with(config_dir, push["full"], tmp_path / f"cold-{push['step']}")
+            for push in recorder.pushes
+        ]
+    )
+    for i, (push, reference) in enumerate(zip(recorder.pushes, references, strict=True)):
         try:
-            assert_parity(push["greedy"], cold(reference))
+            assert_parity(push["greedy"], reference)
         except AssertionError as exc:
             raise AssertionError(f"push {i} (step {push['step']}): {exc}") from None
         if i:
