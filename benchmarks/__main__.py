@@ -258,8 +258,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = ",".join(QUICK_SIZES)
         args.gen_sizes, args.http_sizes, args.fsdp_size = "none", "none", "none"
         args.reps = min(args.reps, 2)
-        args.gen_tokens = min(args.gen_tokens, 4)
-        args.gen_reps = 1
         if args.inflight_size not in ("", "none"):
             args.inflight_size, args.inflight_pushes = QUICK_SIZES[0], min(args.inflight_pushes, 2)
         args.recipe_steps = 0  # the recipes' own tests run them

@@ -2,10 +2,10 @@
 
 Both in vLLM's default multi-process engine (a fresh process per mode, ``tests/native_check.py``):
 ``AsyncLLM`` on a tied dense Qwen2 and on Qwen3-MoE (the CPU experts prepack refreshed),
-``vllm.LLM`` on the tied Qwen2. References are cold
-starts of a *stock* ``vllm.LLM`` (no bridge) on the same checkpoint: greedy tokens and top-3
-logprobs to 1e-4. A refused checkpoint makes ``update_weights`` raise the project's own error,
-naming the tensor, across vLLM's process boundary; the engine keeps serving its version.
+``vllm.LLM`` on the tied Qwen2. References are cold starts of a *stock* ``vllm.LLM`` (no
+bridge) on the same checkpoint: greedy tokens and top-3 logprobs to 1e-4. A refused checkpoint
+makes ``update_weights`` raise the project's own error, naming the tensor, across vLLM's process
+boundary; the engine keeps serving its version.
 """
 
 from __future__ import annotations
