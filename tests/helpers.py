@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,6 +104,104 @@ def assert_recompute_continues(
         assert cold[i][0][: len(want)] == want, f"prompt {i}: {cold[i][0]} vs {want}"
 
 
+# -- version labels under load -----------------------------------------------------------------
+
+LABEL_PROMPTS = [[1, 20, 21, 22], [1, 5, 9, 30, 31], [1, 100, 101]]
+LABEL_TOKENS = 6  # greedy, ignore_eos: every output has exactly this many tokens
+Labelled = tuple[int, list[int], list[tuple[str, int, int]]]  # prompt index, tokens, spans
+
+
+def pushes_under_load(
+    generate: Callable[[list[int]], tuple[list[int], list[tuple[str, int, int]]]],
+    push: Callable[[Path, str], object],
+    checkpoints: dict[str, Path],
+    pushes: int,
+    gap_s: float = 0.02,
+    threads: int = 4,
+) -> list[Labelled]:
+    """``threads`` threads generate :data:`LABEL_PROMPTS` (``generate(ids) -> (tokens,
+    spans)``) without a break while ``push(path, version)`` alternates ``checkpoints`` (version:
+    its key) ``pushes`` times, each once every thread finished an output begun after the last
+    push (and ``gap_s``); every output that finished."""
+    stop = threading.Event()
+    outputs: list[Labelled] = []
+    errors: list[BaseException] = []
+    counts = [0] * threads
+
+    def run(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            p = i % len(LABEL_PROMPTS)
+            try:
+                tokens, spans = generate(LABEL_PROMPTS[p])
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            outputs.append((p, list(tokens), [tuple(s) for s in spans]))  # type: ignore[misc]
+            counts[k] += 1
+            i += 1
+
+    workers = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(threads)]
+    for w in workers:
+        w.start()
+    names = list(checkpoints)
+    try:
+        for n in range(pushes):
+            name = names[n % len(names)]
+            push(checkpoints[name], name)
+            # every thread finishes one output begun after the push (wholly on this version),
+            # then the next push lands while their next ones are running
+            want = [c + 2 for c in counts]
+            deadline = time.monotonic() + 60
+            while any(c < w for c, w in zip(counts, want, strict=True)) and not errors:
+                assert time.monotonic() < deadline, "generation stalled"
+                time.sleep(0.005)
+            time.sleep(gap_s)
+            assert not errors, errors
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(120)
+    assert not errors, errors
+    return outputs
+
+
+def label_colds(a: Path, b: Path, stock_cold: Callable) -> dict[str, list]:
+    """Stock cold starts on A and B of :data:`LABEL_PROMPTS`, by version ``"A"`` / ``"B"``."""
+    return {
+        v: stock_cold(m, LABEL_PROMPTS, LABEL_TOKENS, ignore_eos=True)
+        for v, m in (("A", a), ("B", b))
+    }
+
+
+def assert_labels_name_weights(
+    outputs: list[Labelled], cold: dict[str, list], min_single: int = 10
+) -> tuple[int, int]:
+    """Every output's spans are contiguous and cover its tokens; every output under a single
+    version is what a cold start on that version generates (``cold[version][prompt]``: greedy
+    tokens first). How many outputs had one span and how many several."""
+    wrong, single, mixed = [], 0, 0
+    for p, tokens, spans in outputs:
+        assert len(tokens) == LABEL_TOKENS, (p, tokens)
+        assert spans and spans[0][1] == 0 and spans[-1][2] == len(tokens), spans
+        pairs = zip(spans, spans[1:], strict=False)
+        assert all(a[2] == b[1] and a[0] != b[0] for a, b in pairs), spans
+        if len(spans) > 1:
+            mixed += 1
+            continue
+        single += 1
+        version = spans[0][0]
+        if tokens != list(cold[version][p][0]):
+            wrong.append((version, p, tokens, cold[version][p][0]))
+    assert not wrong, (
+        f"{len(wrong)} of {single} single-version outputs are not their version's: {wrong[:3]}"
+    )
+    assert single >= min_single, (single, mixed)
+    seen = {spans[0][0] for _, _, spans in outputs if len(spans) == 1}
+    assert seen == set(cold), f"single-version outputs only for {seen}, not all of {set(cold)}"
+    return single, mixed
+
+
 # -- engines -----------------------------------------------------------------------------------
 
 _slot: dict[str, object] = {}
@@ -136,6 +235,21 @@ def model_dir_with(config_dir: Path, tensors: dict, dst: Path) -> Path:
 
     shutil.copytree(config_dir, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     save_checkpoint(tensors, dst / "model.safetensors")
+    return dst
+
+
+def model_dir_saved_by_hf(config_dir: Path, model, dst: Path) -> Path:
+    """A reference model directory built without the bridge's code: ``config_dir``'s config and
+    tokenizer, and ``model``'s (a Hugging Face model's) weights as its own ``save_pretrained``
+    writes them (safetensors from torch's ``state_dict``; a tied ``lm_head`` left out, as
+    Hugging Face does)."""
+    weights = ("*.safetensors", "*.safetensors.index.json")
+    shutil.copytree(config_dir, dst, ignore=shutil.ignore_patterns(*weights))
+    with tempfile.TemporaryDirectory() as saved:
+        model.save_pretrained(saved, safe_serialization=True)
+        for f in Path(saved).iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy(f, dst / f.name)
     return dst
 
 

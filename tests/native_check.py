@@ -2,6 +2,7 @@
 
     python tests/native_check.py llm ROOT MODEL_A MODEL_B [MODEL_A MODEL_B ...]
     python tests/native_check.py async ROOT MODEL_A MODEL_B [MODEL_A MODEL_B ...]
+    python tests/native_check.py labels ROOT MODEL_A MODEL_B
 
 ``llm``: a multi-process ``vllm.LLM`` per pair; ``async``: an ``AsyncLLM`` per pair (always
 multi-process). Each engine is started on A with ``weight_transfer_config={"backend":
@@ -10,7 +11,11 @@ driven only through vLLM's calls (``start_weight_update``, ``update_weights``,
 ``finish_weight_update``, ``pause_generation``, ``resume_generation``). Prints ``RESULT {json}``
 with, per engine: greedy outputs before and after pushing B, what a NaN checkpoint raised (type,
 problems) and the outputs after it, and, for ``async``, long generations interrupted by a push
-in ``recompute`` mode and by a refused push.
+in ``recompute`` mode and by a refused push. ``labels``: an
+:class:`~weight_bridge.vllm.async_engine.AsyncColocatedEngine` (``AsyncLLM``) generating without
+a break while A and B are pushed alternately in each in-flight mode (every output with its
+``weight_versions``), a push while another update is active, and one after a trainer died
+holding the update (``update_timeout_s`` = :data:`UPDATE_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default engine, even under pytest
 
 LONG = 96
+UPDATE_TIMEOUT_S = 3.0
 
 
 def _engine_kwargs(root: str) -> dict:
@@ -50,7 +56,13 @@ def _nan_checkpoint(model_b: str, root: str) -> tuple[str, str]:
 
 
 def _refusal(exc: BaseException) -> dict:
-    return {"type": type(exc).__name__, "problems": dict(getattr(exc, "problems", {}))}
+    from weight_bridge.vllm.results import UpdateInProgressError
+
+    return {
+        "type": type(exc).__name__,
+        "problems": dict(getattr(exc, "problems", {})),
+        "in_progress": isinstance(exc, UpdateInProgressError),
+    }
 
 
 def run_llm(root: str, model_a: str, model_b: str) -> dict:
@@ -76,6 +88,12 @@ def run_llm(root: str, model_a: str, model_b: str) -> dict:
         out["finish_after_refusal"] = str(exc)
     out["after_refusal"] = greedy(llm)
     out["version_after_refusal"] = llm.get_weight_version()
+    llm.start_weight_update()
+    try:
+        llm.start_weight_update()
+    except Exception as exc:
+        out["second_start"] = _refusal(exc) | {"message": str(exc)}
+    llm.finish_weight_update()
     llm.llm_engine.engine_core.shutdown()
     return out
 
@@ -154,8 +172,68 @@ async def run_async(root: str, model_a: str, model_b: str) -> dict:
     return out
 
 
+def run_labels(root: str, model_a: str, model_b: str) -> dict:
+    import time
+
+    from helpers import ENGINE_KWARGS, LABEL_PROMPTS, LABEL_TOKENS, pushes_under_load
+    from vllm import SamplingParams
+
+    from weight_bridge.vllm.async_engine import AsyncColocatedEngine
+
+    kwargs = {k: v for k, v in ENGINE_KWARGS.items() if k != "plugins"}
+    engine = AsyncColocatedEngine(
+        model_a, inflight=None, checkpoint_root=root, update_timeout_s=UPDATE_TIMEOUT_S, **kwargs
+    )
+    sp = SamplingParams(max_tokens=LABEL_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def generate(ids: list[int]) -> tuple[list[int], list]:
+        completion = engine.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0]
+        spans = [(s.version, s.start, s.end) for s in completion.weight_versions or ()]
+        return list(completion.token_ids), spans
+
+    checkpoints = {"B": Path(model_b), "A": Path(model_a)}
+    out: dict = {"modes": {}}
+    engine.push(model_a, version="A")
+    for mode in (None, "keep", "recompute", "drain"):
+
+        def push(path: Path, version: str, mode=mode) -> None:
+            engine.push(path, version=version, inflight=mode)
+
+        out["modes"][str(mode)] = pushes_under_load(generate, push, checkpoints, pushes=12)
+    raw = engine.engine
+    engine._run(raw.start_weight_update())  # another trainer holds the update
+    try:
+        engine.push(model_b, version="B", inflight="recompute")
+    except Exception as exc:
+        out["second"] = _refusal(exc) | {"message": str(exc)}
+    out["paused_after_refusal"] = engine._run(raw.is_paused())
+    engine._run(raw.finish_weight_update())
+    out["version_after_second"] = engine._run(raw.get_weight_version())
+    engine._run(raw.start_weight_update())  # ... and dies holding it
+    died = time.monotonic()
+    waited: list[str] = []
+    while True:
+        try:
+            engine.push(model_b, version="B")
+            break
+        except Exception as exc:
+            waited.append(type(exc).__name__)
+            if time.monotonic() - died > UPDATE_TIMEOUT_S + 10:
+                raise
+            time.sleep(0.2)
+    out["dead"] = {"waited_s": time.monotonic() - died, "refusals": sorted(set(waited))}
+    out["after_dead"] = [generate(ids)[0] for ids in LABEL_PROMPTS]
+    out["version_after_dead"] = engine._run(raw.get_weight_version())
+    engine.close()
+    return out
+
+
 def main() -> None:
     mode, root, *models = sys.argv[1:]
+    if mode == "labels":
+        result = run_labels(root, *models)
+        print("RESULT " + json.dumps(result, default=str), flush=True)
+        return
     engines = []
     for model_a, model_b in zip(models[::2], models[1::2], strict=True):
         if mode == "llm":

@@ -11,7 +11,14 @@ boundary; the engine keeps serving its version.
 from __future__ import annotations
 
 import pytest
-from helpers import assert_differs, assert_parity, assert_recompute_continues, run_script
+from helpers import (
+    assert_differs,
+    assert_labels_name_weights,
+    assert_parity,
+    assert_recompute_continues,
+    label_colds,
+    run_script,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -47,6 +54,9 @@ def test_vllm_llm_with_the_backend_multiprocess(pairs, stock_cold) -> None:
         assert result["version"] == "b" and result["version_after_refusal"] == "b"
         assert "after a failed update_weights" in result["finish_after_refusal"]  # no version
         assert_parity(result["after_refusal"], result["b"])
+        second = result["second_start"]  # typed across vLLM's process boundary
+        assert second["type"] == "UpdateConflictError" and second["in_progress"], second
+        assert "a weight update is active since" in second["message"], second
 
 
 def test_async_llm_with_the_backend_in_flight(pairs, stock_cold) -> None:
@@ -67,3 +77,28 @@ def test_async_llm_with_the_backend_in_flight(pairs, stock_cold) -> None:
         for i in range(len(prompts)):
             tokens, spans = result["refused"][str(i)]
             assert [s[0] for s in spans] == ["kept"] and tokens == on_a[i][0]
+
+
+def test_async_llm_labels_name_the_weights_in_every_mode(api_models, stock_cold) -> None:
+    """``AsyncLLM`` (multi-process) generating without a break while A and B are pushed
+    alternately: in every in-flight mode, ``None`` included, each output under one version is
+    that version's stock cold start and spans cover every token; a push while another update
+    is active is refused with the typed error and resumes nothing; an update whose trainer died
+    is abandoned after ``update_timeout_s``, and the next push then works."""
+    root, models = api_models
+    a, b = models["dense"]
+    result = run_script("native_check.py", "labels", str(root), str(a), str(b))[0]
+    cold = label_colds(a, b, stock_cold)
+    for mode, outputs in result["modes"].items():
+        outputs = [(p, tokens, [tuple(s) for s in spans]) for p, tokens, spans in outputs]
+        single, mixed = assert_labels_name_weights(outputs, cold)
+        print(f"inflight={mode}: {single} single-version outputs, {mixed} spanning a push")
+    second = result["second"]
+    assert second["type"] == "UpdateConflictError" and second["in_progress"], second
+    assert not result["paused_after_refusal"]  # it took no pause, so it resumed none
+    assert result["version_after_second"] == "A"
+    dead = result["dead"]
+    assert dead["refusals"] == ["UpdateConflictError"], dead
+    assert 3.0 - 0.5 <= dead["waited_s"] <= 3.0 + 10, dead  # native_check.UPDATE_TIMEOUT_S
+    assert result["version_after_dead"] == "B"
+    assert result["after_dead"] == [c[0] for c in cold["B"]]

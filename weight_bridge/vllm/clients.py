@@ -13,8 +13,16 @@ can happen *in flight*, inside ``pause_generation`` ... ``resume_generation``:
 * ``"drain"``: running requests finish first, new ones wait (``mode="wait"``).
 
 A refused or failed update resumes generation on the version served before; nothing in flight
-is lost. Every finished output carries vLLM's ``weight_versions`` spans. The report says how long
-generation was paused (``paused_s``).
+is lost. Every finished output carries vLLM's ``weight_versions`` spans, and each span names the
+weights that computed its tokens, in every mode (``None`` included): the engine core stamps the
+new version in the same call that writes the weights (:mod:`.core_hooks`). A push's version
+defaults to the checkpoint's ``version`` metadata, else its file name (the engine's rule, the
+same for every client). The report says how long generation was paused (``paused_s``).
+
+One update at a time: a push that meets another update in progress raises
+:class:`~.results.UpdateInProgressError` (``409 Conflict`` over HTTP) before it pauses anything,
+so it never resumes generation another update paused: each push takes the engine's update
+(``start_weight_update``) *before* it pauses, and resumes only what it paused.
 
 * :class:`LLMClient`: a ``vllm.LLM`` in this process (no concurrent generation, no in-flight).
 * :class:`AsyncLLMClient`: an ``AsyncLLM`` in this process, from its event loop or another
@@ -27,15 +35,17 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import json
 import os
 import time
 import urllib.error
 import urllib.request
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Literal
 
-from .results import PushReport, PushResult
+from .results import PushReport, PushResult, UpdateInProgressError
 
 __all__ = [
     "INFLIGHT_MODES",
@@ -62,9 +72,15 @@ def _check_inflight(inflight: str | None) -> None:
         raise ValueError(f"inflight must be one of {INFLIGHT_MODES} or None, not {inflight!r}")
 
 
-def _request(checkpoint: str | os.PathLike, verify_hash: bool | None) -> tuple[str, dict]:
+def _request(
+    checkpoint: str | os.PathLike, version: Any, verify_hash: bool | None
+) -> tuple[str, dict]:
+    """The path and ``update_info``: the version goes with the write (the engine stamps it in
+    the same step), not only with ``finish_weight_update``."""
     path = str(Path(checkpoint).resolve())
     info: dict[str, Any] = {"checkpoint": path}
+    if version is not None:
+        info["version"] = str(version)
     if verify_hash is not None:
         info["verify_hash"] = verify_hash
     return path, info
@@ -113,13 +129,13 @@ class LLMClient(ServedChain):
     ) -> PushReport:
         from .api_hooks import update_results
 
-        path, info = _request(checkpoint, verify_hash)
-        version = path if version is None else version
+        path, info = _request(checkpoint, version, verify_hash)
         started = time.perf_counter()
         self.llm.start_weight_update()
         self.llm.update_weights({"update_info": info})
-        self.llm.finish_weight_update(weight_version=str(version))
+        self.llm.finish_weight_update(weight_version=info.get("version"))
         results = update_results(self.llm.llm_engine.engine_core)
+        version = self.llm.get_weight_version() if version is None else version
         self.served(path, version, results[0].partial)
         return _report(results, version, started)
 
@@ -149,21 +165,33 @@ class _InflightClient(ServedChain, abc.ABC):
         if not paused) and the mode."""
         mode = self.inflight if inflight == "default" else inflight
         _check_inflight(mode)
-        path, info = _request(checkpoint, verify_hash)
-        version = path if version is None else version
+        path, info = _request(checkpoint, version, verify_hash)
+        await self._start()  # refused (UpdateInProgressError) before anything is paused
         paused = None
-        if mode is not None:
-            paused = time.perf_counter()
-            await self._pause(*_PAUSE[mode])
+        sent = False
         try:
-            await self._start()
-            await self._update(info)
-            await self._finish(str(version))
+            if mode is not None:
+                paused = time.perf_counter()
+                await self._pause(*_PAUSE[mode])
+            sent = True
+            await self._update(info)  # a refusal or failure ends the update in the engine
+            await self._finish(info.get("version"))
         finally:
+            if not sent:
+                await self._end_unsent()
             if paused is not None:
                 await self._resume()
                 paused = time.perf_counter() - paused
+        if version is None:
+            version = await self._version()
         return path, version, paused, mode
+
+    async def _end_unsent(self) -> None:
+        """A pause that failed (or was interrupted) after this push took the engine's update:
+        end it, so the next push can start. (An update that was sent and refused or failed is
+        ended by the engine itself: a finish then could end another pusher's update.)"""
+        with contextlib.suppress(Exception):
+            await self._finish(None)
 
     @abc.abstractmethod
     async def _pause(self, mode: str, clear_cache: bool) -> None: ...
@@ -175,10 +203,13 @@ class _InflightClient(ServedChain, abc.ABC):
     async def _update(self, info: dict) -> None: ...
 
     @abc.abstractmethod
-    async def _finish(self, version: str) -> None: ...
+    async def _finish(self, version: str | None) -> None: ...
 
     @abc.abstractmethod
     async def _resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _version(self) -> str: ...
 
 
 class AsyncLLMClient(_InflightClient):
@@ -241,11 +272,14 @@ class AsyncLLMClient(_InflightClient):
 
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
 
-    async def _finish(self, version: str) -> None:
+    async def _finish(self, version: str | None) -> None:
         await self.engine.finish_weight_update(version)
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()
+
+    async def _version(self) -> str:
+        return str(await self.engine.get_weight_version())
 
     def close(self) -> None:
         """The ``AsyncLLM`` is the caller's: nothing to close."""
@@ -293,7 +327,10 @@ class HTTPClient(_InflightClient):
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
-            raise RemoteUpdateError(exc.code, _message(exc.read())) from None
+            message = _message(exc.read())
+            if exc.code == HTTPStatus.CONFLICT:
+                raise UpdateInProgressError(message) from None
+            raise RemoteUpdateError(exc.code, message) from None
         return json.loads(raw) if raw else None
 
     def weight_version(self) -> str:
@@ -325,11 +362,14 @@ class HTTPClient(_InflightClient):
     async def _update(self, info: dict) -> None:
         self.call("update_weights", {"update_info": info})
 
-    async def _finish(self, version: str) -> None:
-        self.call("finish_weight_update", {"weight_version": version})
+    async def _finish(self, version: str | None) -> None:
+        self.call("finish_weight_update", {"weight_version": version} if version else {})
 
     async def _resume(self) -> None:
         self.call("resume")
+
+    async def _version(self) -> str:
+        return self.weight_version()
 
     def generate_tokens(self, token_ids: list[int], sampling_params: dict) -> list[dict]:
         """Completions of one prompt given as token ids (``POST /inference/v1/generate``; the

@@ -19,7 +19,20 @@ over every rank:
 4. after a successful update no request that arrives later reuses KV computed by the old
    weights (:func:`~._core.forget_prefixes`; vLLM's own update leaves the prefix cache as it
    was);
-5. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
+5. **the weights and their label change together**: the engine core stamps the new weight
+   version (the request's ``version``, else the checkpoint's ``version`` metadata, else its
+   file name) in the same call that commits the write, so no engine step runs the new weights
+   under the old label or the old weights under the new one, whether or not generation was
+   paused (vLLM itself writes at ``update_weights`` and stamps at ``finish_weight_update``,
+   generating in between). A ``finish_weight_update(weight_version=V)`` with another ``V``
+   relabels from then on (the same weights under a second name);
+6. **one update at a time**: a ``start_weight_update`` while another update is active is
+   refused with :class:`UpdateConflictError` (an :class:`~.results.UpdateInProgressError`
+   that ``vllm serve`` answers with ``409 Conflict``) before it reaches a worker, naming since
+   when and for which version; an update that makes no call for ``update_timeout_s`` (its
+   trainer died) is abandoned by the next start, and vLLM's own ``finish_weight_update`` ends
+   it at once;
+7. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
    stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
    name until a complete update succeeds.
 
@@ -32,21 +45,50 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
 from typing import Any
+
+from vllm.exceptions import GracefulHTTPError
 
 from ..checkpoint import CheckpointError
 from ..direct import DirectReloadError
 from ._core import forget_prefixes, served_version
 from .backend import call_backend
-from .options import is_bridged
-from .results import PushResult, merged_error
+from .options import BridgeOptions, bridge_options, is_bridged
+from .results import PushResult, UpdateInProgressError, merged_error
 
-__all__ = ["BridgeCoreState", "install"]
+__all__ = ["BridgeCoreState", "UpdateConflictError", "install"]
 
 _logger = logging.getLogger(__name__)
 _installed = False
 _HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+class UpdateConflictError(UpdateInProgressError, GracefulHTTPError):
+    """:class:`~.results.UpdateInProgressError` as vLLM's API server answers it: ``409
+    Conflict`` with the message (vLLM's ``GracefulHTTPError``), no traceback."""
+
+    def __init__(
+        self,
+        message: str,
+        since: float | None = None,
+        version: str | None = None,
+        expires_in_s: float | None = None,
+    ) -> None:
+        UpdateInProgressError.__init__(self, message, since, version, expires_in_s)
+        self.http_status = HTTPStatus.CONFLICT
+
+
+@dataclass
+class ActiveUpdate:
+    """The update between its ``start_weight_update`` and its end."""
+
+    since: float  # time.time() of its start
+    last_call: float  # time.monotonic() of its last call
+    version: str | None = None  # what its update_weights asked to stamp
 
 
 @dataclass
@@ -58,6 +100,8 @@ class BridgeCoreState:
     paused_before: Any = None  # the scheduler's pause state before the bridge paused it
     updates: int = 0
     results: list[dict] = field(default_factory=list)  # every rank's result of the last update
+    active: ActiveUpdate | None = None
+    conflict: dict | None = None  # the last refused start's UpdateInProgressError, as a dict
 
 
 def _state(core: Any) -> BridgeCoreState:
@@ -79,6 +123,56 @@ def weight_bridge_results(self: Any) -> list[dict]:
     return list(_state(self).results)
 
 
+def weight_bridge_conflict(self: Any) -> dict | None:
+    """Engine-core utility: the last refused ``start_weight_update``'s error, as a dict (a
+    caller in another process rebuilds :class:`UpdateConflictError` from it)."""
+    return _state(self).conflict
+
+
+def _claim(rpc: Any, core: Any, timeout: float | None) -> None:
+    """Make this start the engine's one active update, or refuse it by name. An active update
+    idle for ``update_timeout_s`` is abandoned first (its workers' session closed; what it
+    committed was stamped with its label when it was written)."""
+    state = _state(core)
+    active = state.active
+    if active is not None:
+        limit = (bridge_options(core.vllm_config) or BridgeOptions()).update_timeout_s
+        idle = time.monotonic() - active.last_call
+        if idle < limit:
+            error = UpdateConflictError.active(active.since, active.version, limit - idle)
+            state.conflict = error.to_dict()
+            raise error
+        _logger.warning(
+            "weight_bridge: abandoning the update started %.1f s ago (no call for %.1f s, "
+            "update_timeout_s=%s)",
+            time.time() - active.since,
+            idle,
+            limit,
+        )
+        state.active = None
+        with contextlib.suppress(Exception):
+            rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
+    state.conflict = None
+    state.active = ActiveUpdate(time.time(), time.monotonic())
+
+
+def _asked_version(info: Any) -> str | None:
+    first = info[0] if isinstance(info, list) and info else info
+    version = first.get("version") if isinstance(first, dict) else None
+    return None if version is None else str(version)
+
+
+def _label(asked: str | None, results: list[PushResult]) -> str:
+    """The version the new weights are stamped with: the request's, else the checkpoint's
+    ``version`` metadata, else its file name (a directory of shards: the directory's)."""
+    if asked is not None:
+        return asked
+    first = results[0]
+    if first.version is not None:
+        return str(first.version)
+    return Path(first.checkpoint).name.removesuffix(".safetensors")
+
+
 def _with_served(info: Any, served: str | None) -> Any:
     if isinstance(info, list):
         return [_with_served(i, served) for i in info]
@@ -91,6 +185,10 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
     state = _state(core)
     state.results = []  # nothing of an earlier update may stand for this one
     info = (kwargs or {}).get("update_info", args[0] if args else None)
+    asked = _asked_version(info)
+    if state.active is not None:
+        state.active.last_call = time.monotonic()
+        state.active.version = asked
     served = served_version(core)
     out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
     results = _phase(rpc, core, timeout, "result") if len(out) > 1 else []
@@ -111,13 +209,18 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
             results = _phase(rpc, core, timeout, "fail", why)
             error = merged_error(results)
     if error is None:
+        # The label changes in this same engine-core call: no step runs in between.
+        core.set_weight_version(_label(asked, results))
         state.failed = None
         _resume_if_paused_by_bridge(core, state)
+        if state.active is not None:
+            state.active.last_call = time.monotonic()
         return out
     if any(r.wrote for r in results):
         results = _phase(rpc, core, timeout, "roll_back", served)
         error = merged_error(results) or error
     rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
+    state.active = None
     state.failed = str(error)
     undefined = next((r.undefined for r in results if r.undefined), None)
     if undefined is not None:
@@ -163,6 +266,15 @@ def install() -> None:
         if not (isinstance(method, str) and method in _HOOKED and is_bridged(self.vllm_config)):
             return original(self, method, timeout, args, kwargs)
         state = _state(self)
+        if method == "start_weight_update":
+            _claim(original, self, timeout)
+            try:
+                started: Any = original(self, method, timeout, args, kwargs)
+            except BaseException:
+                state.active = None
+                raise
+            state.failed = None
+            return started
         if method == "update_weights":
             try:
                 return _update(original, self, timeout, args, kwargs)
@@ -173,9 +285,11 @@ def install() -> None:
                 # session must not stay open, or no update could ever start again.
                 with contextlib.suppress(Exception):
                     original(self, "finish_weight_update", timeout, (), None)
+                state.active = None
                 state.failed = "the last update did not finish"
                 raise
-        if method == "finish_weight_update" and state.failed is not None:
+        state.active = None  # finish_weight_update: the update ends, whoever calls it
+        if state.failed is not None:
             failed, state.failed = state.failed, None
             raise RuntimeError(
                 "finish_weight_update after a failed update_weights: nothing was updated, the "
@@ -186,6 +300,7 @@ def install() -> None:
 
     engine_core.EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
     engine_core.EngineCore.weight_bridge_results = weight_bridge_results  # type: ignore[attr-defined]
+    engine_core.EngineCore.weight_bridge_conflict = weight_bridge_conflict  # type: ignore[attr-defined]
     for cls in (engine_core.EngineCore, engine_core.EngineCoreProc, engine_core.DPEngineCoreProc):
         if "resume_scheduler" in vars(cls):
             cls.resume_scheduler = _refusing_resume(vars(cls)["resume_scheduler"])  # type: ignore[method-assign]
@@ -209,7 +324,7 @@ def _quiet_refusals(record: logging.LogRecord) -> bool:
     """vLLM logs every failed utility call with its traceback; a refused or rolled-back update
     is an expected outcome, already in the error the caller gets: one line, no traceback."""
     error = record.exc_info[1] if record.exc_info else None
-    if isinstance(error, (DirectReloadError, CheckpointError)):
+    if isinstance(error, (DirectReloadError, CheckpointError, UpdateInProgressError)):
         record.msg = "weight_bridge: update refused: %s"
         record.args = (str(error).splitlines()[0],)
         record.levelno, record.levelname = logging.WARNING, "WARNING"

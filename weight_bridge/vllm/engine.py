@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointError, CheckpointReader
+from ..checkpoint import CheckpointError
 from ..direct import DirectReloadError
 from ._client import EngineCoreDeadError, core_dead, dead_message, engine_resources, watched_call
 from ._client import shutdown as shutdown_engine
@@ -212,12 +212,10 @@ class ColocatedEngine:
         checkpoint is a valid base at any time.
         """
         path = Path(checkpoint).resolve()
-        if version is None:
-            with CheckpointReader(path) as reader:
-                version = reader.metadata.get("version")
-        if version is None:
-            version = path.name.removesuffix(".safetensors")
-        info = {"checkpoint": str(path), "verify_hash": verify_hash, "check_finite": check_finite}
+        info: dict[str, Any] = {"checkpoint": str(path), "verify_hash": verify_hash}
+        info |= {"check_finite": check_finite}
+        if version is not None:  # else the engine's rule: the metadata's version, or file name
+            info["version"] = str(version)  # stamped in the step that writes (core_hooks)
         with self._lock:
             started = time.perf_counter()
             self._call(lambda llm: llm.start_weight_update(), "start_weight_update")
@@ -234,10 +232,12 @@ class ColocatedEngine:
                     raise EngineCoreDeadError(self._undefined or str(exc)) from exc
                 raise
             self._call(
-                lambda llm: llm.finish_weight_update(weight_version=str(version)),
+                lambda llm: llm.finish_weight_update(weight_version=info.get("version")),
                 "finish_weight_update",
             )
             results = self._results()
+            if version is None:
+                version = self._call(lambda llm: llm.get_weight_version(), "get_weight_version")
             self._undefined = None
             self.version = version
             self._labels[str(version)] = version

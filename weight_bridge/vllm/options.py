@@ -47,7 +47,10 @@ class BridgeOptions:
     ``sampled``, ``full`` or ``off``. ``check_finite``: refuse NaN/Inf. ``verify_hash``: check
     the content hash :func:`~weight_bridge.checkpoint.save_checkpoint` writes. ``rollback``:
     re-write the served version after an update that failed mid-write (else the engine is left
-    undefined and refuses to generate).
+    undefined and refuses to generate). ``update_timeout_s``: an update that makes no call
+    for this long (a trainer that died between ``start_weight_update`` and
+    ``finish_weight_update``) is abandoned by the next ``start_weight_update``; until then a
+    second start is refused (:class:`~.results.UpdateInProgressError`).
     """
 
     checkpoint_root: str | None = None
@@ -57,6 +60,7 @@ class BridgeOptions:
     check_finite: bool = True
     verify_hash: bool = False
     rollback: bool = True
+    update_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.reload_mode not in RELOAD_MODES:
@@ -67,6 +71,8 @@ class BridgeOptions:
             )
         if self.readback not in READBACK_MODES:
             raise ValueError(f"readback must be one of {READBACK_MODES}, not {self.readback!r}")
+        if not self.update_timeout_s > 0:
+            raise ValueError(f"update_timeout_s must be > 0, not {self.update_timeout_s!r}")
         if self.checkpoint_root is not None and not os.path.isabs(self.checkpoint_root):
             object.__setattr__(self, "checkpoint_root", os.path.abspath(self.checkpoint_root))
 

@@ -2,6 +2,8 @@
 
 * :class:`UpdateRequest`: the ``update_info`` of vLLM's ``update_weights`` for the bridge's
   backend (a checkpoint path and per-update choices), typed as the backend parses it.
+* :class:`UpdateInProgressError`: a second update refused while one is active (who holds the
+  engine's one update, since when, for which version), the same in every process and over HTTP.
 * :class:`PushResult`: one worker's outcome. Workers never raise for an expected outcome: a
   refusal (nothing written), a failure after writing started (rolled back or not) and a success
   are all results, turned into plain dicts here; the engine core merges every rank's result
@@ -23,6 +25,7 @@ __all__ = [
     "PushError",
     "PushReport",
     "PushResult",
+    "UpdateInProgressError",
     "UpdateRequest",
     "describe",
     "merged_error",
@@ -35,14 +38,18 @@ class UpdateRequest:
 
     ``checkpoint``: a safetensors file or a directory of shards, under the engine's checkpoint
     root (a relative path is taken relative to it). ``verify_hash`` / ``check_finite``: override
-    the engine's options for this update. ``served_version``: the version the engine serves,
-    filled in by the engine core (vLLM keeps it there); a partial checkpoint's
+    the engine's options for this update. ``version``: the weight version the engine stamps on
+    every output token computed with these weights, from the engine step that first runs them on
+    (the engine core stamps it in the same call that writes them; default: the checkpoint's
+    ``version`` metadata, else its file name). ``served_version``: the version the engine
+    serves, filled in by the engine core (vLLM keeps it there); a partial checkpoint's
     ``base_version`` must equal it.
     """
 
     checkpoint: str
     verify_hash: bool | None = None
     check_finite: bool | None = None
+    version: str | None = None
     served_version: str | None = None
 
     @classmethod
@@ -91,6 +98,7 @@ class PushResult:
     rolled_back: str | None = None
     rollback_s: float | None = None
     served: list[str] = field(default_factory=list)
+    version: str | None = None  # the checkpoint's own ``version`` metadata, if any
 
     @property
     def wrote(self) -> bool:
@@ -113,6 +121,47 @@ class PushResult:
         if values["error"] is not None:
             values["error"] = PushError(**values["error"])
         return cls(**values)
+
+
+class UpdateInProgressError(RuntimeError):
+    """``start_weight_update`` while another update is active: vLLM's engine takes one update at
+    a time. ``since``: when the active update started (seconds since the epoch); ``version``:
+    the version it is writing, once its ``update_weights`` named one; ``expires_in_s``: after
+    how many more seconds without a call of its own the active update is abandoned and the next
+    ``start_weight_update`` goes ahead (a trainer that died between start and finish). Over
+    HTTP this is ``409 Conflict`` with the same message (:class:`~.clients.HTTPClient` raises
+    this type for it)."""
+
+    def __init__(
+        self,
+        message: str,
+        since: float | None = None,
+        version: str | None = None,
+        expires_in_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.since = since
+        self.version = version
+        self.expires_in_s = expires_in_s
+
+    @classmethod
+    def active(
+        cls, since: float, version: str | None, expires_in_s: float
+    ) -> UpdateInProgressError:
+        import datetime
+
+        when = datetime.datetime.fromtimestamp(since, datetime.timezone.utc)
+        which = f" of version {version!r}" if version is not None else ""
+        message = (
+            f"a weight update{which} is active since {when.isoformat(timespec='milliseconds')}: "
+            "one update at a time; retry after its finish_weight_update (it is abandoned if it "
+            f"makes no call within {max(expires_in_s, 0.0):.1f} s)"
+        )
+        return cls(message, since, version, expires_in_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"since": self.since, "version": self.version, "expires_in_s": self.expires_in_s}
 
 
 @dataclass

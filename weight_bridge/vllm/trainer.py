@@ -123,7 +123,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                 writer.abort()
             raise
         self.client.start_weight_update()
-        self.client.update_weights({"checkpoint": str(path.resolve())})
+        self.client.update_weights({"checkpoint": str(path.resolve()), "version": str(version)})
         self.client.finish_weight_update(version)
         self.last_version = version
         self._prune(path)

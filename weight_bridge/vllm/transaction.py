@@ -99,6 +99,7 @@ class PushTransaction:
                 reader.verify_hash()
             base = reader.metadata.get(BASE_VERSION_KEY)
             result.partial = base is not None
+            result.version = reader.metadata.get("version")
             if base is not None:
                 self._check_base(path, base, request.served_version)
             items = list(reader.tensors())
