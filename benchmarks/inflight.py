@@ -9,7 +9,10 @@
    ``drain``), ``pushes`` more while a background stream of generations keeps the engine busy
    (batches of 8 prompts x 64 tokens, a new batch as soon as one finishes). Reported per mode:
    how long generation was paused (from the pause request to the resume's return; the push's
-   own time included), median and p95, beside the idle push's duration.
+   own time included), median and p95, beside the idle push's duration. ``None`` (no pause)
+   too: there generation stops only while the engine core runs the update between two steps,
+   which stamps the new version in the same call (no step runs new weights under the old
+   label); its row is the push's own time under load.
 2. **The recipe.** ``examples/grpo/train.py`` for ``steps`` steps, synchronous
    (``config.yaml``) then asynchronous (``config.yaml`` + ``async.yaml``: rollouts for step k+1
    generated while step k trains, pushes in flight), one after the other on the same machine;
@@ -36,6 +39,7 @@ from typing import Any
 __all__ = ["bench_inflight", "main", "render"]
 
 MODES = ("recompute", "keep", "drain")
+NO_PAUSE = "none"  # the key of inflight=None's row
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -84,17 +88,18 @@ def _pauses(workdir: Path, size: str, pushes: int, log: Callable[[str], None]) -
         idle = [engine.push(b if i % 2 == 0 else a, version=i).elapsed_s for i in range(pushes)]
         out["idle"] = _stats(idle)
         log(f"idle push: {out['idle']}")
-        for mode in MODES:
+        for mode in (None, *MODES):
             busy = _Busy(engine)
             paused = []
             for i in range(pushes):
                 while busy.batches == 0 and not busy.stop.is_set():
                     busy.stop.wait(0.01)  # generating for real before the first push
                 report = engine.push(b if i % 2 == 0 else a, version=f"{mode}{i}", inflight=mode)
-                paused.append(report.paused_s)
+                paused.append(report.elapsed_s if mode is None else report.paused_s)
             busy.close()
-            out[mode] = _stats(paused)
-            log(f"{mode}: paused {out[mode]} ({busy.batches} batches generated meanwhile)")
+            key = mode or NO_PAUSE
+            out[key] = _stats(paused)
+            log(f"{key}: paused {out[key]} ({busy.batches} batches generated meanwhile)")
     return out
 
 
@@ -146,6 +151,12 @@ def render(result: dict[str, Any]) -> str:
         f"| into an idle engine (the push itself) | {p['idle']['median_s']:.3f} s "
         f"| {p['idle']['p95_s']:.3f} s |",
     ]
+    if NO_PAUSE in p:  # runs before labels were stamped with the write did not measure it
+        row = p[NO_PAUSE]
+        lines.append(
+            f"| in flight, `None` (no pause: the update runs between two engine steps) "
+            f"| {row['median_s']:.3f} s | {row['p95_s']:.3f} s |"
+        )
     for mode in MODES:
         lines.append(
             f"| in flight, `{mode}` | {p[mode]['median_s']:.3f} s | {p[mode]['p95_s']:.3f} s |"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import ARCH, REAL_MODEL
+from .config import ARCH, REAL_MODEL, model_source
 from .engines import api_reload, greedy, push, rpc, rpc_reload, start_engine
 from .levers import measure_levers
 from .machine import RssSampler
@@ -61,17 +61,21 @@ def _real_model_copy(path: Path, seed: int) -> Path:
     return perturb_checkpoint(source, path, scale=0.05, seed=seed)
 
 
-def describe_checkpoint(file: Path) -> dict[str, Any]:
+def describe_checkpoint(file: Path, size: str) -> dict[str, Any]:
+    """The checkpoint as it is: architecture and tying from its ``config.json``."""
     from weight_bridge.checkpoint import CheckpointReader
 
+    config = json.loads((file.parent / "config.json").read_text())
     with CheckpointReader(file) as reader:
         specs = reader.specs()
         sizes = {n: math.prod(s.shape) * s.dtype.itemsize for n, s in specs.items()}
         params = sum(math.prod(s.shape) for s in specs.values())
         largest = max(sizes, key=lambda n: sizes[n])
         return {
-            "arch": ARCH,
-            "tied": False,
+            "arch": config.get("model_type", "unknown"),
+            "architectures": config.get("architectures", []),
+            "tied": bool(config.get("tie_word_embeddings", False)),
+            "source": model_source(size),
             "dtype": "float32",
             "params": params,
             "bytes": reader.nbytes,

@@ -4,7 +4,8 @@ A sync first *plans* from metadata alone (names, shapes, dtypes, ``requires_grad
 structure): which checkpoint tensors, made of which trainer tensors (:mod:`callbacks.changed`),
 under which names and dtypes (:mod:`callbacks.names`). The plan is the checkpoint's header, so
 the writer (:class:`~weight_bridge.checkpoint.CheckpointWriter`) opens before any tensor is
-gathered. Then each tensor is produced in header order, written at its offset and freed.
+gathered. Then each tensor is produced in header order, written at its offset and freed (the
+writer casts it to the checkpoint's dtype chunk by chunk as it writes: no full-size cast copy).
 
 Replicated trainers (one device, DDP) hold every tensor on every rank: the writer streams them
 and the other ranks do nothing. Sharded trainers (FSDP2 through ``ModelParallelStrategy``: the
@@ -14,8 +15,8 @@ ready, gather (:mod:`callbacks.dtensor`), after which the writers merge, cast an
 local failure (a shard that does not fit, a buffer that cannot be allocated, a full disk) is
 reported at the next agreement, so every rank stops at the same tensor: nobody waits in a
 gather that will not come, the writer's temporary file is removed, and the file at the final
-path is never half-written. The writer's peak extra memory is one full tensor (plus its cast),
-not the model.
+path is never half-written. The writer's peak extra memory is one full tensor (its cast goes
+through a 1 MiB buffer), not the model.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint
 from .changed import sync_state
 from .collective import Collective
 from .dtensor import ShardGather, is_dtensor
-from .names import CheckpointNames, Entry
+from .names import CheckpointNames, Entry, parse_dtype
+from .retention import estimate_bytes
 
 __all__ = ["GatherPlan", "Gatherer"]
 
@@ -65,14 +67,35 @@ class Gatherer:
     use DTensors, such as ``FSDPStrategy``).
     """
 
-    def __init__(self, names: CheckpointNames, module_attr: str, source: Callable | None) -> None:
+    def __init__(
+        self,
+        names: CheckpointNames,
+        module_attr: str,
+        source: Callable | None,
+        fsync: bool = True,
+    ) -> None:
         self.names = names
         self.module_attr = module_attr
         self.source = source
+        self.fsync = fsync  # checkpoints are fsynced (durable) or not (transport)
+        self.hashed = True  # the content hash in the header, for any push to check
+        self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
 
     def model(self, pl_module: Any) -> torch.nn.Module:
         """The module the checkpoint is of (what the canary scores)."""
         return getattr(pl_module, self.module_attr) if self.module_attr else pl_module
+
+    def estimate_bytes(self, pl_module: Any) -> int:
+        """One checkpoint's size from the model's metadata (0 if it is not built yet)."""
+        try:
+            if self.source is not None:
+                state = self.source(pl_module)
+            else:
+                state = self.model(pl_module).state_dict(keep_vars=True)
+        except Exception:  # a model built later (configure_model), or a source not ready
+            return 0
+        cast = parse_dtype(self.names.dtype) if self.names.dtype is not None else None
+        return estimate_bytes(state, cast)
 
     def _state(self, trainer: Any, pl_module: Any) -> tuple[torch.nn.Module | None, Mapping]:
         if self.source is not None:
@@ -110,7 +133,9 @@ class Gatherer:
         try:
             try:
                 if path is not None:
-                    writer = CheckpointWriter(path, plan.specs(), metadata)
+                    writer = CheckpointWriter(
+                        path, plan.specs(), metadata, self.fsync, self.hashed, self.spare
+                    )
             except Exception as exc:
                 error = exc
             for entry in plan.entries:
@@ -153,7 +178,8 @@ class Gatherer:
             if writer is not None:
                 tensor = self._combine(entry, full)
                 del full
-                writer.write(entry.name, tensor.detach().to(entry.dtype))
+                # cast, copied off the device, hashed and written in one pass, chunk by chunk
+                writer.write(entry.name, tensor.detach(), cast=True)
         except Exception as exc:
             return exc
         return None

@@ -1,61 +1,250 @@
 """Where the sync's checkpoints live, and which of them may be deleted.
 
-A checkpoint is never deleted while an engine needs it: the one it serves and, after partial
-pushes, every file the served version is made of (a rollback re-reads them all).
+Each sync's file is *transport* from the trainer to a colocated engine, not an archive: unless
+told otherwise it goes to a private directory in RAM (``/dev/shm``), is never fsynced, and only
+what the engine needs is kept (the file it serves and, after partial pushes, every file the
+served version is made of: a rollback re-reads them all). A checkpoint is never deleted while
+an engine needs it. Checkpoints a user wants to keep go where ``dirpath`` says, fsynced with
+``durable=True``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CheckpointFiles", "prune", "release", "sync_dir"]
+import torch
+
+__all__ = [
+    "RAM_ROOT",
+    "SPARE",
+    "CheckpointFiles",
+    "Placement",
+    "discard",
+    "estimate_bytes",
+    "free_bytes",
+    "make_dir",
+    "open_dir",
+    "place",
+    "prune",
+    "release",
+    "sync_dir",
+]
 
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
+SPARE = ".spare"  # a transport file no engine needs any more, whose pages the next write reuses
+RAM_ROOT = Path("/dev/shm")  # tmpfs: the transport's default home
+RAM_MARGIN = 64 * 2**20  # left free in RAM beyond the checkpoints themselves
 
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """Where each sync's ``step-{step:08d}.safetensors`` goes, and how many are kept.
+    """Where each sync's ``step-{step:08d}.safetensors`` goes, how many are kept, how durable.
 
-    ``dirpath`` (default ``<trainer.log_dir>/weight_sync``); ``ram_dir=True``: a private
-    directory in ``/dev/shm`` instead, removed at teardown. Checkpoints beyond the newest
-    ``keep_last_k`` are deleted after a successful push, except those an engine serves.
-    ``node_local=True`` is the multi-node layout: each node's local rank zero writes its own
-    copy into ``<dir>/node<node_rank>`` (a node-local disk or ``/dev/shm`` at the same path on
-    every node) and every rank pushes from its own node's copy, so no node waits on another
-    node's disk. The engine built by the callback may read checkpoints from this directory only.
+    * default (no ``dirpath``, ``ram_dir=None``): the file is transport. When the callback builds
+      the engine (``model_path``), or the engine's checkpoint root is itself in RAM, it goes to a
+      private (0700) directory in ``/dev/shm`` that the engine reads from, removed at teardown;
+      if ``/dev/shm`` is missing or has too little room for the files a sync holds at once
+      (``keep_last_k + 1`` checkpoints plus 64 MiB), the callback warns, saying which, and
+      writes to ``<trainer.log_dir>/weight_sync`` instead (as it does for any other engine).
+    * ``dirpath``: write there, whatever filesystem it is on (``ram_dir=True`` still wins).
+    * ``ram_dir=True``: RAM, whatever the engine; ``ram_dir=False``: never RAM.
+    * ``durable=True``: fsync every checkpoint and its directory after the rename, so a saved
+      checkpoint survives a crash of the machine (never in RAM: the default directory is then
+      ``<trainer.log_dir>/weight_sync``). Transport files are not fsynced: the engine reads them
+      from the page cache, and a reboot ends the engine too.
+
+    Checkpoints beyond the newest ``keep_last_k`` (default: 1 in RAM, 2 on disk) are deleted
+    after a successful push, except those an engine serves; a sync that fails leaves no file of
+    its own behind. ``node_local=True`` is the multi-node layout: each node's local rank zero
+    writes its own copy into ``<dir>/node<node_rank>`` (a node-local disk or ``/dev/shm`` at the
+    same path on every node) and every rank pushes from its own node's copy, so no node waits on
+    another node's disk. The engine built by the callback may read checkpoints from this
+    directory only.
     """
 
     dirpath: str | None = None
-    ram_dir: bool = False
-    keep_last_k: int = 2
+    ram_dir: bool | None = None
+    keep_last_k: int | None = None
     node_local: bool = False
+    durable: bool = False
 
     def __post_init__(self) -> None:
-        if self.keep_last_k < 1:
+        if self.keep_last_k is not None and self.keep_last_k < 1:
             raise ValueError(f"keep_last_k must be >= 1, not {self.keep_last_k}")
+        if self.ram_dir and self.durable:
+            raise ValueError(
+                "durable=True fsyncs checkpoints so that they survive a crash, which a file in "
+                "RAM (ram_dir=True) cannot: pass one of them"
+            )
+
+    def keep(self, in_ram: bool) -> int:
+        """How many of the newest step files prune keeps (besides those an engine serves)."""
+        if self.keep_last_k is not None:
+            return self.keep_last_k
+        return 1 if in_ram else 2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's checkpoints go: the directory, whether it is the RAM transport (a private
+    directory of this run, removed at its end), and why not RAM when RAM was the default but
+    could not be used (for the warning)."""
+
+    directory: Path
+    in_ram: bool
+    fallback: str | None = None
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer can still store on ``path``'s filesystem."""
+    return shutil.disk_usage(path).free
+
+
+def estimate_bytes(state: Mapping[str, Any], cast: torch.dtype | None = None) -> int:
+    """The data bytes of a checkpoint of ``state`` (tied tensors once), from metadata alone;
+    floating tensors at ``cast``'s size when given."""
+    seen: set[tuple[str, int, int]] = set()
+    total = 0
+    for t in state.values():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.device.type != "meta" and t.numel():
+            key = (t.device.type, t.untyped_storage().data_ptr(), int(t.storage_offset()))
+            if key in seen:
+                continue
+            seen.add(key)
+        size = cast.itemsize if cast is not None and t.is_floating_point() else t.element_size()
+        total += t.numel() * size
+    return total
+
+
+def _ram_candidate(engine_root: str | None, builds_engine: bool) -> Path | None:
+    """The RAM root the transport may use: ``/dev/shm`` when the callback builds the engine, or
+    the given engine's checkpoint root when it is on a tmpfs (it reads nowhere else)."""
+    if builds_engine:
+        return RAM_ROOT
+    if engine_root is not None and _is_tmpfs(Path(engine_root)):
+        return Path(engine_root)
+    return None
+
+
+def _is_tmpfs(path: Path) -> bool:
+    try:
+        resolved = path.resolve()
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    best, kind = -1, ""
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = Path(parts[1].replace("\\040", " "))
+        if (resolved == point or point in resolved.parents) and len(str(point)) > best:
+            best, kind = len(str(point)), parts[2]
+    return kind == "tmpfs"
+
+
+def place(
+    files: CheckpointFiles,
+    log_dir: str,
+    need_bytes: int,
+    builds_engine: bool,
+    engine_root: str | None = None,
+    free: Callable[[Path], int] | None = None,
+) -> Placement:
+    """Where this run's checkpoints go (see :class:`CheckpointFiles`); ``need_bytes``: one
+    checkpoint's size, to check RAM's free space against (``free``: the check, for tests)."""
+    disk = Path(files.dirpath) if files.dirpath is not None else Path(log_dir) / "weight_sync"
+    name = f"weight_bridge-{os.getpid()}-{secrets.token_hex(4)}"
+    if files.ram_dir:  # as before: a private directory, removed at the end, in /tmp without RAM
+        ram = RAM_ROOT if RAM_ROOT.is_dir() else Path(tempfile.gettempdir())
+        return Placement(ram / name, in_ram=True)
+    if files.ram_dir is False or files.dirpath is not None or files.durable:
+        return Placement(disk, in_ram=False)
+    root = _ram_candidate(engine_root, builds_engine)
+    if root is None:
+        return Placement(disk, in_ram=False)
+    if not root.is_dir():
+        return Placement(disk, False, f"{root} does not exist")
+    held = files.keep(in_ram=True) + 1  # the kept files and the one being written
+    want = held * need_bytes + RAM_MARGIN
+    try:
+        room = (free or free_bytes)(root)
+    except OSError as exc:
+        return Placement(disk, False, f"the free space of {root} cannot be read: {exc}")
+    if room < want:
+        return Placement(
+            disk,
+            False,
+            f"{root} has {room / 2**20:.0f} MiB free, and a sync holds {held} checkpoints of "
+            f"{need_bytes / 2**20:.0f} MiB there at once (plus {RAM_MARGIN // 2**20} MiB "
+            "to spare)",
+        )
+    return Placement(root / name, in_ram=True)
 
 
 def sync_dir(ram_dir: bool, dirpath: str | None, log_dir: str) -> Path:
     """``ram_dir``: a private directory in ``/dev/shm``; else ``dirpath`` or
-    ``<log_dir>/weight_sync``."""
-    if ram_dir:
-        shm = Path("/dev/shm")
-        root = shm if shm.is_dir() else Path(tempfile.gettempdir())
-        return root / f"weight_bridge-{os.getpid()}"
-    if dirpath is not None:
-        return Path(dirpath)
-    return Path(log_dir) / "weight_sync"
+    ``<log_dir>/weight_sync`` (without the free-space check and fallback of :func:`place`)."""
+    files = CheckpointFiles(dirpath=dirpath, ram_dir=ram_dir or False)
+    return place(files, log_dir, 0, builds_engine=False).directory
 
 
-def prune(directory: Path, current: Path, keep_last_k: int, served: Iterable[str]) -> None:
-    """Delete all but the newest ``keep_last_k`` step files, never ``current`` or one served."""
+def make_dir(directory: Path, private: bool) -> None:
+    """Create ``directory``; a ``private`` one (the RAM transport's) is 0700 and must be ours."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700 if private else 0o777)
+    if private:
+        info = directory.stat()
+        if info.st_uid != os.geteuid():
+            raise PermissionError(f"{directory} exists and belongs to uid {info.st_uid}")
+        os.chmod(directory, 0o700)
+
+
+def open_dir(
+    files: CheckpointFiles,
+    trainer: Any,
+    need_bytes: int,
+    engine: Any,
+    model_path: str | None,
+) -> tuple[Path, bool]:
+    """Every rank: rank zero's :func:`place` (warning when RAM was the default but does not
+    fit), the node's subdirectory with ``node_local``, created; and whether it is in RAM.
+    ``engine``: the one given (its checkpoint root counts), or None and the ``model_path`` the
+    callback builds one from."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    log_dir = trainer.log_dir or trainer.default_root_dir
+    builds = engine is None and model_path is not None
+    root = getattr(engine, "checkpoint_root", None)
+    where = place(files, log_dir, need_bytes, builds, root)
+    directory, in_ram, fallback = trainer.strategy.broadcast(
+        (str(where.directory), where.in_ram, where.fallback)
+    )
+    if fallback is not None:
+        rank_zero_warn(f"weight_sync: checkpoints go to {directory}, not to RAM: {fallback}")
+    path = Path(directory)
+    if files.node_local:
+        path = path / f"node{trainer.node_rank}"
+    make_dir(path, private=in_ram)
+    return path, in_ram
+
+
+def prune(
+    directory: Path, current: Path, keep_last_k: int, served: Iterable[str], spare: bool = False
+) -> None:
+    """Delete all but the newest ``keep_last_k`` step files, never ``current`` or one served.
+
+    ``spare`` (the RAM transport): the first file to go is renamed to :data:`SPARE` instead,
+    for the next sync's writer to overwrite in place (its pages are allocated already)."""
     keep = {current.resolve(), *(Path(p).resolve() for p in served)}
     found = []
     for f in directory.glob("step-*.safetensors"):
@@ -64,8 +253,23 @@ def prune(directory: Path, current: Path, keep_last_k: int, served: Iterable[str
             found.append((int(m.group(1)), f))
     found.sort()
     for _, f in found[:-keep_last_k]:
-        if f.resolve() not in keep:
+        if f.resolve() in keep:
+            continue
+        if spare and not (directory / SPARE).exists():
+            os.rename(f, directory / SPARE)
+        else:
             f.unlink(missing_ok=True)
+
+
+def discard(path: Path, engine: Any) -> None:
+    """Remove the file of a sync that failed, unless ``engine`` serves it (kept too when the
+    engine cannot say: the file may be what it serves)."""
+    try:
+        served = engine.served_checkpoints if engine is not None else ()
+    except Exception:
+        return
+    if path.resolve() not in {Path(p).resolve() for p in served}:
+        path.unlink(missing_ok=True)
 
 
 def release(directory: Path, served: Iterable[str]) -> None:
@@ -75,6 +279,7 @@ def release(directory: Path, served: Iterable[str]) -> None:
     if not keep:
         shutil.rmtree(directory, ignore_errors=True)
         return
+    (directory / SPARE).unlink(missing_ok=True)
     for f in directory.glob("step-*.safetensors"):
         if f.resolve() not in keep:
             f.unlink(missing_ok=True)

@@ -35,8 +35,7 @@ from .client import ENGINE_MODES, EngineClient, as_client, build_engine, connect
 from .collective import Collective, StepFailed
 from .gather import Gatherer
 from .names import CheckpointNames
-from .options import flat_options, regroup
-from .retention import CheckpointFiles, prune, release, sync_dir
+from .retention import SPARE, CheckpointFiles, discard, open_dir, prune, release
 from .schedule import Schedule, SyncClock
 
 __all__ = ["VLLMWeightSync"]
@@ -69,7 +68,8 @@ class VLLMWeightSync(Callback):
         on_error: ``"raise"``, or ``"warn"``: a failed save, push or canary becomes a warning
             and the engine stays on the last good version (it rolls a failed push back itself);
             the next sync is complete.
-        verify_hash: the engine recomputes each checkpoint's content hash before writing.
+        verify_hash: the engine recomputes each checkpoint's content hash (always in the
+            header) before writing; off by default, see docs/sync.md for why that is sound.
 
     Either way :meth:`setup` exposes the engine as ``pl_module.vllm_engine``, so a rollout in
     ``training_step`` reads ``self.vllm_engine.generate(prompts, sampling_params)``; each output's
@@ -79,8 +79,7 @@ class VLLMWeightSync(Callback):
     engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather one tensor at
     a time, every rank taking part. Only ``fit`` builds an engine and pushes. Metrics
     ``weight_sync/{save_s,push_s,bytes,version}`` go to the trainer's loggers; ``history`` holds
-    the last ``history_limit`` syncs. Flat keywords of earlier releases (``every_n_train_steps``,
-    ``dirpath``, ...) are still accepted, with a DeprecationWarning (:mod:`callbacks.options`).
+    the last ``history_limit`` syncs.
     """
 
     history_limit = 256
@@ -102,13 +101,11 @@ class VLLMWeightSync(Callback):
         enabled: bool = True,
         env_var: str = "WEIGHT_BRIDGE_SYNC",
         on_error: str = "raise",
-        verify_hash: bool = True,
-        **flat: Any,
+        verify_hash: bool = False,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
         check = CanaryCheck() if canary is True else (canary or None)
-        schedule, files, names, check = regroup(flat_options(**flat), schedule, files, names, check)
         self.env_var = env_var
         self.enabled = _resolve_enabled(enabled, env_var)
         given = [x is not None for x in (engine, model_path, engine_url)]
@@ -133,10 +130,11 @@ class VLLMWeightSync(Callback):
         self.on_error = on_error
         self.verify_hash = verify_hash
         self.clock = SyncClock(schedule)
-        self.gatherer = Gatherer(names, module_attr, source)
+        self.gatherer = Gatherer(names, module_attr, source, fsync=files.durable)
         self.last_checkpoint: str | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
+        self._in_ram = False
         self._writers: list[int] = [0]
 
     # -- what users and the recipe read --------------------------------------------------------
@@ -198,11 +196,9 @@ class VLLMWeightSync(Callback):
             return
         if stage == "fit":
             f = self.files
-            where = sync_dir(f.ram_dir, f.dirpath, trainer.log_dir or trainer.default_root_dir)
-            self._dir = Path(trainer.strategy.broadcast(str(where)))
-            if f.node_local:
-                self._dir = self._dir / f"node{trainer.node_rank}"
-            self._dir.mkdir(parents=True, exist_ok=True)
+            need = self.gatherer.estimate_bytes(pl_module)
+            self._dir, self._in_ram = open_dir(f, trainer, need, self._engine, self.model_path)
+            self.gatherer.spare = self._dir / SPARE if self._in_ram else None
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             if self._engine is None and self.model_path is not None:
@@ -231,7 +227,7 @@ class VLLMWeightSync(Callback):
             self._engine = None
             self._owns_engine = False
             _expose(pl_module, None)
-        if self.files.ram_dir and self._dir is not None and self._is_writer(trainer):
+        if self._in_ram and self._dir is not None and self._is_writer(trainer):
             release(self._dir, self._engine.served_checkpoints if self._engine else ())
 
     # -- cadence -----------------------------------------------------------------------------
@@ -278,6 +274,7 @@ class VLLMWeightSync(Callback):
         path = self._dir / f"step-{step:08d}.safetensors"
         times = [time.perf_counter()]
         failed: StepFailed | None = None
+        saved = None
         try:
             saved = collective.run(
                 "save", lambda: self._save(trainer, pl_module, path, step, collective)
@@ -291,6 +288,8 @@ class VLLMWeightSync(Callback):
         except StepFailed as exc:
             failed = exc
         if failed is not None:
+            if saved is not None and self._is_writer(trainer):  # a failed sync leaves no file
+                discard(path, self._engine)
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
         self.clock.synced(step, partial)
@@ -344,7 +343,8 @@ class VLLMWeightSync(Callback):
         if self._is_writer(trainer):
             served = self._engine.served_checkpoints if self._engine is not None else []
             assert self._dir is not None
-            prune(self._dir, path, self.files.keep_last_k, served)
+            spare = self.gatherer.spare is not None
+            prune(self._dir, path, self.files.keep(self._in_ram), served, spare=spare)
             metrics = {
                 "weight_sync/save_s": record["save_s"],
                 "weight_sync/push_s": record["push_s"],

@@ -5,11 +5,16 @@ them from there, never from this file.
 
 Engines are expensive (seconds each even eager, on 2 cores), so each architecture's engine is
 started once per session and shared; tests that need a specific state push it first.
+
+``@pytest.mark.must_run_in_ci``: a test that may be skipped where what it needs is missing (a
+mount namespace, the real model), but never in CI (``CI`` set, as ``make test`` runs there):
+there its skip is reported as a failure.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +22,25 @@ import pytest
 from helpers import close_engine, open_engine, run_engine_check
 
 from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "must_run_in_ci: a skip of this test is a failure when CI is set"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Under ``CI``, a skipped ``must_run_in_ci`` test fails, with the skip's reason."""
+    report = (yield).get_result()
+    if not (report.skipped and os.environ.get("CI") and item.get_closest_marker("must_run_in_ci")):
+        return
+    if hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"skipped in CI (CI={os.environ['CI']!r}), where it must run: {reason}"
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,10 @@ gate_proj (a tied Qwen2 keeps its tied embedding frozen). The callback syncs eve
 builds each rank's engine from ``MODEL_DIR``.
 
 At every push each rank records its engine's outputs, and rank 0 saves the trainer's full weights
-as the engine's model sees them (gathered by torch's own ``get_model_state_dict``, LoRA merged
-by PEFT's ``merge_and_unload`` on an unsharded copy) to ``OUT_DIR/ref-<step>.safetensors``: what
-a cold start must equal. ``--fault`` breaks the sync of ``--fault-step``:
+(gathered by torch's own ``get_model_state_dict`` into an unsharded copy, LoRA merged by PEFT's
+``merge_and_unload``) with Hugging Face's ``save_pretrained`` into ``OUT_DIR/ref-<step>``, a
+model directory with ``MODEL_DIR``'s config: what a cold start must equal (built without the
+callback's code). ``--fault`` breaks the sync of ``--fault-step``:
 
 * ``gather`` (a mock: a rank failing between two gathers cannot be caused for real from a test):
   on rank 1, preparing the third gathered tensor raises;
@@ -41,11 +42,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # each rank's engine core in
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from helpers import ENGINE_KWARGS, PushWatcher, greedy  # noqa: E402
+from helpers import ENGINE_KWARGS, PushWatcher, greedy, model_dir_saved_by_hf  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-from callbacks import CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync  # noqa: E402
-from weight_bridge.checkpoint import save_checkpoint  # noqa: E402
+from callbacks import CheckpointFiles, Schedule, VLLMWeightSync  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "v_proj", "gate_proj"]
 
@@ -90,33 +90,33 @@ class ShardedPolicy(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
 
 
-def full_weights(module: ShardedPolicy) -> dict[str, torch.Tensor]:
-    """Every rank calls (a collective); rank 0 gets the engine-side tensors, the others {}."""
+def full_model(module: ShardedPolicy) -> torch.nn.Module | None:
+    """Every rank calls (a collective); rank 0 gets the unsharded Hugging Face model holding the
+    trainer's full weights (LoRA merged), the others None."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(module.model, options=options)
     if not state:
-        return {}
+        return None
     plain = module.plain[0]
     plain.load_state_dict(state)
     if hasattr(plain, "peft_config"):
         plain = copy.deepcopy(plain).merge_and_unload()
-    tensors, _ = CheckpointNames().checkpoint_tensors(plain.state_dict())
-    return tensors
+    return plain
 
 
 class Recorder(PushWatcher):
     """After the sync callback: each push, seen by every rank."""
 
-    def __init__(self, sync: VLLMWeightSync, out: Path) -> None:
+    def __init__(self, sync: VLLMWeightSync, model_dir: Path, out: Path) -> None:
         super().__init__(sync)
-        self.out = out
+        self.model_dir, self.out = model_dir, out
 
     def seen(self, trainer, pl_module, record: dict) -> dict:
-        tensors = full_weights(pl_module)
-        if tensors:
-            save_checkpoint(tensors, self.out / f"ref-{record['step']}.safetensors")
+        model = full_model(pl_module)
+        if model is not None:
+            model_dir_saved_by_hf(self.model_dir, model, self.out / f"ref-{record['step']}")
         engine = pl_module.vllm_engine
         return {
             "step": record["step"],
@@ -192,7 +192,7 @@ def main() -> None:
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(dirpath=str(args.out / "sync"), keep_last_k=10),
     )
-    recorder = Recorder(sync, args.out)
+    recorder = Recorder(sync, Path(args.model), args.out)
     fault = Fault(args.fault or "", args.fault_step)
     trainer = pl.Trainer(
         accelerator="cpu",

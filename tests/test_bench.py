@@ -80,7 +80,7 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     # engine, vllm serve, FSDP2 jobs): make bench runs them
     assert "generation" not in mp and "http" not in mp and "fsdp" not in r
     pauses = r["inflight"]["pauses"]
-    for mode in ("idle", "recompute", "keep", "drain"):
+    for mode in ("idle", "none", "recompute", "keep", "drain"):
         assert pauses[mode]["n"] == 2 and 0 < pauses[mode]["median_s"] <= pauses[mode]["p95_s"]
     for where in ("disk", "shm"):
         _timed(save[where]["save_checkpoint"])
@@ -98,3 +98,96 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     assert c["passed"] is True and c["prompts_discriminate_A_from_B"] is True
     assert c["checks"]["direct_inprocess"]["match"] is True
     assert c["checks"]["direct_multiprocess"]["match"] is True
+
+
+# The figures the documentation quotes, against the one source they come from:
+# bench/results.json (`make bench`). Fast: nothing is run but the report's renderer.
+
+RESULTS = ROOT / "bench" / "results.json"
+
+
+def _results() -> dict:
+    return json.loads(RESULTS.read_text())
+
+
+def _x(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}x"
+
+
+def test_results_md_is_the_rendering_of_results_json(tmp_path: Path) -> None:
+    copy = tmp_path / "results.json"
+    copy.write_text(RESULTS.read_text())
+    cmd = [sys.executable, "-m", "benchmarks", "--render", str(copy)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert copy.with_suffix(".md").read_text() == (ROOT / "bench" / "results.md").read_text()
+
+
+def test_benchmarks_md_quotes_the_current_results() -> None:
+    """Every table line of the current run's sections is a line of bench/results.md, and the
+    header gives that run's date and load."""
+    current = (ROOT / "docs" / "benchmarks.md").read_text().split("## An earlier run")[0]
+    rendered = set((ROOT / "bench" / "results.md").read_text().splitlines())
+    tables = [line for line in current.splitlines() if line.startswith("|")]
+    assert len(tables) > 40
+    assert [line for line in tables if line not in rendered] == []
+    r = _results()
+    started = r["started"][:16].replace("T", " ")  # 2026-12-01 06:49
+    header = current.split("**The run below:**", 1)[1].split("\n\n", 1)[0]
+    assert started in " ".join(header.split())
+    assert f"{100 * r['load']['cpu_other_share']:.0f} %" in header
+
+
+def test_readme_numbers_match_results() -> None:
+    r = _results()
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Numbers", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| |")
+    }
+
+    def row(prefix: str) -> list[str]:
+        (key,) = [k for k in rows if k.startswith(prefix)]
+        return rows[key]
+
+    sizes = r["sizes"]
+    for i, name in enumerate(("100m", "smollm2")):
+        ratios, checks = sizes[name]["ratios"], sizes[name]["correctness"]["checks"]
+        extra = ratios["multiprocess_extra"]
+        assert _x(ratios["inprocess"]["direct_vs_read_copy"], 1) in row("push (vLLM's API")[i]
+        reload_cell = row("vLLM's own reload")[i]
+        assert _x(ratios["multiprocess"]["vllm_api_reload_vs_direct"], 2) in reload_cell
+        # "not equal to a cold start" exactly where the check failed
+        wrong = not checks["vllm_api_reload_multiprocess"]["match"]
+        assert ("not equal to a cold start" in reload_cell) == wrong, (name, reload_cell)
+        assert _x(extra["http_vs_engine"], 2) in row("a push over HTTP")[i]
+        assert _x(extra["gen_repack_vs_stock"], 2) in row("generation with the bridge")[i]
+    fsdp = r["fsdp"]
+    cell = row("FSDP2 sync")[0]
+    assert f"{fsdp['fsdp']['peak_extra_anon'] / 2**20:.1f} MiB" in cell
+    assert f"largest tensor {fsdp['largest_tensor'] / 2**20:.0f}" in cell
+    assert _x(fsdp["ratios"]["fsdp_vs_ddp_sync_s"], 2) in cell
+    assert _x(r["inflight"]["recipe"]["speedup"], 2) in row("async GRPO recipe")[0]
+    pauses = r["inflight"]["pauses"]
+    inflight = readme.split("| `inflight` |", 1)[1].split("\n\n", 1)[0]
+    for mode, key in (
+        ("recompute", "recompute"),
+        ("keep", "keep"),
+        ("drain", "drain"),
+        ("None", "none"),
+    ):
+        (line,) = [x for x in inflight.splitlines() if x.startswith(f"| `{mode}`")]
+        assert f"| {pauses[key]['median_s']:.3f} s |" in line, mode
+    assert f"idle engine: {pauses['idle']['median_s']:.3f} s" in readme
+
+
+def test_design_md_generation_speeds_match_results() -> None:
+    gen = _results()["sizes"]["100m"]["multiprocess"]["generation"]
+    tok = {mode: gen[mode]["tokens_per_s"]["median"] for mode in ("repack", "torch", "stock")}
+    design = (ROOT / "docs" / "design.md").read_text()
+    repack = f"{tok['repack'] / tok['stock']:.2f}x stock ({tok['repack']:.1f} vs "
+    repack += f"{tok['stock']:.1f} tok/s)"
+    torch_ = f"{tok['torch'] / tok['stock']:.2f}x stock ({tok['torch']:.1f} tok/s)"
+    assert repack in design and torch_ in design

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -300,35 +299,25 @@ def test_bad_arguments_are_refused_up_front(models) -> None:
     assert not VLLMWeightSync(enabled=False).enabled  # disabled needs nothing
 
 
-def test_flat_keywords_map_onto_the_groups_with_a_deprecation_warning(models) -> None:
+def test_options_are_grouped_and_flat_keywords_are_refused(models) -> None:
+    """Only the groups configure the callback (no release had flat keywords); the cadence is
+    read back from them."""
     path = str(models["llama_A"])
-    with pytest.warns(DeprecationWarning, match=r"every_n_train_steps.*schedule\.every_n"):
-        sync = VLLMWeightSync(
-            model_path=path,
-            every_n_train_steps=None,
-            at_steps=[4, 1, 4],
-            dirpath="x",
-            keep_last_k=3,
-            strip_prefix="model.",
-            dtype="bfloat16",
-            full_every_k=2,
-            canary_prompts=[[1, 2, 3]],
-        )
+    sync = VLLMWeightSync(
+        model_path=path,
+        schedule=Schedule(every_n_train_steps=None, at_steps=(4, 1, 4), full_every_k=2),
+        files=CheckpointFiles(dirpath="x", keep_last_k=3),
+        names=CheckpointNames(strip_prefix="model.", dtype="bfloat16"),
+        canary=CanaryCheck(prompts=[[1, 2, 3]]),
+    )
     assert sync.schedule == Schedule(every_n_train_steps=None, at_steps=(1, 4), full_every_k=2)
+    assert sync.every_n_train_steps is None and sync.at_steps == [1, 4]  # read from the groups
     assert sync.files == CheckpointFiles(dirpath="x", keep_last_k=3)
     assert sync.names == CheckpointNames(strip_prefix="model.", dtype="bfloat16")
     assert sync.canary == CanaryCheck(prompts=[[1, 2, 3]])
-    assert sync.every_n_train_steps is None and sync.at_steps == [1, 4]  # read from the groups
-    with pytest.raises(ValueError, match="keep_last_k"), pytest.warns(DeprecationWarning):
-        VLLMWeightSync(model_path=path, keep_last_k=0)
-    with pytest.raises(TypeError, match="every_n_steps"):
-        VLLMWeightSync(model_path=path, every_n_steps=2)  # type: ignore[call-arg]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a flat value equal to its default changes nothing
-        grouped = VLLMWeightSync(
-            model_path=path, schedule=Schedule(every_n_train_steps=4), every_n_train_steps=1
-        )
-    assert grouped.every_n_train_steps == 4
+    for flat in ({"every_n_train_steps": 4}, {"dirpath": "x"}, {"keep_last_k": 3}):
+        with pytest.raises(TypeError, match=next(iter(flat))):
+            VLLMWeightSync(model_path=path, **flat)  # type: ignore[arg-type]
 
 
 # -- failures ------------------------------------------------------------------------------
@@ -515,10 +504,11 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
         return found
 
     assert not sync_of(cli("--trainer.callbacks.init_args.enabled=false")).enabled
-    with pytest.warns(DeprecationWarning, match="flat arguments keep_last_k"):
-        flat = sync_of(cli("--trainer.callbacks.init_args.keep_last_k=7"))  # the old form
-    assert flat.files == CheckpointFiles(ram_dir=True, keep_last_k=7)
-    assert flat.every_n_train_steps == 2
+    override = sync_of(cli("--trainer.callbacks.init_args.files.keep_last_k=7"))  # one field
+    assert override.files == CheckpointFiles(ram_dir=True, keep_last_k=7)
+    assert override.every_n_train_steps == 2
+    with pytest.raises(SystemExit):  # a flat keyword is not an option of the callback
+        cli("--trainer.callbacks.init_args.keep_last_k=7")
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "off")
     assert not sync_of(cli()).enabled
     monkeypatch.delenv("WEIGHT_BRIDGE_SYNC")
@@ -556,9 +546,10 @@ class RankReport(Callback):
 
 @pytest.mark.slow
 def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
-    models, tmp_path, monkeypatch
+    models, cold, tmp_path, monkeypatch
 ) -> None:
-    """Two CPU ranks, each with its own engine: rank 0 writes, both push the same file.
+    """Two CPU ranks, each with its own engine: rank 0 writes, both push the same file, and
+    every rank's engine then equals a cold start on it.
 
     The RAM directory is named after rank 0's pid, so the ranks agree on it only through the
     broadcast. The engine core runs in its own process (vLLM's default), as it would beside a
@@ -584,6 +575,8 @@ def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
     assert ranks[0]["checkpoint"] == ranks[1]["checkpoint"]
     assert Path(ranks[0]["checkpoint"]).name == "step-00000003.safetensors"
     assert not Path(ranks[0]["checkpoint"]).parent.exists()  # rank 0 removed its RAM dir
-    assert_parity(ranks[1]["greedy"], ranks[0]["greedy"])
     # ddp_spawn hands rank 0's trained weights back to this process: they are what was pushed.
     assert_same_tensors(file_tensors(tmp_path / "final.safetensors"), module.model.state_dict())
+    reference = cold(model_dir_for(models, tmp_path / "final.safetensors", tmp_path / "cold"))
+    for report in ranks:  # each rank's engine, not only rank 1 against rank 0
+        assert_parity(report["greedy"], reference)

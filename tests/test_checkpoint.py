@@ -534,17 +534,26 @@ def test_f8_e4m3_nan_is_refused_by_name(tmp_path: Path) -> None:
     c = {k: v.to(torch.float8_e4m3fn) for k, v in toy_ckpt(1).items()}
     c["norm"].view(torch.uint8)[0] = 0x7F  # NaN in e4m3fn
     path = _save(tmp_path, "f8.safetensors", c)
-    with pytest.raises(DirectReloadError, match="NaN"):
-        push_file(toy(), path)
+    model = toy()
+    before = raw_bytes(model)
+    with pytest.raises(DirectReloadError) as info:
+        push_file(model, path)
+    assert info.value.problems == {"norm": "holds 1 NaN and 0 Inf values"}, str(info.value)
+    assert "norm: holds 1 NaN" in str(info.value)
+    assert raw_bytes(model) == before
 
 
 def test_values_that_overflow_the_model_dtype_are_refused(tmp_path: Path) -> None:
     c = {k: v.double() for k, v in toy_ckpt(1).items()}
     c["norm"][0] = 1e300
     model = toy()
-    with pytest.raises(DirectReloadError):
+    before = raw_bytes(model)
+    with pytest.raises(DirectReloadError) as info:
         push_file(model, _save(tmp_path, "f64.safetensors", c))
-    assert torch.isfinite(model.norm).all()
+    why = "holds values beyond the range of torch.float32 (would become Inf)"
+    assert info.value.problems == {"norm": why}, str(info.value)
+    assert f"norm: {why}" in str(info.value)
+    assert torch.isfinite(model.norm).all() and raw_bytes(model) == before
 
 
 # -- fuzzing the header and preflight path -----------------------------------------------------
@@ -780,13 +789,17 @@ def test_sigkill_mid_write_leaves_previous_checkpoint_intact(tmp_path: Path) -> 
                 except FileNotFoundError:  # renamed into place meanwhile
                     continue
                 if 0 < with_size < full:
-                    partial = with_size
+                    partial = (tmp, with_size)
                     os.kill(child.pid, signal.SIGKILL)
                     break
-        if partial is None:
+        if partial is None:  # the timeout's kill is no kill mid-write: fail, do not count it
             child.kill()
+            child.wait(timeout=30)
+            pytest.fail(f"round {round_}: no partial temporary file seen in 120 s")
         child.wait(timeout=30)
-        assert child.returncode == -signal.SIGKILL, f"round {round_}: no kill mid-write"
+        assert child.returncode == -signal.SIGKILL, f"round {round_}: {child.returncode}"
+        # the kill landed mid-write: the temporary file it caught growing was never renamed
+        assert partial[0].exists(), f"round {round_}: {partial[0].name} renamed before the kill"
         kills.append(partial)
         # the file under the final name is a complete checkpoint whose hash verifies
         with CheckpointReader(path) as reader:
@@ -795,8 +808,10 @@ def test_sigkill_mid_write_leaves_previous_checkpoint_intact(tmp_path: Path) -> 
             assert all(torch.equal(reader.tensor(n), t) for n, t in ref.items())
         assert path.stat().st_size == full
         assert resolve_checkpoint_files(tmp_path) == [path]  # the leftover is never picked up
+    assert len(kills) == 3 and all(0 < size < full for _, size in kills), kills
     leftovers = _temps(tmp_path)
-    assert leftovers and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in leftovers)
+    assert {tmp for tmp, _ in kills} <= set(leftovers), (kills, leftovers)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in leftovers)
     assert all(p.stat().st_size <= full for p in leftovers), kills
     # a later save removes a dead writer's leftovers once they are old enough
     past = time.time() - 2 * ckpt_write.STALE_TEMP_AGE_S
@@ -895,6 +910,7 @@ TMPFS_CHILD = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.must_run_in_ci  # CI runs as root: unshare works there
 def test_disk_full_during_save(tmp_path: Path) -> None:
     """A real full filesystem: a 4 MiB tmpfs, mounted in a private user+mount namespace."""
     mnt = tmp_path / "mnt"

@@ -77,15 +77,69 @@ def test_streamed_file_reads_back_and_its_hash_verifies(tmp_path: Path) -> None:
     assert temps(tmp_path) == []
 
 
-def test_save_checkpoint_writes_the_same_bytes_as_the_stream(tmp_path: Path) -> None:
-    """One write path: the mapping wrapper and the stream make byte-identical files."""
+def _layout(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Each tensor's dtype tag, shape and bytes, parsed straight from the safetensors format (a
+    little-endian u64 header length, the JSON header, the data section its offsets point into):
+    no reader of this project in between."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    return {
+        name: (entry["dtype"], entry["shape"], data[slice(*entry["data_offsets"])])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+def test_both_write_paths_store_what_safetensors_itself_stores(tmp_path: Path) -> None:
+    """The reference is safetensors' own ``save_file`` and ``load_file``: the mapping wrapper
+    and the stream store every tensor with the dtype tag, shape and bytes ``save_file`` gives
+    it, and ``load_file`` reads back exactly the tensors, with the metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
     ts = tensors()
+    ref = tmp_path / "ref.safetensors"
+    save_file({n: t.contiguous() for n, t in ts.items()}, str(ref), metadata={"k": "v"})
+    want = _layout(ref)
     save_checkpoint(ts, tmp_path / "a.safetensors", {"k": "v"})
     with CheckpointWriter(tmp_path / "b.safetensors", metas(ts), {"k": "v"}) as writer:
         for name, t in ts.items():
             writer.write(name, t)
         writer.finish()
-    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    for path in (tmp_path / "a.safetensors", tmp_path / "b.safetensors"):
+        assert _layout(path) == want, path.name
+        got = load_file(str(path))
+        assert got.keys() == ts.keys(), path.name
+        for name, t in ts.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, (path.name, name)
+            assert torch.equal(got[name], t), (path.name, name)
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+        assert metadata["k"] == "v" and set(metadata) == {"k", HASH_KEY}, path.name
+
+
+def test_a_modules_state_dict_loads_back_into_torch(tmp_path: Path) -> None:
+    """torch's ``state_dict`` is the reference: a module's state saved with ``save_checkpoint``
+    and read with safetensors' ``load_file`` loads strictly into a fresh module, which then
+    holds the same state and computes the same output."""
+    from safetensors.torch import load_file
+    from torch import nn
+
+    def module(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).to(
+            torch.bfloat16
+        )
+
+    trained, fresh = module(0), module(1)
+    state = trained.state_dict()
+    save_checkpoint(state, tmp_path / "m.safetensors")
+    fresh.load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)
+    for name, t in fresh.state_dict().items():
+        assert t.dtype == state[name].dtype and torch.equal(t, state[name]), name
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(fresh(x), trained(x))
 
 
 def test_header_is_on_disk_before_the_first_tensor(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ directory, in a subprocess, as a user would paste it: vLLM's default multi-proce
 script without ``if __name__ == "__main__":`` fails, as it would for the user), no
 ``VLLM_*`` or ``WEIGHT_BRIDGE_*`` variable from the test session (the bridge's engines then take
 the working directory as their checkpoint root), only ``VLLM_CPU_KVCACHE_SPACE=1`` and
-``HF_HUB_OFFLINE=1`` set. It must exit 0. Blocks not meant to run are fenced as ``text``,
+``HF_HUB_OFFLINE=1`` set. It must exit 0 and print what its comments say it prints
+(:data:`PRINTS`: every ``print`` of an example has its expected line there, checked in order
+among vLLM's log lines). Blocks not meant to run are fenced as ``text``,
 ``bash`` or ``yaml``; every fence must name its language, so no example escapes this test by
 accident. Examples that start an engine are ``slow`` (20-60 s each on 2 cores, more under load).
 
@@ -29,6 +31,36 @@ FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTAL
 LANGUAGES = {"python", "bash", "text", "yaml", "json"}
 ENGINE_WORDS = ("vllm", "callbacks", "ColocatedEngine", "VLLMServer")
 EXAMPLE_TIMEOUT_S = 900  # one example; the engine ones measured 73-129 s each at load 3-4
+
+# What each ``print`` of the examples prints, as the comment beside it says: the print's line in
+# the example -> a pattern per line it prints (``re.fullmatch``; a loop's print, one per pass).
+_SPANS = r"\[\('default', 0, \d+\)(, \('1', \d+, 120\))?\]"  # from 'default', then maybe '1'
+PRINTS: dict[str, list[str]] = {
+    # [0, 1, 2, 3]: a push at start, then each step
+    'print([record["step"] for record in sync.history])': [r"\[0, 1, 2, 3\]"],
+    # direct | 15 weights written directly, ...
+    'print(report.mode, "|", report.reason)': [r"direct \| 15 weights written directly, .*"],
+    # 1, one span: '1', tokens 0-8
+    "print(llm.get_weight_version(), out[0].outputs[0].weight_versions)": [
+        r"1 \[WeightVersionSpan\(version='1', start=0, end=8\)\]"
+    ],
+    # every token from version "1"
+    'print(choice["token_ids"], choice["weight_versions"])': [
+        r"\[\d+(, \d+){7}\] \[\{'version': '1', 'start': 0, 'end': 8\}\]"
+    ],
+    'print(f"generation paused {report.paused_s:.3f} s")': [r"generation paused \d+\.\d{3} s"],
+    # rollouts 0, 16 and 32 of 48: the first submitted starts on 'default' (before the push)
+    "print([(span.version, span.start, span.end) for span in out.outputs[0].weight_versions])": [
+        _SPANS,
+        rf"{_SPANS}|\[\('1', 0, 120\)\]",
+        rf"{_SPANS}|\[\('1', 0, 120\)\]",
+    ],
+    # {'1.weight': 'its module has derived state weight_t ...'}
+    "print(refused.problems)": [r"\{'1\.weight': 'its module has derived state weight_t .*'\}"],
+    # {'1': 'transposed copy'}
+    "print(direct_reload(model, new).refreshed)": [r"\{'1': 'transposed copy'\}"],
+    "print(reload.report)": [r"ReloadReport\(tensors=1, bytes=256, direct=1, .*\)"],  # partial
+}
 
 
 def _blocks() -> list[tuple[Path, int, str, str]]:
@@ -66,6 +98,34 @@ def _environment() -> dict[str, str]:
 
 def test_the_documents_have_python_examples() -> None:
     assert len(_examples()) >= 6, "the README's examples were not found"
+
+
+def _prints(code: str) -> list[str]:
+    """The example's ``print`` lines (stripped, comment dropped), in order."""
+    lines = [line.split("  #")[0].strip() for line in code.splitlines()]
+    return [line for line in lines if line.startswith("print(")]
+
+
+def test_every_print_of_an_example_has_its_expected_output() -> None:
+    """A new ``print`` in an example needs its line in :data:`PRINTS`, so that the example test
+    checks it; an entry no example has any more is stale."""
+    prints = [p for param in _examples() for p in _prints(param.values[0])]
+    assert sorted(set(prints) - set(PRINTS)) == [], "add what these print to PRINTS"
+    assert sorted(set(PRINTS) - set(prints)) == [], "no example prints these any more"
+
+
+def _expected_lines(code: str) -> list[str]:
+    return [pattern for line in _prints(code) for pattern in PRINTS[line]]
+
+
+def _unmatched(stdout: str, patterns: list[str]) -> list[str]:
+    """The patterns not matched, in order, by lines of ``stdout`` (other lines, vLLM's log, are
+    skipped)."""
+    left = list(patterns)
+    for line in stdout.splitlines():
+        if left and re.fullmatch(left[0], line.strip()):
+            left.pop(0)
+    return left
 
 
 def test_every_fence_names_its_language() -> None:
@@ -116,4 +176,8 @@ def test_example_runs_as_written(code: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n"
         f"{proc.stderr[-6000:]}"
+    )
+    missing = _unmatched(proc.stdout, _expected_lines(code))
+    assert missing == [], (
+        f"not printed (in this order): {missing}\n--- stdout\n{proc.stdout[-3000:]}"
     )

@@ -67,13 +67,41 @@ def test_outputs_carry_the_policy_version(models, shared_engine) -> None:
 
 
 def test_prefix_cache_is_reset_by_a_push(models, engine_factory) -> None:
-    long_prompt = [[1] + list(range(20, 80))]  # several full KV blocks, cached after one run
-    engine = engine_factory(models["llama_B"], enable_prefix_caching=True)
-    want = greedy(engine, prompts=long_prompt)  # B, cold
+    """KV cached before a push is never reused after it. Blocks of 32 tokens (CPU attention
+    takes multiples of 32) and 75-token prompts: two full blocks of each prompt are cached by a
+    run, and the next run of the same prompt reuses them (checked, so the test can fail); right
+    after a push, it reuses none."""
+    from vllm import SamplingParams
+
+    from weight_bridge.testing.parity import collect
+    from weight_bridge.vllm import token_prompts
+
+    prompts = [[1, *range(20, 94)], [1, *range(200, 274)]]
+    full_blocks = 2 * 32
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+
+    def run() -> tuple[list, list[int]]:
+        outs = engine.generate(token_prompts(prompts), sp)
+        return collect(outs), [o.num_cached_tokens or 0 for o in outs]
+
+    engine = engine_factory(models["llama_B"], enable_prefix_caching=True, block_size=32)
+    want_b, _ = run()  # B, cold
+    again, cached = run()
+    assert all(c >= full_blocks for c in cached), f"nothing cached: {cached}"
+    assert_parity(again, want_b)
+
     engine.push(models["llama_A"], version=0)
-    greedy(engine, prompts=long_prompt)  # A's KV now cached for this prompt
+    got_a, cached = run()
+    assert cached == [0, 0], f"KV computed with B's weights reused after the push to A: {cached}"
+    assert_differs(got_a, want_b)
+    again, cached = run()  # A's KV now cached for these prompts
+    assert all(c >= full_blocks for c in cached), cached
+    assert_parity(again, got_a)
+
     engine.push(models["llama_B"], version=1)
-    assert_parity(greedy(engine, prompts=long_prompt), want)
+    got_b, cached = run()
+    assert cached == [0, 0], f"KV computed with A's weights reused after the push to B: {cached}"
+    assert_parity(got_b, want_b)
 
 
 def _bad_checkpoints(models, tmp_path: Path) -> dict[str, tuple[Path, type, str]]:

@@ -35,11 +35,13 @@ def _recipe() -> ModuleType:
 
 def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: object) -> Path:
     """``config.yaml`` (with an ``overlay``'s model and callback options) with every path under
-    ``tmp_path`` and the callback's options overridden."""
+    ``tmp_path`` (the checkpoints' ``files.dirpath`` too: none goes to ``./runs``) and the
+    callback's options overridden (an option group given as a mapping, e.g.
+    ``schedule={"every_n_train_steps": 4}``, replaces that group)."""
     cfg = yaml.safe_load((RECIPE / "config.yaml").read_text())
     if overlay is not None:
         extra = yaml.safe_load((RECIPE / overlay).read_text())
-        paths = ("model_dir", "run_dir", "model_path", "dirpath")  # moved under tmp_path below
+        paths = ("model_dir", "run_dir", "model_path")  # moved under tmp_path below
         cfg["model"].update({k: v for k, v in extra.get("model", {}).items() if k not in paths})
         for cb in extra["trainer"].get("callbacks", []):
             options = {k: v for k, v in cb["init_args"].items() if k not in paths}
@@ -50,8 +52,9 @@ def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: obje
     trainer["default_root_dir"] = str(run)
     trainer["logger"]["init_args"]["save_dir"] = str(run)
     (callback,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("VLLMWeightSync")]
-    callback["init_args"].update(model_path=str(model_dir), dirpath=str(run / "checkpoints"))
-    callback["init_args"].update(sync)
+    init_args = callback["init_args"]
+    init_args.update(model_path=str(model_dir), **sync)
+    init_args["files"] = {**init_args.get("files", {}), "dirpath": str(run / "checkpoints")}
     cfg["model"].update(model_dir=str(model_dir), run_dir=str(run))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -111,7 +114,7 @@ def test_sync_every_step_is_on_policy_and_checkpoints_hold_the_trainer_weights(
 def test_sync_every_4_steps_bounds_staleness(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    cli, callback = _fit(monkeypatch, tmp_path, 6, every_n_train_steps=4)
+    cli, callback = _fit(monkeypatch, tmp_path, 6, schedule={"every_n_train_steps": 4})
     history = cli.model.history
     assert [h["policy_version"] for h in history] == [0, 0, 0, 0, 4, 4]
     assert [h["staleness"] for h in history] == [0, 1, 2, 3, 0, 1]

@@ -18,14 +18,13 @@ from helpers import (
     assert_parity,
     crash_before_rename,
     greedy,
-    model_dir_with,
+    model_dir_saved_by_hf,
     trainer,
 )
 from lightning.pytorch.callbacks import Callback
 
 from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
 from callbacks.changed import materialize, sync_state
-from callbacks.names import CheckpointNames
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
 
 FROZEN = ("model.embed_tokens.", "model.layers.0.")
@@ -33,10 +32,13 @@ FROZEN = ("model.embed_tokens.", "model.layers.0.")
 
 class FullWeights(Callback):
     """Listed after the sync: at each push, the engine's outputs and the trainer's full weights
-    under the engine's names (``merge``: PEFT's merge on a deep copy)."""
+    as a model directory a cold start loads, saved by Hugging Face's own ``save_pretrained``
+    (``merge``: PEFT's ``merge_and_unload`` on a deep copy first), not by the callback's code."""
 
-    def __init__(self, sync: VLLMWeightSync, merge: bool = False) -> None:
-        self.sync, self.merge = sync, merge
+    def __init__(
+        self, sync: VLLMWeightSync, config_dir: Path, out: Path, merge: bool = False
+    ) -> None:
+        self.sync, self.config_dir, self.out, self.merge = sync, config_dir, out, merge
         self.pushes: list[dict] = []
 
     def _look(self, pl_module) -> None:
@@ -45,11 +47,11 @@ class FullWeights(Callback):
         model = pl_module.model
         if self.merge:
             model = copy.deepcopy(model).merge_and_unload()
-        tensors, _ = CheckpointNames("", {}, None).checkpoint_tensors(model.state_dict())
-        tensors = {name: t.clone() for name, t in tensors.items()}  # training goes on in place
+        step = self.sync.history[-1]["step"]
+        full = model_dir_saved_by_hf(self.config_dir, model, self.out / f"cold-{step}")
         assert self.sync.engine is not None
         self.pushes.append(
-            {**self.sync.history[-1], "full": tensors, "greedy": greedy(self.sync.engine)}
+            {**self.sync.history[-1], "full": full, "greedy": greedy(self.sync.engine)}
         )
 
     def on_train_start(self, trainer, pl_module):
@@ -64,14 +66,9 @@ def checkpoint_names(path: str) -> tuple[set[str], dict[str, str]]:
         return set(reader.specs()), reader.metadata
 
 
-def run_and_check(recorder: FullWeights, config_dir: Path, cold, tmp_path: Path) -> None:
+def run_and_check(recorder: FullWeights, cold) -> None:
     """Every push equal to a cold start on the full weights it stood for."""
-    references = cold.many(
-        [
-            model_dir_with(config_dir, push["full"], tmp_path / f"cold-{push['step']}")
-            for push in recorder.pushes
-        ]
-    )
+    references = cold.many([push["full"] for push in recorder.pushes])
     for i, (push, reference) in enumerate(zip(recorder.pushes, references, strict=True)):
         try:
             assert_parity(push["greedy"], reference)
@@ -94,7 +91,7 @@ def test_frozen_layers_are_never_pushed_after_the_first_sync(
         schedule=Schedule(every_n_train_steps=2, full_every_k=3),
         files=CheckpointFiles(keep_last_k=10),
     )
-    recorder = FullWeights(sync)
+    recorder = FullWeights(sync, models["llama_A"], tmp_path)
     trainer(tmp_path, [sync, recorder], max_steps=6).fit(module)
 
     assert [(h["step"], h["partial"]) for h in sync.history] == [
@@ -108,7 +105,7 @@ def test_frozen_layers_are_never_pushed_after_the_first_sync(
     assert meta[BASE_VERSION_KEY] == "0" and meta["version"] == "2"
     assert names == {n for n in full_names if not n.startswith(FROZEN)}
     assert sync.history[1]["bytes"] < sync.history[0]["bytes"]
-    run_and_check(recorder, models["llama_A"], cold, tmp_path)
+    run_and_check(recorder, cold)
 
 
 def test_a_failed_sync_makes_the_next_one_complete(
@@ -134,7 +131,7 @@ def test_a_failed_sync_makes_the_next_one_complete(
 
 @pytest.fixture
 def lora_module(models):
-    peft = pytest.importorskip("peft")
+    import peft  # a declared dependency (the dev and trainer extras): never skipped
 
     def make(targets: list[str]) -> TinyLM:
         module = TinyLM(str(models["qwen2_A"]), lr=0.5)
@@ -158,7 +155,7 @@ def test_lora_pushes_merged_adapted_weights_under_base_names(
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(keep_last_k=10),
     )
-    recorder = FullWeights(sync, merge=True)
+    recorder = FullWeights(sync, models["qwen2_A"], tmp_path, merge=True)
     trainer(tmp_path, [sync, recorder], max_steps=4).fit(module)
 
     assert [(h["step"], h["partial"]) for h in sync.history] == [(0, False), (2, True), (4, True)]
@@ -174,7 +171,7 @@ def test_lora_pushes_merged_adapted_weights_under_base_names(
         for i in range(layers)
         for proj in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj")
     }
-    run_and_check(recorder, models["qwen2_A"], cold, tmp_path)
+    run_and_check(recorder, cold)
 
 
 def test_lora_on_a_tied_embedding_is_refused_by_name(lora_module) -> None:

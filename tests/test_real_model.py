@@ -39,6 +39,7 @@ TOLERANCE = 1e-4  # float32 reduction-order noise, far below any pushed change
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.must_run_in_ci,  # `make setup` installs the model: CI must not skip it
     pytest.mark.skipif(real_model.available() is not None, reason=str(real_model.available())),
 ]
 
@@ -252,7 +253,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     from safetensors.torch import load_file
     from torch.utils.data import DataLoader
 
-    from callbacks import VLLMWeightSync
+    from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
 
     close_engine()  # one in-process engine at a time in this process
 
@@ -302,9 +303,8 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     sync = VLLMWeightSync(
         model_path=str(model_a),
         engine_kwargs=ENGINE_KWARGS,
-        every_n_train_steps=1,
-        dirpath=str(tmp_path / "checkpoints"),
-        keep_last_k=1,
+        schedule=Schedule(every_n_train_steps=1),
+        files=CheckpointFiles(dirpath=str(tmp_path / "checkpoints"), keep_last_k=1),
     )
     record = Record(sync)
     trainer = pl.Trainer(

@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 from helpers import (
     ENGINE_KWARGS,
+    FAULT_PARAM,
     arm_write_fault,
+    assert_differs,
     assert_parity,
     bad_checkpoints,
     greedy,
@@ -35,6 +37,38 @@ from helpers import (
 from weight_bridge.direct import DirectReloadError
 
 # -- worker-side callables (sent with collective_rpc; arm_write_fault is in helpers) -----------
+
+
+def weights_fingerprint(worker) -> dict[str, float]:
+    """A checksum of each of the worker's parameters (observation only): which weights a push
+    had written when a fault struck."""
+    import torch
+
+    with torch.no_grad():
+        params = worker.model_runner.get_model().named_parameters()
+        return {name: float(p.detach().double().sum()) for name, p in params}
+
+
+def take_fingerprint_at_fault(worker) -> dict | None:
+    """The fingerprint the last fault recorded as it struck (and forget it)."""
+    return vars(worker).pop("_test_fingerprint_at_fault", None)
+
+
+def _record_fingerprint(worker) -> None:
+    worker._test_fingerprint_at_fault = weights_fingerprint(worker)
+
+
+def arm_recorded_write_fault(worker) -> None:
+    """``arm_write_fault``, recording the weights' fingerprint as the fault strikes."""
+    arm_write_fault(worker)
+    param = dict(worker.model_runner.get_model().named_parameters())[FAULT_PARAM]
+    faulty = param.weight_loader
+
+    def record_then_fail(*args, **kwargs):
+        _record_fingerprint(worker)
+        return faulty(*args, **kwargs)  # puts the original loader back, then raises
+
+    param.weight_loader = record_then_fail
 
 
 def arm_refresh_fault(worker) -> str:
@@ -48,6 +82,7 @@ def arm_refresh_fault(worker) -> str:
 
     def faulty(module):
         refresher.refresh = original  # type: ignore[method-assign]
+        _record_fingerprint(worker)
         raise RuntimeError(f"injected fault refreshing {name}")
 
     refresher.refresh = faulty  # type: ignore[method-assign]
@@ -60,6 +95,7 @@ def arm_cache_fault(engine) -> None:
 
     def faulty(*args, **kwargs):
         del core.reset_prefix_cache  # one shot: the class's method again
+        core.collective_rpc(_record_fingerprint)
         raise RuntimeError("injected fault in reset_prefix_cache")
 
     core.reset_prefix_cache = faulty
@@ -67,7 +103,7 @@ def arm_cache_fault(engine) -> None:
 
 def arm(engine, fault: str) -> None:
     if fault == "write":
-        engine.llm.collective_rpc(arm_write_fault)
+        engine.llm.collective_rpc(arm_recorded_write_fault)
     elif fault == "refresh":
         engine.llm.collective_rpc(arm_refresh_fault)
     else:
@@ -87,8 +123,10 @@ def fault_scenarios(model_a: str, model_b: str) -> dict:
         in_process = engine_resources(engine.llm) is None
         faults = FAULTS if in_process else tuple(f for f in FAULTS if f != "cache")
         r["a_cold"] = greedy(engine)
+        r["a_weights"] = engine.llm.collective_rpc(weights_fingerprint)[0]
         engine.push(model_b, version="B")
         r["b_pushed"] = greedy(engine)
+        r["b_weights"] = engine.llm.collective_rpc(weights_fingerprint)[0]
         engine.push(model_a, version="A")
         for fault in faults:
             arm(engine, fault)
@@ -101,6 +139,8 @@ def fault_scenarios(model_a: str, model_b: str) -> dict:
             case["version"], case["undefined"] = engine.version, engine.undefined
             case["rollback_s"] = engine.last_rollback_s
             case["served"] = greedy(engine)
+            case["at_fault"] = engine.llm.collective_rpc(take_fingerprint_at_fault)[0]
+            case["after"] = engine.llm.collective_rpc(weights_fingerprint)[0]
             r["rollback"][fault] = case
         engine.rollback = False
         for fault in faults:
@@ -174,10 +214,17 @@ def test_refusals_are_typed_and_quiet_in_the_multiprocess_engine(models, tmp_pat
 
 
 def _check_faults(r: dict) -> None:
+    a, b = r["a_weights"], r["b_weights"]
+    assert_differs(r["b_pushed"], r["a_cold"])  # equal to A after a rollback means something
     for fault, case in r["rollback"].items():
         assert case["error"] == "DirectReloadError", (fault, case)
         assert "rolled back to version 'A'" in case["message"], (fault, case["message"])
         assert case["version"] == "A" and case["undefined"] is None, fault
+        # the push had written B's weights when the fault struck: there was something to undo
+        assert case["at_fault"] is not None, f"{fault}: the fault never struck"
+        written = [n for n, v in case["at_fault"].items() if v != a[n] and v == b[n]]
+        assert written, f"{fault}: no weight of B written before the fault"
+        assert case["after"] == a, fault  # and all of it was undone
         assert_parity(case["served"], r["a_cold"])
         assert case["rollback_s"] is not None
     for fault, case in r["no_rollback"].items():

@@ -3,18 +3,27 @@
 One write path, :class:`CheckpointWriter`: the header (names, shapes, dtypes, byte offsets) is
 computed from metadata before any tensor exists, so a sharded trainer can gather one tensor at a
 time, hand it over, and free it; the writer never holds more than the tensor it is writing.
-Tensors arrive in header order; each is checked against its entry (name, shape, dtype), written
-at its offset and folded into the blake3 hash of the data section; :meth:`~CheckpointWriter.finish`
-writes the hash into the header, fsyncs and renames. :func:`save_checkpoint` is the same writer
-fed from a mapping.
+Tensors arrive in header order; each is checked against its entry (name, shape, dtype), and its
+bytes make one pass through the writer: chunk by chunk (:data:`CHUNK_BYTES`, so a chunk is
+still in cache for the next step) each is cast to the header's dtype if asked (``cast=True``),
+copied off its device (through a pinned host buffer for an accelerator's tensor), folded into
+the blake3 hash of the data section and written at its offset. :meth:`~CheckpointWriter.finish`
+writes the hash into the header, fsyncs (``fsync=True``: a checkpoint meant to survive a power
+loss; a transport file in RAM is not fsynced) and renames. :func:`save_checkpoint` is the same
+writer fed from a mapping.
+
+``hashed=False`` leaves the hash out (a transport file nobody will check: one pass less);
+``reuse`` names a file of ours in the same directory that is no longer needed, overwritten in
+place under the temporary name instead of a new file (on tmpfs its pages are already allocated).
 
 Writes go to an owner-only (0600) temporary file in the target directory, locked while it is
-written, and are renamed into place, so a reader never sees a partial file, a file an engine
-has mapped is never overwritten in place, and a write that fails (disk full, file too large, a
-refused tensor, an abort) leaves the previous file untouched and removes its temporary file. The
-temporary file of a writer that was killed (SIGKILL) is left behind, hidden, under a name no
-reader picks up; a later save into the same directory removes it once its lock is free and it
-is a minute old.
+written, its whole size reserved up front (so a full filesystem refuses the checkpoint before
+the first tensor is gathered, not half-way), and are renamed into place, so a reader never sees
+a partial file, a file an engine has mapped is never overwritten in place, and a write that
+fails (disk full, file too large, a refused tensor, an abort) leaves the previous file untouched
+and removes its temporary file. The temporary file of a writer that was killed (SIGKILL) is left
+behind, hidden, under a name no reader picks up; a later save into the same directory removes it
+once its lock is free and it is a minute old.
 """
 
 from __future__ import annotations
@@ -25,10 +34,7 @@ import fcntl
 import json
 import math
 import os
-import re
-import stat
 import struct
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -39,11 +45,17 @@ import torch
 
 from .errors import CheckpointError, CheckpointWriteError
 from .format import DTYPE_NAMES, HASH_KEY
+from .space import STALE_TEMP_AGE_S, fsync_dir, open_temp, reserve
 
-__all__ = ["STALE_TEMP_AGE_S", "CheckpointWriter", "SavedCheckpoint", "save_checkpoint"]
+__all__ = [
+    "CHUNK_BYTES",
+    "STALE_TEMP_AGE_S",
+    "CheckpointWriter",
+    "SavedCheckpoint",
+    "save_checkpoint",
+]
 
-STALE_TEMP_AGE_S = 60.0  # an unlocked temporary file this old belongs to a dead writer
-_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")  # mkstemp's 8 characters
+CHUNK_BYTES = 1 << 20  # one pass per tensor: a chunk is cast, hashed and written while in cache
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -58,36 +70,6 @@ def _write_all(f, data: memoryview | bytes) -> None:
         if not n:  # a raw write that stores nothing and reports no error: treat as full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         data = data[n:]
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Delete temporary files of earlier saves into ``path``'s directory whose writer is gone.
-
-    Only names :func:`save_checkpoint` makes are considered (``.<name>.<8 random>.tmp`` for
-    this ``path`` or any ``*.safetensors``). A live writer holds an exclusive lock on its
-    file; a killed one's lock went with it. The age test closes the window between a writer
-    creating its file and locking it.
-    """
-    now = time.time()
-    for tmp in path.parent.iterdir():
-        m = _TEMP_NAME.match(tmp.name)
-        if m is None or not (m["target"] == path.name or m["target"].endswith(".safetensors")):
-            continue
-        try:
-            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_TEMP_AGE_S:
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        except OSError:
-            continue  # locked: a writer is still at work
-        finally:
-            os.close(fd)
 
 
 class TensorMeta(Protocol):
@@ -119,8 +101,11 @@ class _Planned:
 
 
 def _plan(
-    path: Path, specs: Iterable[tuple[str, TensorMeta]], metadata: Mapping[str, str] | None
-) -> tuple[dict[str, _Planned], bytes, int]:
+    path: Path,
+    specs: Iterable[tuple[str, TensorMeta]],
+    metadata: Mapping[str, str] | None,
+    hashed: bool = True,
+) -> tuple[dict[str, _Planned], bytes, int | None]:
     """Each tensor's byte range, the encoded header (hash placeholder, 8-byte aligned) and
     where in the file the hash's 64 hex digits go."""
     planned: dict[str, _Planned] = {}
@@ -143,10 +128,14 @@ def _plan(
         }
         offset += n
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    meta[HASH_KEY] = "0" * 64
+    meta.pop(HASH_KEY, None)
+    if hashed:
+        meta[HASH_KEY] = "0" * 64
     header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # align the data section to 8 bytes
+    if not hashed:
+        return planned, struct.pack("<Q", len(raw)) + raw, None
     marker = json.dumps({HASH_KEY: meta[HASH_KEY]}, separators=(",", ":"))[1:-1].encode()
     hash_at = 8 + raw.index(marker) + len(marker) - 65
     return planned, struct.pack("<Q", len(raw)) + raw, hash_at
@@ -171,25 +160,23 @@ class CheckpointWriter:
         specs: Mapping[str, TensorMeta] | Iterable[tuple[str, TensorMeta]],
         metadata: Mapping[str, str] | None = None,
         fsync: bool = True,
+        hashed: bool = True,
+        reuse: str | os.PathLike | None = None,
     ) -> None:
         self._started = time.perf_counter()
+        self._bounce: torch.Tensor | None = None  # the chunk buffer of cast or device tensors
         self.path = Path(path)
         self.fsync = fsync
         pairs = specs.items() if isinstance(specs, Mapping) else specs
-        self._planned, head, self._hash_at = _plan(self.path, pairs, metadata)
+        self._planned, head, self._hash_at = _plan(self.path, pairs, metadata, hashed)
         self._order = list(self._planned)
         self._next = 0
         self.nbytes = max((p.end for p in self._planned.values()), default=0)
         self._total = len(head) + self.nbytes
-        self._hash = _hasher()
+        self._hash = _hasher() if hashed else None
         self._state = "open"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(self.path)
-        # mkstemp creates the file 0600 (owner-only) with O_EXCL, whatever the umask: no byte is
-        # ever readable by others, and os.replace keeps the mode.
-        fd, self._tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
+        fd, self._tmp, self._reused = open_temp(self.path, reuse)
         self._file = os.fdopen(fd, "wb", buffering=0)
         self._guard(lambda: self._open(head))
 
@@ -206,9 +193,14 @@ class CheckpointWriter:
     def _open(self, head: bytes) -> None:
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)  # marks the file as a live writer's
         _write_all(self._file, head)
+        reserve(self._file.fileno(), len(head), self.nbytes)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next tensor of the header; anything else aborts and raises by name."""
+    def write(self, name: str, tensor: torch.Tensor, cast: bool = False) -> None:
+        """Write the next tensor of the header; anything else aborts and raises by name.
+
+        ``cast=True``: a tensor of another dtype is converted to the header's as it is copied
+        (chunk by chunk, no full-size copy); its shape must still match. The tensor may live on
+        any device."""
         self._check_open()
         expected = self._order[self._next] if self._next < len(self._order) else None
         if name != expected:
@@ -220,17 +212,50 @@ class CheckpointWriter:
                 problem = f"out of order: {expected!r} comes first"
             self._refuse(problem, name)
         p = self._planned[name]
-        if tensor.dtype != p.dtype or tuple(tensor.shape) != p.shape:
+        if (tensor.dtype != p.dtype and not cast) or tuple(tensor.shape) != p.shape:
             got = f"{tuple(tensor.shape)} {tensor.dtype}"
             self._refuse(f"{got} does not match the header's {p.shape} {p.dtype}", name)
-        self._guard(lambda: self._write_tensor(tensor))
+        self._guard(lambda: self._write_tensor(tensor, p.dtype))
         self._next += 1
 
-    def _write_tensor(self, tensor: torch.Tensor) -> None:
-        if tensor.numel():
-            data = _bytes_of(tensor.detach().to("cpu"))
-            self._hash.update(data)
+    def _write_tensor(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """One pass: each chunk cast/copied (if needed), hashed and written while in cache."""
+        t = tensor.detach()
+        if not t.numel():
+            return
+        if t.device.type == "cpu" and t.dtype == dtype:
+            data = _bytes_of(t)  # a view of a contiguous tensor: no copy at all
+            for i in range(0, len(data), CHUNK_BYTES):
+                chunk = data[i : i + CHUNK_BYTES]
+                if self._hash is not None:
+                    self._hash.update(chunk)
+                _write_all(self._file, chunk)
+            return
+        flat = t.reshape(-1)  # a view when contiguous (a copy of one tensor otherwise)
+        bounce = self._chunk_buffer(t.device).view(dtype)
+        per = bounce.numel()
+        for i in range(0, flat.numel(), per):
+            part = flat[i : i + per]
+            buf = bounce[: part.numel()]
+            buf.copy_(part.to(dtype) if part.device.type != "cpu" else part)  # cast on device
+            data = _bytes_of(buf)
+            if self._hash is not None:
+                self._hash.update(data)
             _write_all(self._file, data)
+
+    def _chunk_buffer(self, device: torch.device) -> torch.Tensor:
+        """:data:`CHUNK_BYTES` of host memory, pinned when tensors come from an accelerator
+        (a device-to-host copy into pinned memory runs at the link's speed, and needs no
+        staging copy by the driver)."""
+        pinned = device.type != "cpu"
+        if self._bounce is None or (pinned and not self._bounce.is_pinned()):
+            self._bounce = None
+            if pinned:
+                with contextlib.suppress(RuntimeError):  # no pinning backend: plain memory
+                    self._bounce = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+            if self._bounce is None:
+                self._bounce = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+        return self._bounce
 
     def finish(self) -> SavedCheckpoint:
         """Check every tensor was written, write the hash, fsync, rename into place."""
@@ -238,15 +263,19 @@ class CheckpointWriter:
         if self._next < len(self._order):
             missing = self._order[self._next :]
             self._refuse(f"never written ({len(missing)} tensors missing)", missing[0])
-        digest = self._hash.hexdigest()
+        digest = self._hash.hexdigest() if self._hash is not None else ""
         self._guard(lambda: self._commit(digest))
         self._state = "finished"
+        self._bounce = None
         if self.fsync:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         return SavedCheckpoint(self.path, self.nbytes, digest, time.perf_counter() - self._started)
 
     def _commit(self, digest: str) -> None:
-        os.pwrite(self._file.fileno(), digest.encode(), self._hash_at)
+        if self._hash_at is not None:
+            os.pwrite(self._file.fileno(), digest.encode(), self._hash_at)
+        if self._reused:  # a recycled file may have been longer
+            os.ftruncate(self._file.fileno(), self._total)
         if self.fsync:
             os.fsync(self._file.fileno())
         self._file.close()
@@ -257,6 +286,7 @@ class CheckpointWriter:
         if self._state != "open":
             return
         self._state = "aborted"
+        self._bounce = None
         with contextlib.suppress(OSError):
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
@@ -314,7 +344,8 @@ def save_checkpoint(
     metadata: Mapping[str, str] | None = None,
     fsync: bool = True,
 ) -> SavedCheckpoint:
-    """Write ``tensors`` as one safetensors file at ``path``, atomically, owner-only.
+    """Write ``tensors`` as one safetensors file at ``path``, atomically, owner-only;
+    ``fsync=False`` for a file that need not survive a power loss (a transport file in RAM).
 
     The header carries ``metadata`` plus a blake3 hash of the data section, so a push can tell a
     swapped or torn file. Tensors must not share storage (write tied weights once). A failed
@@ -322,14 +353,14 @@ def save_checkpoint(
     same writer as :class:`CheckpointWriter`, fed from a mapping already in memory.
     """
     path = Path(path)
-    owners: dict[tuple[int, int], str] = {}
+    owners: dict[tuple[str, int, int], str] = {}
     cpu: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise CheckpointError(path, f"dtype {t.dtype} has no safetensors name", name)
-        t = t.detach().to("cpu")
+        t = t.detach()  # any device: the writer copies it off chunk by chunk
         if t.numel():
-            key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
+            key = (t.device.type, t.untyped_storage().data_ptr(), int(t.storage_offset()))
             if key in owners:
                 raise CheckpointError(
                     path, f"shares storage with {owners[key]!r}; write it once", name
@@ -340,16 +371,3 @@ def save_checkpoint(
         for name, t in cpu.items():
             writer.write(name, t)
         return writer.finish()
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every filesystem allows it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -15,7 +15,10 @@ Limitations:
    weights into one would be missed by the proof (the callback's canary would catch it).
 4. Each worker reads the checkpoint from a path it can open, under the engine's checkpoint
    root: colocated means same filesystem.
-5. An engine left undefined (a rollback that failed too) stops scheduling; a plain ``vllm.LLM``
+5. With vLLM's asynchronous scheduling (a batch queue; off on the CPU backend, on by default on
+   GPUs) a step already queued when an update commits would have its output stamped with the
+   new version; the bridge stamps at commit assuming steps run one at a time (not run here).
+6. An engine left undefined (a rollback that failed too) stops scheduling; a plain ``vllm.LLM``
    caller's ``generate`` then waits until a complete update succeeds (``ColocatedEngine``
    refuses instead).
 """
@@ -28,6 +31,7 @@ from .engine import (
     token_prompts,
 )
 from .options import BACKEND, BridgeOptions
+from .results import UpdateInProgressError
 
 __all__ = [
     "BACKEND",
@@ -36,5 +40,6 @@ __all__ = [
     "EngineCoreDeadError",
     "EngineUndefinedError",
     "PushReport",
+    "UpdateInProgressError",
     "token_prompts",
 ]

@@ -71,15 +71,7 @@ class UpdateConflictError(UpdateInProgressError, GracefulHTTPError):
     """:class:`~.results.UpdateInProgressError` as vLLM's API server answers it: ``409
     Conflict`` with the message (vLLM's ``GracefulHTTPError``), no traceback."""
 
-    def __init__(
-        self,
-        message: str,
-        since: float | None = None,
-        version: str | None = None,
-        expires_in_s: float | None = None,
-    ) -> None:
-        UpdateInProgressError.__init__(self, message, since, version, expires_in_s)
-        self.http_status = HTTPStatus.CONFLICT
+    http_status = HTTPStatus.CONFLICT
 
 
 @dataclass

@@ -1,0 +1,334 @@
+"""The sync's file as transport: in RAM by default, a fallback to disk that says why, fsync only
+for checkpoints asked to be durable, one pass of the writer over each tensor, and nothing left
+behind that an engine would read when a writer or a sync fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ENGINE_KWARGS, TinyLM, trainer
+
+import callbacks.retention as retention
+import weight_bridge.checkpoint.space as space
+from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+from callbacks.retention import estimate_bytes, place
+from weight_bridge.checkpoint import (
+    CheckpointReader,
+    CheckpointWriteError,
+    CheckpointWriter,
+    save_checkpoint,
+)
+from weight_bridge.checkpoint.write import CHUNK_BYTES
+
+EVERY_STEP = Schedule(every_n_train_steps=1)
+
+
+def _step_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("step-*.safetensors"))
+
+
+class _FsyncSpy:
+    """A spy on ``os.fsync`` (records the path of each fd, then really fsyncs): it injects no
+    fault, it only shows which files were made durable."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: list[str] = []
+        real = os.fsync
+
+        def spy(fd: int) -> None:
+            self.paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", spy)
+
+
+# -- where the files go ------------------------------------------------------------------------
+
+
+def test_default_placement_is_ram_when_the_callback_builds_the_engine(tmp_path: Path) -> None:
+    where = place(CheckpointFiles(), str(tmp_path), 1 << 20, builds_engine=True)
+    assert where.in_ram and where.fallback is None
+    assert where.directory.parent == retention.RAM_ROOT
+    # a given engine reading from a disk root, a dirpath, ram_dir=False or durable: disk
+    assert place(CheckpointFiles(), str(tmp_path), 1, False, str(tmp_path)).in_ram is False
+    for files in (
+        CheckpointFiles(dirpath=str(tmp_path / "d")),
+        CheckpointFiles(ram_dir=False),
+        CheckpointFiles(durable=True),
+    ):
+        where = place(files, str(tmp_path), 1, builds_engine=True)
+        assert not where.in_ram and where.fallback is None
+    assert place(CheckpointFiles(dirpath="x"), str(tmp_path), 1, True).directory == Path("x")
+    with pytest.raises(ValueError, match="durable"):
+        CheckpointFiles(ram_dir=True, durable=True)
+
+
+def test_fallback_to_disk_names_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    need = 100 * 2**20
+    small = place(CheckpointFiles(), str(tmp_path), need, True, free=lambda p: 150 * 2**20)
+    assert not small.in_ram and small.directory == tmp_path / "weight_sync"
+    assert "150 MiB free" in small.fallback and "2 checkpoints of 100 MiB" in small.fallback
+    kept = place(CheckpointFiles(keep_last_k=3), str(tmp_path), need, True, free=lambda p: 1 << 40)
+    assert kept.in_ram  # room enough
+    monkeypatch.setattr(retention, "RAM_ROOT", tmp_path / "no-shm")
+    missing = place(CheckpointFiles(), str(tmp_path), need, builds_engine=True)
+    assert not missing.in_ram and "no-shm does not exist" in missing.fallback
+
+
+def test_estimate_counts_tied_tensors_once_and_the_cast() -> None:
+    w = torch.zeros(4, 8)
+    state = {"a": w, "tied": w, "b": torch.zeros(3, dtype=torch.int64)}
+    assert estimate_bytes(state) == 4 * 8 * 4 + 3 * 8
+    assert estimate_bytes(state, torch.bfloat16) == 4 * 8 * 2 + 3 * 8
+
+
+# -- a real Trainer: RAM by default, fallback, durable ---------------------------------------
+
+
+@pytest.mark.slow
+def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
+    models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsynced = _FsyncSpy(monkeypatch)
+    held: list[list[str]] = []
+    recycled: list[bool] = []
+
+    class Watch(VLLMWeightSync):
+        def _sync(self, trainer, pl_module, step):
+            spare = self._dir / ".spare"
+            before = spare.stat().st_ino if spare.exists() else None
+            super()._sync(trainer, pl_module, step)
+            held.append(sorted(os.listdir(self._dir)))
+            recycled.append(before == (self._dir / f"step-{step:08d}.safetensors").stat().st_ino)
+
+    sync = Watch(
+        model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
+    )
+    module = TinyLM(str(models["llama_A"]))
+    trainer(tmp_path, [sync], max_steps=3).fit(module)
+    directory = Path(sync.last_checkpoint).parent
+    assert directory.parent == Path("/dev/shm") and directory.name.startswith("weight_bridge-")
+    assert [h["step"] for h in sync.history] == [0, 1, 2, 3]
+    # the served file, and from the second sync on the previous one as the spare
+    assert held[0] == ["step-00000000.safetensors"]
+    assert held[1:] == [[".spare", f"step-0000000{s}.safetensors"] for s in (1, 2, 3)]
+    assert recycled == [False, False, True, True]  # its pages reused by the next write
+    assert fsynced.paths == []  # transport: nothing fsynced
+    assert not directory.exists()  # released at teardown, with the engine it built
+
+
+@pytest.mark.slow
+def test_too_little_ram_falls_back_to_the_log_dir_with_a_warning(
+    models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(retention, "free_bytes", lambda path: 2**20)  # /dev/shm "has 1 MiB"
+    sync = VLLMWeightSync(
+        model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
+    )
+    with pytest.warns(UserWarning, match=r"not to RAM: /dev/shm has 1 MiB free"):
+        trainer(tmp_path, [sync], max_steps=1).fit(TinyLM(str(models["llama_A"])))
+    assert Path(sync.last_checkpoint).parent == tmp_path / "weight_sync"
+    assert _step_files(tmp_path / "weight_sync") == [
+        "step-00000000.safetensors",
+        "step-00000001.safetensors",
+    ]  # on disk: keep_last_k defaults to 2
+
+
+def test_durable_checkpoints_are_fsynced_and_transport_ones_are_not(
+    models, shared_engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = shared_engine("llama_A")
+    for durable in (True, False):
+        out = tmp_path / f"ws-{durable}"
+        fsynced = _FsyncSpy(monkeypatch)
+        files = CheckpointFiles(dirpath=str(out), durable=durable)
+        sync = VLLMWeightSync(engine=engine, files=files, schedule=EVERY_STEP)
+        trainer(tmp_path / str(durable), [sync], max_steps=2).fit(TinyLM(str(models["llama_A"])))
+        temps = [p for p in fsynced.paths if Path(p).name.endswith(".tmp")]
+        dirs = [p for p in fsynced.paths if p == str(out)]
+        if durable:  # each step's file (while a temporary) and the directory after its rename
+            assert len(temps) == 3 and len(dirs) == 3, fsynced.paths
+            for p in temps:
+                assert Path(p).parent == out and Path(p).name.startswith(".step-0000000")
+        else:
+            assert fsynced.paths == []
+        monkeypatch.undo()
+
+
+def test_a_failed_push_leaves_no_file_and_the_engine_on_its_version(
+    models, shared_engine, tmp_path: Path
+) -> None:
+    """A real fault: a NaN in the trainer's weights at step 2, which the engine refuses."""
+    engine = shared_engine("llama_A")
+
+    def poisoned_at_step_2(m) -> dict:
+        state = dict(m.model.state_dict())
+        if m.trainer.global_step == 2:
+            state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("nan"))
+        return state
+
+    out = tmp_path / "ws"
+    sync = VLLMWeightSync(
+        engine=engine,
+        source=poisoned_at_step_2,
+        files=CheckpointFiles(dirpath=str(out), keep_last_k=10),
+        schedule=EVERY_STEP,
+        on_error="warn",
+    )
+    with pytest.warns(UserWarning, match="push of step 2 failed, the engine stays on version 1"):
+        trainer(tmp_path, [sync], max_steps=2).fit(TinyLM(str(models["llama_A"])))
+    assert engine.version == 1
+    assert _step_files(out) == ["step-00000000.safetensors", "step-00000001.safetensors"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+# -- the writer: one pass, reserved up front, killed mid-file --------------------------------
+
+
+def test_cast_in_the_writer_equals_a_cast_before_it(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(CHUNK_BYTES // 4 * 3 + 5, generator=g)  # several chunks and a remainder
+    strided = torch.randn(64, 48, generator=g).t()  # not contiguous
+    ts = {"big": big, "strided": strided, "empty": torch.zeros(0)}
+    want = save_checkpoint(
+        {k: v.to(torch.bfloat16) for k, v in ts.items()}, tmp_path / "a.safetensors", fsync=False
+    )
+    specs = {k: torch.empty(v.shape, dtype=torch.bfloat16, device="meta") for k, v in ts.items()}
+    with CheckpointWriter(tmp_path / "b.safetensors", specs, fsync=False) as writer:
+        for name, t in ts.items():
+            writer.write(name, t, cast=True)
+        got = writer.finish()
+    assert got.hash == want.hash
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    with CheckpointReader(got.path) as reader:
+        reader.verify_hash()
+    writer = CheckpointWriter(tmp_path / "c.safetensors", specs)
+    with pytest.raises(Exception, match="does not match the header"):
+        writer.write("big", big)  # without cast=True the dtype must match
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_filesystem_without_room_refuses_before_the_first_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mock of the reservation's answer (ENOSPC; a real full tmpfs is in test_checkpoint's
+    mount-namespace test): the writer fails at construction, leaving no temporary file."""
+
+    def full(fd: int, mode: int, offset: int, length: int) -> int:
+        import ctypes
+
+        ctypes.set_errno(28)
+        return -1
+
+    monkeypatch.setattr(space, "_libc_fallocate", lambda: full)
+    specs = {"w": torch.empty(1024, 1024, device="meta")}
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        CheckpointWriter(tmp_path / "c.safetensors", specs)
+    assert list(tmp_path.iterdir()) == []
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from weight_bridge.checkpoint import save_checkpoint
+    tensors = {f"t{i}": torch.full((1024, 1024), float(i)) for i in range(48)}
+    step = 0
+    while True:
+        save_checkpoint(tensors, sys.argv[1] + f"/step-{step:08d}.safetensors", fsync=False)
+        print(step, flush=True)
+        step += 1
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_writer_killed_mid_file_in_ram_leaves_nothing_an_engine_would_read(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL while the transport file (in /dev/shm, not fsynced) is half-written: every
+    ``step-*.safetensors`` there is whole (its hash verifies), and the half-written file is
+    a hidden temporary, which no reader or glob of the callback picks up."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    directory = Path(os.path.realpath(shm)) / f"wb-test-{os.getpid()}"
+    directory.mkdir(mode=0o700)
+    total = 48 * 2**22
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(directory)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "0"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # kill while a temporary file is part-written
+            temps = [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+            sizes = [p.stat().st_size for p in temps if p.exists()]
+            if sizes and total // 4 < sizes[0] < 3 * total // 4:
+                break
+            time.sleep(0.001)
+        else:
+            pytest.fail("never saw a part-written temporary file")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        left = sorted(directory.iterdir())
+        temps = [p for p in left if p.name.endswith(".tmp")]
+        assert len(temps) == 1 and temps[0].name.startswith(".step-")
+        assert 0 < temps[0].stat().st_size < total + 4096  # really cut mid-file
+        assert stat.S_IMODE(temps[0].stat().st_mode) == 0o600
+        finals = _step_files(directory)
+        assert finals
+        for name in finals:
+            with CheckpointReader(directory / name) as reader:
+                reader.verify_hash()
+                assert len(reader.specs()) == 48
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in directory.iterdir():
+            p.unlink()
+        directory.rmdir()
+
+
+def test_a_spare_file_is_overwritten_in_place_and_an_odd_one_is_not(tmp_path: Path) -> None:
+    ts = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.ones(7, 5)}
+    spare = tmp_path / ".spare"
+    first = save_checkpoint({"old": torch.zeros(50_000)}, tmp_path / "old.safetensors")
+    os.rename(first.path, spare)  # what prune does with a transport file no engine needs
+    inode = spare.stat().st_ino
+    with CheckpointWriter(tmp_path / "new.safetensors", ts, hashed=False, reuse=spare) as w:
+        for name, t in ts.items():
+            w.write(name, t)
+        saved = w.finish()
+    assert not spare.exists() and saved.path.stat().st_ino == inode  # the same pages
+    (n,) = struct.unpack("<Q", saved.path.read_bytes()[:8])
+    assert saved.path.stat().st_size == 8 + n + saved.bytes  # the longer spare was cut
+    with CheckpointReader(saved.path) as reader:
+        assert {n: t.clone() for n, t in reader.tensors()}.keys() == ts.keys()
+        assert torch.equal(reader.tensor("a"), ts["a"]) and torch.equal(reader.tensor("b"), ts["b"])
+        assert "weight_bridge.blake3" not in reader.metadata  # hashed=False: no hash at all
+        with pytest.raises(Exception, match="no content hash"):
+            reader.verify_hash()
+    assert [p.name for p in tmp_path.iterdir()] == ["new.safetensors"]
+    # a file we may not reuse (readable by others, or a link): left alone, a new file is made
+    odd = tmp_path / ".odd"
+    odd.write_bytes(b"x" * 100)
+    odd.chmod(0o644)
+    link = tmp_path / ".link"
+    link.symlink_to(saved.path)
+    for other in (odd, link):
+        with CheckpointWriter(tmp_path / "n2.safetensors", ts, reuse=other) as w:
+            for name, t in ts.items():
+                w.write(name, t)
+            again = w.finish()
+        assert other.is_symlink() or other.read_bytes() == b"x" * 100
+        assert again.path.stat().st_ino not in (odd.stat().st_ino, saved.path.stat().st_ino)

@@ -1,0 +1,404 @@
+"""Remove each guarantee's code in turn and run its tests: every removal must fail one of them.
+
+Each mutant is one exact string replacement in one file, applied to a fresh *copy* of the
+working tree (tracked and untracked files, ``git ls-files -co --exclude-standard``), never to
+the tree itself. Its tests run with this interpreter (the project's virtual environment), the
+copy as the working directory and first on ``PYTHONPATH``: the copy's ``weight_bridge`` and
+``callbacks`` are imported, not the editable install's (checked and logged for every copy). A
+mutant's test selections run in order until one fails (``-x``); then, as a control, every test
+that caught a mutant runs once more on the unmutated copy and must pass there.
+
+An anchor that is not found exactly once stops the run: a mutant cannot silently go stale.
+
+The result, a markdown table, goes to stdout and replaces the ``## Mutants`` section of
+``docs/tests.md`` (appended at its end). ``make mutants`` runs it; it takes minutes (real
+engines), so ``make test`` does not.
+
+    python tools/mutants.py [--only NAME ...] [--check] [--no-docs] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "tests.md"
+HEADING = "## Mutants"
+TIMEOUT_S = 2400  # one pytest run; engine tests take minutes on a loaded 2-core machine
+TIMED_OUT = 124
+ATTEMPTS = 3  # a pytest run killed by a signal (the kernel's OOM killer, on a shared machine)
+
+
+@dataclass
+class Mutant:
+    name: str
+    guarantee: str
+    file: str
+    anchor: str  # exact text, found exactly once in ``file``
+    replacement: str
+    removed: str  # what the table says is removed
+    selections: list[list[str]]  # pytest arguments, tried in order until one fails
+    caught_by: list[str] = field(default_factory=list)
+    outcome: str = ""
+    ran: list[str] = field(default_factory=list)
+
+
+MUTANTS = [
+    Mutant(
+        "prefix",
+        "prefix-cache reset after a push",
+        "weight_bridge/vllm/core_hooks.py",
+        'forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")',
+        "pass",
+        "the `forget_prefixes(...)` call in `_update`",
+        [
+            ["tests/test_engine.py", "-k", "test_prefix_cache_is_reset_by_a_push"],
+            ["tests/test_serve.py", "-k", "prefix"],
+        ],
+    ),
+    Mutant(
+        "nan",
+        "the NaN/Inf guard",
+        "weight_bridge/direct/validate.py",
+        "problems.update(check_finite(items, targets))",
+        "pass",
+        "the `check_finite(...)` call in `validate_checkpoint`",
+        [
+            ["tests/test_direct.py", "-k", "nan"],
+            ["tests/test_reliability.py", "-k", "nan"],
+        ],
+    ),
+    Mutant(
+        "readback",
+        "read-back after the write",
+        "weight_bridge/direct/readback.py",
+        'if not _same(dst, src, self.mode == "sampled"):',
+        "if False:",
+        "the comparison in `ReadBack.verify` (always passes)",
+        [["tests/test_proof.py", "-k", "read_back"]],
+    ),
+    Mutant(
+        "rollback",
+        "rollback of a failed push",
+        "weight_bridge/vllm/transaction.py",
+        "self._rewrite(self.served, reload_weights)",
+        "pass",
+        "the re-write of the served chain in `roll_back`",
+        [
+            ["tests/test_transactions.py", "-k", "in_process"],
+            ["tests/test_transactions.py", "-k", "deleted_meanwhile"],
+        ],
+    ),
+    Mutant(
+        "root",
+        "the checkpoint root: paths outside it",
+        "weight_bridge/checkpoint/trust.py",
+        "if resolved != base and not resolved.is_relative_to(base):",
+        "if False:",
+        "the outside-the-root check in `trusted_checkpoint`",
+        [["tests/test_trust.py", "-k", "leading_out"]],
+    ),
+    Mutant(
+        "owner",
+        "the checkpoint root: owner and mode",
+        "weight_bridge/checkpoint/trust.py",
+        "    info = path.stat()\n",
+        "    return\n    info = path.stat()\n",
+        "the owner/mode checks (`_check_owned` returns at once)",
+        [["tests/test_trust.py", "-k", "writable"]],
+    ),
+    Mutant(
+        "trust-call",
+        "the checkpoint root: every update",
+        "weight_bridge/vllm/transaction.py",
+        "path = str(trusted_checkpoint(request.checkpoint, self.options.checkpoint_root))",
+        "path = str(request.checkpoint)",
+        "the `trusted_checkpoint(...)` call in `PushTransaction.prepare`",
+        [["tests/test_serve.py", "-k", "must_not_read"]],
+    ),
+    Mutant(
+        "base",
+        "a partial's base version",
+        "weight_bridge/vllm/transaction.py",
+        "self._check_base(path, base, request.served_version)",
+        "pass",
+        "the `_check_base(...)` call in `PushTransaction.prepare`",
+        [
+            ["tests/test_partial.py", "-k", "before_any"],
+            ["tests/test_serve.py", "-k", "partial"],
+        ],
+    ),
+    Mutant(
+        "label",
+        "per-token label/weights agreement",
+        "weight_bridge/vllm/core_hooks.py",
+        "core.set_weight_version(_label(asked, results))",
+        "pass",
+        "`core.set_weight_version(...)` in `_update` (the label set with the weights)",
+        [
+            ["tests/test_serve.py", "-k", "every_label and None"],
+            ["tests/test_native_api.py", "-k", "labels"],
+        ],
+    ),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[mutants {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def snapshot(dst: Path) -> Path:
+    """Copy the working tree's tracked and untracked (not ignored) files into ``dst``."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    for rel in sorted({p for p in listed.split("\0") if p}):
+        src = ROOT / rel
+        if not src.is_file() and not src.is_symlink():
+            continue  # deleted in the working tree, still in the index
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target, follow_symlinks=False)
+    return dst
+
+
+def copy_env(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("CI", None)  # mutants run as on a developer's machine
+    return env
+
+
+def check_imports(copy: Path) -> None:
+    """Fail unless this interpreter, in ``copy``, finds the copy's packages (not the editable
+    install's, which points at the working tree)."""
+    code = (
+        "import importlib.util as u\n"
+        "for m in ('weight_bridge', 'callbacks'):\n"
+        "    print(m, u.find_spec(m).origin)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=copy,
+        env=copy_env(copy),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    for line in out.splitlines():
+        name, origin = line.split(" ", 1)
+        log(f"  {name} imported from {origin}")
+        if not Path(origin).resolve().is_relative_to(copy.resolve()):
+            sys.exit(f"mutants: {name} is imported from {origin}, not from the copy {copy}")
+
+
+def apply(mutant: Mutant, copy: Path) -> None:
+    path = copy / mutant.file
+    text = path.read_text()
+    count = text.count(mutant.anchor)
+    if count != 1:
+        sys.exit(
+            f"mutants: {mutant.name}: the anchor {mutant.anchor!r} occurs {count} times in "
+            f"{mutant.file} (must be exactly once): update tools/mutants.py"
+        )
+    path.write_text(text.replace(mutant.anchor, mutant.replacement))
+
+
+def last_line(out: str) -> str:
+    return out.strip().splitlines()[-1] if out.strip() else ""
+
+
+def pytest(
+    copy: Path, args: list[str], basetemp: Path, stop_early: bool = True
+) -> tuple[int, list[str], str]:
+    """Run pytest in ``copy``; its exit code (``TIMED_OUT``; negative: killed by that signal),
+    the ids of the failed and errored tests, its output."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
+    cmd += ["-x"] if stop_early else []
+    cmd += [f"--basetemp={basetemp}", *args]
+    try:
+        proc = subprocess.run(
+            cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        return TIMED_OUT, [], out.decode(errors="replace") if isinstance(out, bytes) else out
+    out = proc.stdout + proc.stderr
+    failed = []
+    for line in out.splitlines():
+        m = re.match(r"(FAILED|ERROR) (.+?::.+?)(?: - .*)?$", line)
+        if m:
+            failed.append(m[2] + (" (error)" if m[1] == "ERROR" else ""))
+    return proc.returncode, failed, out
+
+
+def shown(args: list[str]) -> str:
+    return " ".join(f'"{a}"' if " " in a else a for a in args)
+
+
+def pytest_retrying(copy: Path, args: list[str], basetemp: Path, **kw) -> tuple:
+    """:func:`pytest`, run again (up to ``ATTEMPTS`` in all) while a signal kills it."""
+    for attempt in range(1, ATTEMPTS + 1):
+        started = time.monotonic()
+        rc, failed, out = pytest(copy, args, basetemp.with_name(f"{basetemp.name}-{attempt}"), **kw)
+        took = time.monotonic() - started
+        shown_args = shown(args) if len(args) < 6 else f"{len(args)} tests"
+        log(f"  pytest {shown_args}: exit {rc} in {took:.0f} s: {last_line(out)}")
+        if rc >= 0:
+            break
+        log(f"  killed by signal {-rc} (the OOM killer?): attempt {attempt} of {ATTEMPTS}")
+        time.sleep(30)
+    return rc, failed, out
+
+
+def run_mutant(mutant: Mutant, work: Path, clean: Path, n: int) -> None:
+    copy = work / f"mutant-{n}-{mutant.name}"
+    shutil.copytree(clean, copy, symlinks=True)
+    apply(mutant, copy)
+    check_imports(copy)
+    for args in mutant.selections:
+        rc, failed, out = pytest_retrying(copy, args, work / f"tmp-{n}-{len(mutant.ran)}")
+        mutant.ran.append(shown(args))
+        if rc == 1 and failed:
+            why = [ln for ln in out.splitlines() if ln.startswith("E ")][:4]
+            for line in why or ["(no assertion line)"]:  # why it failed, as pytest says it
+                log(f"    {line[:300]}")
+            mutant.caught_by = failed
+            mutant.outcome = "caught by " + ", ".join(f"`{f}`" for f in failed)
+            return
+        if rc == TIMED_OUT:
+            mutant.outcome = f"TIMEOUT after {TIMEOUT_S} s (`{shown(args)}`)"
+            return
+        if rc < 0:
+            mutant.outcome = f"UNDECIDED: killed by signal {-rc} {ATTEMPTS} times"
+            return
+        if rc == 5:
+            sys.exit(f"mutants: {mutant.name}: `{shown(args)}` selects no test: update it")
+        if rc != 0:
+            sys.stderr.write(out[-6000:])
+            sys.exit(f"mutants: {mutant.name}: pytest {shown(args)} exited {rc}")
+    mutant.outcome = "NOT CAUGHT"
+
+
+def control(mutants: list[Mutant], work: Path, clean: Path) -> str:
+    """Every test that caught a mutant, once more on the unmutated copy: each must pass."""
+    ids = sorted({c.removesuffix(" (error)") for m in mutants for c in m.caught_by})
+    if not ids:
+        return "no test caught a mutant, nothing to control"
+    log(f"control: {len(ids)} tests on the unmutated copy")
+    started = time.monotonic()
+    rc, failed, out = pytest_retrying(clean, ids, work / "tmp-control", stop_early=False)
+    took = time.monotonic() - started
+    if rc == 0:
+        return f"the {len(ids)} catching tests pass on the unmutated copy ({took:.0f} s)"
+    if rc != 1 or not failed:  # killed, timed out, or no test's verdict
+        for m in mutants:
+            m.outcome += " (control undecided)" if m.caught_by else ""
+        return f"the control run on the unmutated copy exited {rc}: {last_line(out)}"
+    broken = {f.removesuffix(" (error)") for f in failed}
+    for m in mutants:
+        if any(c.removesuffix(" (error)") in broken for c in m.caught_by):
+            m.outcome += " (INVALID: fails unmutated too)"
+    return "the control run on the unmutated copy FAILED: " + ", ".join(failed)
+
+
+def table(mutants: list[Mutant]) -> str:
+    rows = [
+        "| guarantee | file | what is removed | tests run | result |",
+        "|---|---|---|---|---|",
+    ]
+    for m in mutants:
+        tests = "; ".join(f"`{t}`" for t in m.ran)
+        rows.append(f"| {m.guarantee} | `{m.file}` | {m.removed} | {tests} | {m.outcome} |")
+    return "\n".join(rows)
+
+
+def write_doc(section: str) -> None:
+    """Replace the ``## Mutants`` section of docs/tests.md (wherever it is) by ``section``, at
+    the end; nothing else in the file changes."""
+    text = DOC.read_text()
+    start = text.find(f"\n{HEADING}\n")
+    if start != -1:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + ("\n" + text[end + 1 :] if end != -1 else "\n")
+    DOC.write_text(text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--only", nargs="+", choices=[m.name for m in MUTANTS])
+    parser.add_argument("--check", action="store_true", help="apply each mutant, run nothing")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/tests.md alone")
+    parser.add_argument("--keep", action="store_true", help="keep the copies (for debugging)")
+    opts = parser.parse_args()
+    mutants = [m for m in MUTANTS if not opts.only or m.name in opts.only]
+
+    began = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="weight-bridge-mutants-"))
+    try:
+        log(f"copying the working tree into {work}")
+        clean = snapshot(work / "clean")
+        check_imports(clean)
+        for n, mutant in enumerate(mutants):
+            log(f"{mutant.name}: {mutant.file}: {mutant.anchor!r} -> {mutant.replacement!r}")
+            if opts.check:
+                copy = work / f"check-{n}"
+                shutil.copytree(clean, copy, symlinks=True)
+                apply(mutant, copy)
+                continue
+            run_mutant(mutant, work, clean, n)
+            log(f"{mutant.name}: {mutant.outcome}")
+        if opts.check:
+            log(f"all {len(mutants)} anchors found exactly once")
+            return
+        note = control(mutants, work, clean)
+    finally:
+        if opts.keep:
+            log(f"copies kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    minutes = (time.monotonic() - began) / 60
+    intro = (
+        "`make mutants` (`tools/mutants.py`, not part of `make test`) removes each guarantee's "
+        "code in turn, in a copy of the tree, and runs that guarantee's tests (each selection "
+        "in order until one fails); each removal must make a test fail. The tests that caught "
+        "a mutant then run on the unmutated copy and must pass."
+    )
+    section = "\n".join(
+        [
+            HEADING,
+            "",
+            textwrap.fill(intro, 99),
+            "",
+            table(mutants),
+            "",
+            f"Last run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {minutes:.0f} min; "
+            f"{note}.",
+        ]
+    )
+    print(section)
+    if not opts.no_docs and not opts.only:
+        write_doc(section)
+        log(f"wrote the {HEADING!r} section of {DOC.relative_to(ROOT)}")
+    doubtful = ("INVALID", "undecided")
+    missed = [m.name for m in mutants if not m.caught_by or any(w in m.outcome for w in doubtful)]
+    if missed:
+        sys.exit(f"mutants: not caught: {', '.join(missed)}")
+
+
+if __name__ == "__main__":
+    main()
