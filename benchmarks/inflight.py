@@ -142,10 +142,16 @@ def bench_inflight(
 def render(result: dict[str, Any]) -> str:
     """The section as markdown tables."""
     p = result["pauses"]
+    run = result.get("pauses_run")
     lines = [
         f"In-flight pushes ({p['size']} Llama, AsyncColocatedEngine, "
         f"{p['idle']['n']} pushes each):",
         "",
+        *(
+            [f"Measured on their own: `{run['command']}`, {run['started']}: {run['why']}.", ""]
+            if run
+            else []
+        ),
         "| push | generation paused, median | p95 |",
         "|---|---|---|",
         f"| into an idle engine (the push itself) | {p['idle']['median_s']:.3f} s "
@@ -154,7 +160,8 @@ def render(result: dict[str, Any]) -> str:
     if NO_PAUSE in p:  # runs before labels were stamped with the write did not measure it
         row = p[NO_PAUSE]
         lines.append(
-            f"| in flight, `None` (no pause: the update runs between two engine steps) "
+            f"| in flight, `None` (no pause; the push's own time: generation stops only while "
+            f"the engine core runs the update between two steps) "
             f"| {row['median_s']:.3f} s | {row['p95_s']:.3f} s |"
         )
     for mode in MODES:
