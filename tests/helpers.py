@@ -179,7 +179,8 @@ def assert_labels_name_weights(
 ) -> tuple[int, int]:
     """Every output's spans are contiguous and cover its tokens; every output under a single
     version is what a cold start on that version generates (``cold[version][prompt]``: greedy
-    tokens first). How many outputs had one span and how many several."""
+    tokens first; two names may share one cold start), and each cold start was seen. How many
+    outputs had one span and how many several."""
     wrong, single, mixed = [], 0, 0
     for p, tokens, spans in outputs:
         assert len(tokens) == LABEL_TOKENS, (p, tokens)
@@ -198,7 +199,8 @@ def assert_labels_name_weights(
     )
     assert single >= min_single, (single, mixed)
     seen = {spans[0][0] for _, _, spans in outputs if len(spans) == 1}
-    assert seen == set(cold), f"single-version outputs only for {seen}, not all of {set(cold)}"
+    weights = {id(cold[v]) for v in seen}  # a version may have two names (aliases)
+    assert len(weights) == len({id(c) for c in cold.values()}), f"outputs under one of {seen}"
     return single, mixed
 
 

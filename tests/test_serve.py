@@ -401,19 +401,27 @@ def _http_labelled(client: HTTPClient):
     return generate
 
 
-@pytest.mark.parametrize("inflight", [None, "keep", "recompute", "drain"])
+@pytest.mark.parametrize("inflight", [None, "keep", "recompute", "drain", "raw"])
 def test_every_label_names_the_weights_under_concurrent_generation(
     dense, stock_cold, inflight
 ) -> None:
     """Four threads generate without a break while A and B are pushed alternately: each output
     under one version is that version's stock cold start, and every output's spans are
-    contiguous and cover its tokens, whatever the in-flight mode (``None``: no pause at all)."""
+    contiguous and cover its tokens, whatever the in-flight mode (``None``: no pause at all;
+    ``raw``: vLLM's three routes with no pause and no version in ``update_info``, so the engine
+    labels the write with the checkpoint's name until ``finish_weight_update`` renames it)."""
     client, a, b = dense["client"], dense["a"], dense["b"]
     cold = label_colds(a, b, stock_cold)
+    cold |= {a.name: cold["A"], b.name: cold["B"]}  # the engine's default label: the file name
     client.push(a, version="A")
 
     def push(path: Path, version: str) -> None:
-        client.push(path, version=version, inflight=inflight)
+        if inflight != "raw":
+            client.push(path, version=version, inflight=inflight)
+            return
+        client.call("start_weight_update")
+        client.call("update_weights", {"update_info": {"checkpoint": str(path)}})
+        client.call("finish_weight_update", {"weight_version": version})
 
     outputs = pushes_under_load(_http_labelled(client), push, {"B": b, "A": a}, pushes=12)
     assert_labels_name_weights(outputs, cold)

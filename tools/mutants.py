@@ -93,11 +93,20 @@ MUTANTS = [
         "weight_bridge/vllm/transaction.py",
         "self._rewrite(self.served, reload_weights)",
         "pass",
-        "the re-write of the served chain in `roll_back`",
+        "the re-write of the served chain in `roll_back` (the model stays marked undefined)",
         [
             ["tests/test_transactions.py", "-k", "in_process"],
             ["tests/test_transactions.py", "-k", "deleted_meanwhile"],
         ],
+    ),
+    Mutant(
+        "fake-rollback",
+        "rollback of a failed push",
+        "weight_bridge/vllm/transaction.py",
+        "self._rewrite(self.served, reload_weights)",
+        "clear_undefined(self.model)",
+        "the re-write in `roll_back`, the model marked defined as if it had run",
+        [["tests/test_transactions.py", "-k", "in_process"]],
     ),
     Mutant(
         "root",
@@ -273,7 +282,8 @@ def run_mutant(mutant: Mutant, work: Path, clean: Path, n: int) -> None:
         rc, failed, out = pytest_retrying(copy, args, work / f"tmp-{n}-{len(mutant.ran)}")
         mutant.ran.append(shown(args))
         if rc == 1 and failed:
-            why = [ln for ln in out.splitlines() if ln.startswith("E ")][:4]
+            why = [ln for ln in out.splitlines() if ln.startswith("E ")]
+            why = why if len(why) <= 6 else [*why[:3], "E ...", *why[-3:]]
             for line in why or ["(no assertion line)"]:  # why it failed, as pytest says it
                 log(f"    {line[:300]}")
             mutant.caught_by = failed
@@ -303,7 +313,7 @@ def control(mutants: list[Mutant], work: Path, clean: Path) -> str:
     rc, failed, out = pytest_retrying(clean, ids, work / "tmp-control", stop_early=False)
     took = time.monotonic() - started
     if rc == 0:
-        return f"the {len(ids)} catching tests pass on the unmutated copy ({took:.0f} s)"
+        return f"the catching tests ({len(ids)}) pass on the unmutated copy ({took:.0f} s)"
     if rc != 1 or not failed:  # killed, timed out, or no test's verdict
         for m in mutants:
             m.outcome += " (control undecided)" if m.caught_by else ""
