@@ -14,12 +14,12 @@ process right before each sync; the ratio is taken per sync (so both sides see t
 a shared machine), its median reported.
 
 Variants: ``default`` (``VLLMWeightSync(model_path=...)`` with every default: the engine built by
-the callback, the transport in ``/dev/shm``, the previous file's pages recycled, no fsync, the
-content hash written but not rechecked by the engine); then each lever on its own, on an engine
-started once per filesystem and handed to the callback: ``no_recycle`` (a new file every sync),
-``no_hash`` (no content hash in the file), ``disk``
+the callback, the transport in ``/dev/shm``, the previous file's pages recycled, no fsync, no
+content hash); then each lever on its own, on an engine started once per filesystem and handed to
+the callback: ``no_recycle`` (a new file every sync), ``writer_hash`` (the hash in the file, not
+checked by the engine), ``disk``
 (``ram_dir=False``: the log directory, not fsynced), ``durable`` (the log directory, fsynced:
-``durable=True``), ``verify_hash`` (the engine rechecks the hash), and
+``durable=True``), ``verify_hash`` (the writer hashes, the engine checks), and
 ``old_defaults`` (every setting the callback had before: disk, fsync, ``verify_hash=True``,
 ``keep_last_k=2``). Memory: per sync, the process's peak extra resident memory (``VmHWM`` reset
 before, which counts mapped ``/dev/shm`` pages too) and the peak bytes of the sync directory's
@@ -121,7 +121,7 @@ class _DirSampler:
 class _Copier:
     """Two memory copies of the model, timed right before each sync (the load on a shared
     machine changes by the second): ``copy_`` of every tensor the checkpoint holds (tied ones
-    once) into tensors preallocated and touched once, twice over."""
+    once) into tensors preallocated and touched once, twice over; the best of three."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[Any, Any]] = []
@@ -140,11 +140,14 @@ class _Copier:
                     dst.copy_(t)  # first touch outside the timing
                     self.pairs.append((dst, t.detach()))
             self.bytes = sum(t.nbytes for _, t in self.pairs)
-        t0 = time.perf_counter()
-        for _ in range(2):
-            for dst, src in self.pairs:
-                dst.copy_(src)
-        return time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(3):  # the best of three: the machine's bandwidth at this moment
+            t0 = time.perf_counter()
+            for _ in range(2):
+                for dst, src in self.pairs:
+                    dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
 
 def _measured_sync(**kwargs: Any) -> Any:
@@ -333,12 +336,12 @@ def _bench_size(
     def no_recycle(sync: Any) -> None:
         sync.gatherer.spare = None  # a new file every sync: fresh tmpfs pages
 
-    def no_hash(sync: Any) -> None:
-        sync.gatherer.hashed = False  # no content hash in the file (nothing could check it)
+    def writer_hash(sync: Any) -> None:
+        sync.gatherer.hashed = True  # the hash in the file, not checked by the engine
 
     levers: list[tuple[str, Path, dict[str, Any]]] = [
         ("no_recycle", ram_root, {"tweak": no_recycle}),
-        ("no_hash", ram_root, {"tweak": no_hash}),
+        ("writer_hash", ram_root, {"tweak": writer_hash}),
         ("verify_hash", ram_root, {"verify_hash": True}),
         ("disk", disk_root, {"files": CheckpointFiles(ram_dir=False)}),
         ("durable", disk_root, {"files": CheckpointFiles(durable=True)}),

@@ -16,7 +16,7 @@ local failure (a shard that does not fit, a buffer that cannot be allocated, a f
 reported at the next agreement, so every rank stops at the same tensor: nobody waits in a
 gather that will not come, the writer's temporary file is removed, and the file at the final
 path is never half-written. The writer's peak extra memory is one full tensor (its cast goes
-through a 1 MiB buffer), not the model.
+through a 4 MiB buffer), not the model.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Gatherer:
         self.module_attr = module_attr
         self.source = source
         self.fsync = fsync  # checkpoints are fsynced (durable) or not (transport)
-        self.hashed = True  # the content hash in the header, for any push to check
+        self.hashed = True  # the content hash in the header (the RAM transport: only to check)
         self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
 
     def model(self, pl_module: Any) -> torch.nn.Module:

@@ -199,6 +199,7 @@ class VLLMWeightSync(Callback):
             need = self.gatherer.estimate_bytes(pl_module)
             self._dir, self._in_ram = open_dir(f, trainer, need, self._engine, self.model_path)
             self.gatherer.spare = self._dir / SPARE if self._in_ram else None
+            self.gatherer.hashed = self.verify_hash or not self._in_ram  # RAM: hash to check only
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             if self._engine is None and self.model_path is not None:

@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import CSVLogger
 from callbacks import CanaryCheck, CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
 from callbacks.canary import CanaryError
 from callbacks.retention import prune
-from weight_bridge.checkpoint import CheckpointReader
+from weight_bridge.checkpoint import HASH_KEY, CheckpointReader
 
 
 class Recorder(PushWatcher):
@@ -66,7 +66,8 @@ def model_dir_for(models, checkpoint: str | Path, dst: Path) -> Path:
 
 def file_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     with CheckpointReader(path) as reader:
-        reader.verify_hash()
+        if HASH_KEY in reader.metadata:  # a RAM transport file carries none (docs/sync.md)
+            reader.verify_hash()
         return {name: t.clone() for name, t in reader.tensors()}
 
 

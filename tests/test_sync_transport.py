@@ -23,6 +23,7 @@ import weight_bridge.checkpoint.space as space
 from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
 from callbacks.retention import estimate_bytes, place
 from weight_bridge.checkpoint import (
+    HASH_KEY,
     CheckpointReader,
     CheckpointWriteError,
     CheckpointWriter,
@@ -102,6 +103,7 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     fsynced = _FsyncSpy(monkeypatch)
     held: list[list[str]] = []
     recycled: list[bool] = []
+    hashed: list[bool] = []
 
     class Watch(VLLMWeightSync):
         def _sync(self, trainer, pl_module, step):
@@ -109,6 +111,8 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
             before = spare.stat().st_ino if spare.exists() else None
             super()._sync(trainer, pl_module, step)
             held.append(sorted(os.listdir(self._dir)))
+            with CheckpointReader(self.last_checkpoint) as reader:
+                hashed.append(HASH_KEY in reader.metadata)
             recycled.append(before == (self._dir / f"step-{step:08d}.safetensors").stat().st_ino)
 
     sync = Watch(
@@ -123,6 +127,7 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     assert held[0] == ["step-00000000.safetensors"]
     assert held[1:] == [[".spare", f"step-0000000{s}.safetensors"] for s in (1, 2, 3)]
     assert recycled == [False, False, True, True]  # its pages reused by the next write
+    assert hashed == [False] * 4  # transport: no hash unless the engine is to check it
     assert fsynced.paths == []  # transport: nothing fsynced
     assert not directory.exists()  # released at teardown, with the engine it built
 
@@ -154,6 +159,8 @@ def test_durable_checkpoints_are_fsynced_and_transport_ones_are_not(
         files = CheckpointFiles(dirpath=str(out), durable=durable)
         sync = VLLMWeightSync(engine=engine, files=files, schedule=EVERY_STEP)
         trainer(tmp_path / str(durable), [sync], max_steps=2).fit(TinyLM(str(models["llama_A"])))
+        with CheckpointReader(sync.last_checkpoint) as reader:
+            reader.verify_hash()  # on disk a checkpoint always carries its hash
         temps = [p for p in fsynced.paths if Path(p).name.endswith(".tmp")]
         dirs = [p for p in fsynced.paths if p == str(out)]
         if durable:  # each step's file (while a temporary) and the directory after its rename

@@ -55,7 +55,9 @@ __all__ = [
     "save_checkpoint",
 ]
 
-CHUNK_BYTES = 1 << 20  # one pass per tensor: a chunk is cast, hashed and written while in cache
+# One pass per tensor: a chunk is cast, hashed and written while in cache (L3); 4 MiB, not less,
+# since each cast is a torch op, and a loaded machine makes every op wait for all its threads.
+CHUNK_BYTES = 4 << 20
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
