@@ -64,7 +64,7 @@ class StockEngine:
         return self.llm.generate(prompts, sampling_params, **kwargs)
 
     def close(self) -> None:
-        from weight_bridge.vllm._client import shutdown
+        from weight_bridge.vllm.vllm_internals import shutdown
 
         llm, self.llm = self.llm, None
         if llm is not None:
@@ -102,16 +102,16 @@ def push(
     engine: Any,
     ckpt: Path,
     version: Any,
-    finite: bool = True,
+    check_finite: bool = True,
     verify: bool = False,
     readback: str = "sampled",
 ) -> dict[str, float]:
-    """One ``ColocatedEngine.push``; ``finite=False`` turns the NaN/Inf guard off,
+    """One ``ColocatedEngine.push``; ``check_finite=False`` turns the NaN/Inf guard off,
     ``readback`` sets the read-back proof of the writes (the default is ``"sampled"``)."""
     if readback != "sampled":
         engine.readback = readback
     try:
-        report = engine.push(ckpt, version=version, verify_hash=verify, check_finite=finite)
+        report = engine.push(ckpt, version=version, verify_hash=verify, check_finite=check_finite)
     finally:
         if readback != "sampled":
             engine.readback = "sampled"
@@ -119,14 +119,14 @@ def push(
         raise RuntimeError(f"push went {report.mode}: {report.reason}")
     return {
         "elapsed_s": report.elapsed_s,
-        "read_s": report.read_s,
+        "read_s": report.preflight_s,
         "write_s": report.write_s,
         "refresh_s": report.refresh_s,
         "readback_s": report.readback_s,
         # what the worker did not spend validating, writing, reading back or refreshing: the
         # RPCs, the checkpoint's headers, the address audit, the prefix-cache reset
         "overhead_s": report.elapsed_s
-        - report.read_s
+        - report.preflight_s
         - report.write_s
         - report.readback_s
         - report.refresh_s,

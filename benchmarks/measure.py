@@ -105,7 +105,7 @@ def reload_methods(engine: Any, a: Path, b: Path) -> dict[str, Callable[[int], A
         "copy": lambda rep: rpc(engine, "bench_copy"),
         "read_copy": lambda rep: rpc(engine, "bench_read_copy", str(file(rep))),
         "direct": lambda rep: push(engine, file(rep), rep),
-        "direct_no_finite": lambda rep: push(engine, file(rep), rep, finite=False),
+        "direct_no_finite": lambda rep: push(engine, file(rep), rep, check_finite=False),
         "direct_verify_hash": lambda rep: push(engine, file(rep), rep, verify=True),
         "direct_readback_off": lambda rep: push(engine, file(rep), rep, readback="off"),
         "direct_readback_full": lambda rep: push(engine, file(rep), rep, readback="full"),
@@ -162,7 +162,7 @@ def memory_probes(engine: Any, a: Path, b: Path, pids: list[int]) -> dict[str, A
     return {
         "read_copy": memory_probe(pids, lambda: rpc(engine, "bench_read_copy", str(fb))),
         "direct": memory_probe(pids, lambda: push(engine, fa, "mem")),
-        "direct_no_finite": memory_probe(pids, lambda: push(engine, fb, "mem", finite=False)),
+        "direct_no_finite": memory_probe(pids, lambda: push(engine, fb, "mem", check_finite=False)),
         "direct_verify_hash": memory_probe(pids, lambda: push(engine, fa, "mem", verify=True)),
         "vllm_api_reload": memory_probe(pids, lambda: api_reload(engine, str(b))),
         "layerwise_iter": memory_probe(pids, lambda: rpc(engine, "bench_layerwise_iter", str(fb))),

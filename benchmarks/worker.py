@@ -1,17 +1,16 @@
-"""The benchmark's worker extension: the bridge's worker methods plus the measurements
-that must run inside the engine's worker process."""
+"""The benchmark's worker extension: the measurements that must run inside the engine's worker
+process (the bridge itself needs no extension: it reaches its workers through its backend)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import time
+from typing import Any
 
-from weight_bridge.vllm.worker import WeightBridgeWorkerExtension
 
-
-class BenchWorkerExtension(WeightBridgeWorkerExtension):
-    """The bridge's worker methods plus the benchmark's.
+class BenchWorkerExtension:
+    """The benchmark's worker methods (``self`` is vLLM's worker).
 
     Methods are called by name through ``collective_rpc``, so they run inside the worker that
     holds the model in both the in-process and the multi-process engine (vLLM refuses to ship
@@ -19,6 +18,8 @@ class BenchWorkerExtension(WeightBridgeWorkerExtension):
     in the same process, threads and memory binding as the pushes they are compared with.
     """
 
+    model_runner: Any  # vLLM's worker's
+    vllm_config: Any  # vLLM's worker's
     _bench_src: dict | None = None
     _bench_dst: dict | None = None
 

@@ -2,13 +2,14 @@
 
 Its option groups: :class:`Schedule` (when), :class:`CheckpointFiles` (where),
 :class:`CheckpointNames` (under which names and dtype), :class:`CanaryCheck` (an end-to-end check
-of each push). :class:`EngineClient` is what it needs of an engine.
+of each push). What it needs of an engine
+is :class:`weight_bridge.EngineClient`.
 """
 
+from weight_bridge.checkpoint import CheckpointFiles
+
 from .canary import CanaryCheck
-from .client import EngineClient
 from .names import CheckpointNames
-from .retention import CheckpointFiles
 from .schedule import Schedule
 from .weight_sync import VLLMWeightSync
 
@@ -16,7 +17,6 @@ __all__ = [
     "CanaryCheck",
     "CheckpointFiles",
     "CheckpointNames",
-    "EngineClient",
     "Schedule",
     "VLLMWeightSync",
 ]

@@ -37,10 +37,13 @@ class CanaryCheck:
 
     def gap(self, model: torch.nn.Module, engine: Any) -> float:
         """The logprob gap after a push; raises :class:`CanaryError` above the tolerance."""
-        if not callable(getattr(engine, "generate", None)):
+        from weight_bridge.vllm.http_client import HTTPClient
+
+        if isinstance(engine, HTTPClient) or not callable(getattr(engine, "generate", None)):
             raise CanaryError(
-                f"the canary scores a probe batch with the engine's generate, which a "
-                f"{type(engine).__name__} does not offer: use an in-process engine or no canary"
+                "the canary scores a probe batch with prompt logprobs from vLLM's generate, "
+                f"which a {type(engine).__name__} does not offer: use an in-process engine or "
+                "no canary"
             )
         probe = self.prompts
         if probe is None:

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Item", "SyncState", "materialize", "sync_state", "tie_key"]
+from weight_bridge.layout import tie_key
+
+__all__ = ["Item", "SyncState", "materialize", "sync_state"]
 
 _PEFT_PREFIX = "base_model.model."
 _ADAPTER_PARTS = ("lora_", "base_layer.")
@@ -49,15 +51,6 @@ class SyncState(dict[str, Item]):
     """Name -> :class:`Item`; ``partial``: whether tensors that cannot change were left out."""
 
     partial: bool = False
-
-
-def tie_key(t: torch.Tensor) -> object:
-    """The same for views of one storage with one layout (tied weights); unique otherwise."""
-    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: its shard's storage
-    if not local.numel():
-        return object()
-    ptr = local.untyped_storage().data_ptr()
-    return (ptr, local.storage_offset(), tuple(t.shape), local.stride())
 
 
 def _lora_layers(root: torch.nn.Module) -> dict[str, Any]:

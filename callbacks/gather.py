@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint
+from weight_bridge.checkpoint.retention import estimate_bytes
 
 from .changed import sync_state
 from .collective import Collective
 from .dtensor import ShardGather, is_dtensor
-from .names import CheckpointNames, Entry, parse_dtype
-from .retention import estimate_bytes
+from .names import CheckpointNames, SyncEntry, parse_dtype
 
 __all__ = ["GatherPlan", "Gatherer"]
 
@@ -44,7 +44,7 @@ __all__ = ["GatherPlan", "Gatherer"]
 class GatherPlan:
     """The checkpoint to write, from metadata; ``sharded``: every rank takes part."""
 
-    entries: list[Entry]
+    entries: list[SyncEntry]
     partial: bool
     source_dtype: str
     sharded: bool
@@ -150,7 +150,7 @@ class Gatherer:
 
     def _one(
         self,
-        entry: Entry,
+        entry: SyncEntry,
         sharded: bool,
         writer: CheckpointWriter | None,
         writers: Sequence[int],
@@ -185,7 +185,7 @@ class Gatherer:
         return None
 
     @staticmethod
-    def _combine(entry: Entry, full: list[torch.Tensor | None]) -> torch.Tensor:
+    def _combine(entry: SyncEntry, full: list[torch.Tensor | None]) -> torch.Tensor:
         """On a writer: the checkpoint tensor from its gathered sources (a LoRA merge)."""
         tensors = [t for t in full if t is not None]
         if len(tensors) != len(full):

@@ -11,11 +11,11 @@ import torch
 
 from .changed import Item, SyncState, materialize, sync_state
 
-__all__ = ["CheckpointNames", "Entry", "parse_dtype"]
+__all__ = ["CheckpointNames", "SyncEntry", "parse_dtype"]
 
 
 @dataclass(frozen=True)
-class Entry:
+class SyncEntry:
     """One tensor of the checkpoint to write: its name, shape and dtype in the file, and the
     trainer tensors it is made of."""
 
@@ -54,11 +54,11 @@ class CheckpointNames:
             name = pattern.sub(replacement, name)
         return name
 
-    def entries(self, state: SyncState) -> tuple[list[Entry], str]:
+    def entries(self, state: SyncState) -> tuple[list[SyncEntry], str]:
         """The checkpoint's tensors from shapes and dtypes alone (nothing is gathered), and the
         floating dtype the trainer holds them in."""
         cast = parse_dtype(self.dtype) if self.dtype is not None else None
-        out: list[Entry] = []
+        out: list[SyncEntry] = []
         origin: dict[str, str] = {}
         seen: set[object] = set()
         source_dtype = ""
@@ -75,7 +75,7 @@ class CheckpointNames:
             if dtype.is_floating_point:
                 source_dtype = source_dtype or str(dtype).removeprefix("torch.")
                 dtype = cast or dtype
-            out.append(Entry(new, tuple(first.shape), dtype, item))
+            out.append(SyncEntry(new, tuple(first.shape), dtype, item))
         return out, source_dtype
 
     def checkpoint_tensors(self, state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:

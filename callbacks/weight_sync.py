@@ -10,7 +10,7 @@ The callback only wires the parts together: :class:`~callbacks.schedule.SyncCloc
 (and whether a sync may be partial), :class:`~callbacks.gather.Gatherer` what is sent and how
 each tensor reaches the writer (DTensors of sharded trainers one at a time),
 :class:`~callbacks.collective.Collective` makes each step fail on every rank or none, and the
-engine (any :class:`~callbacks.client.EngineClient`) is pushed.
+engine (any :class:`~weight_bridge.vllm.client.EngineClient`) is pushed.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import BASE_VERSION_KEY
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, retention
+from weight_bridge.vllm.client import EngineClient
+from weight_bridge.vllm.engines import ENGINE_MODES, client_for, connect, start_engine
 
 from .canary import CanaryCheck
-from .client import ENGINE_MODES, EngineClient, as_client, build_engine, connect
 from .collective import Collective, StepFailed
+from .directory import open_dir
 from .gather import Gatherer
 from .names import CheckpointNames
-from .retention import SPARE, CheckpointFiles, discard, open_dir, prune, release
 from .schedule import Schedule, SyncClock
 
 __all__ = ["VLLMWeightSync"]
@@ -48,13 +49,13 @@ class VLLMWeightSync(Callback):
     """Push the trained weights into a colocated vLLM engine every few optimizer steps.
 
     Args:
-        engine: the engine to push into (any :class:`~callbacks.client.EngineClient`, or a
+        engine: the engine to push into (any :class:`~weight_bridge.EngineClient`, or a
             ``vllm.LLM`` started with the ``weight_bridge`` backend), or
         engine_url: a ``vllm serve`` process running the backend, whose checkpoint root holds
             ``files.dirpath`` (pushed over HTTP), or
         model_path: a model directory to build an engine from in :meth:`setup` (with
-            ``engine_kwargs``, ``engine_mode`` and ``inflight``: :func:`~callbacks.client.
-            build_engine`; closed in :meth:`teardown`), reading checkpoints from the sync's
+            ``engine_kwargs``, ``engine_mode`` and ``inflight``: :func:`~weight_bridge.vllm.
+            engines.start_engine`; closed in :meth:`teardown`), reading checkpoints from the sync's
             directory only. Under ``ddp_spawn`` pass this: each rank builds its own engine.
         schedule: when to sync and when a sync must be complete (:class:`Schedule`).
         files: where checkpoints go and how many are kept (:class:`CheckpointFiles`).
@@ -117,7 +118,7 @@ class VLLMWeightSync(Callback):
             raise ValueError("pass one of engine, engine_url and model_path")
         if engine_mode not in ENGINE_MODES:
             raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, not {engine_mode!r}")
-        self._engine = as_client(engine) if engine is not None else None
+        self._engine = client_for(engine) if engine is not None else None
         if engine_url is not None:
             self._engine = connect(engine_url, inflight)
         self._owns_engine = False
@@ -198,14 +199,14 @@ class VLLMWeightSync(Callback):
             f = self.files
             need = self.gatherer.estimate_bytes(pl_module)
             self._dir, self._in_ram = open_dir(f, trainer, need, self._engine, self.model_path)
-            self.gatherer.spare = self._dir / SPARE if self._in_ram else None
+            self.gatherer.spare = self._dir / retention.SPARE if self._in_ram else None
             self.gatherer.hashed = self.verify_hash or not self._in_ram  # RAM: hash to check only
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             if self._engine is None and self.model_path is not None:
-                self._engine = build_engine(
-                    self.model_path, self._dir, self.engine_kwargs, self.engine_mode, self.inflight
-                )
+                kwargs = {"checkpoint_root": str(self._dir), **self.engine_kwargs}
+                mode, inflight = self.engine_mode, self.inflight
+                self._engine = start_engine(self.model_path, mode, inflight, **kwargs)
                 self._owns_engine = True
         _expose(pl_module, self._engine)
 
@@ -229,7 +230,7 @@ class VLLMWeightSync(Callback):
             self._owns_engine = False
             _expose(pl_module, None)
         if self._in_ram and self._dir is not None and self._is_writer(trainer):
-            release(self._dir, self._engine.served_checkpoints if self._engine else ())
+            retention.release(self._dir, self._engine.served_checkpoints if self._engine else ())
 
     # -- cadence -----------------------------------------------------------------------------
 
@@ -272,7 +273,7 @@ class VLLMWeightSync(Callback):
         if self._dir is None:
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
         collective = Collective(trainer.strategy)
-        path = self._dir / f"step-{step:08d}.safetensors"
+        path = retention.step_file(self._dir, step)
         times = [time.perf_counter()]
         failed: StepFailed | None = None
         saved = None
@@ -290,7 +291,7 @@ class VLLMWeightSync(Callback):
             failed = exc
         if failed is not None:
             if saved is not None and self._is_writer(trainer):  # a failed sync leaves no file
-                discard(path, self._engine)
+                retention.discard(path, self._engine)
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
         self.clock.synced(step, partial)
@@ -345,7 +346,7 @@ class VLLMWeightSync(Callback):
             served = self._engine.served_checkpoints if self._engine is not None else []
             assert self._dir is not None
             spare = self.gatherer.spare is not None
-            prune(self._dir, path, self.files.keep(self._in_ram), served, spare=spare)
+            retention.prune(self._dir, path, self.files.keep(self._in_ram), served, spare=spare)
             metrics = {
                 "weight_sync/save_s": record["save_s"],
                 "weight_sync/push_s": record["push_s"],

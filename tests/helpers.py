@@ -230,6 +230,18 @@ def close_engine() -> None:
         engine.close()  # type: ignore[attr-defined]
 
 
+class UserWorkerExtension:
+    """A user's own vLLM worker extension, unrelated to the bridge (``self`` is vLLM's worker):
+    passed as ``worker_extension_cls="helpers.UserWorkerExtension"``."""
+
+    model_runner: object
+
+    def user_weight_sum(self, name: str) -> float:
+        """The sum of the model's parameter ``name``, computed in the worker."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return float(dict(model.named_parameters())[name].double().sum())
+
+
 def model_dir_with(config_dir: Path, tensors: dict, dst: Path) -> Path:
     """A model directory (``config_dir``'s config and tokenizer) holding ``tensors``: what a
     reference cold start loads."""
@@ -627,7 +639,7 @@ def load_by_name(model: nn.Module, ckpt: dict[str, torch.Tensor]) -> None:
 def cold_start(ckpt: dict[str, torch.Tensor], process: Callable[[Toy], None]) -> Toy:
     """A fresh ``Toy`` loaded with ``ckpt``, its layout recorded, then ``process``ed: the
     reference every reload is judged against."""
-    from weight_bridge import record_checkpoint_layout
+    from weight_bridge.direct import record_checkpoint_layout
 
     model = Toy()
     load_by_name(model, ckpt)

@@ -135,7 +135,7 @@ async def run_async(root: str, model_a: str, model_b: str) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from weight_bridge.testing.parity import collect
-    from weight_bridge.vllm.clients import AsyncLLMClient
+    from weight_bridge.vllm.async_client import AsyncLLMClient
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_a, **_engine_kwargs(root)))
     client = AsyncLLMClient(engine, inflight=None)
@@ -201,15 +201,15 @@ def run_labels(root: str, model_a: str, model_b: str) -> dict:
 
         out["modes"][str(mode)] = pushes_under_load(generate, push, checkpoints, pushes=12)
     raw = engine.engine
-    engine._run(raw.start_weight_update())  # another trainer holds the update
+    engine.run(raw.start_weight_update())  # another trainer holds the update
     try:
         engine.push(model_b, version="B", inflight="recompute")
     except Exception as exc:
         out["second"] = _refusal(exc) | {"message": str(exc)}
-    out["paused_after_refusal"] = engine._run(raw.is_paused())
-    engine._run(raw.finish_weight_update())
-    out["version_after_second"] = engine._run(raw.get_weight_version())
-    engine._run(raw.start_weight_update())  # ... and dies holding it
+    out["paused_after_refusal"] = engine.run(raw.is_paused())
+    engine.run(raw.finish_weight_update())
+    out["version_after_second"] = engine.run(raw.get_weight_version())
+    engine.run(raw.start_weight_update())  # ... and dies holding it
     died = time.monotonic()
     waited: list[str] = []
     while True:
@@ -223,7 +223,7 @@ def run_labels(root: str, model_a: str, model_b: str) -> dict:
             time.sleep(0.2)
     out["dead"] = {"waited_s": time.monotonic() - died, "refusals": sorted(set(waited))}
     out["after_dead"] = [generate(ids)[0] for ids in LABEL_PROMPTS]
-    out["version_after_dead"] = engine._run(raw.get_weight_version())
+    out["version_after_dead"] = engine.run(raw.get_weight_version())
     engine.close()
     return out
 

@@ -29,8 +29,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from callbacks import CanaryCheck, CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
 from callbacks.canary import CanaryError
-from callbacks.retention import prune
 from weight_bridge.checkpoint import HASH_KEY, CheckpointReader
+from weight_bridge.checkpoint.retention import prune
 
 
 class Recorder(PushWatcher):

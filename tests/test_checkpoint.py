@@ -32,7 +32,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 import weight_bridge.checkpoint.write as ckpt_write
-from weight_bridge import DirectReloadError, direct_reload, record_checkpoint_layout
 from weight_bridge.checkpoint import (
     HASH_KEY,
     INDEX_NAME,
@@ -41,6 +40,7 @@ from weight_bridge.checkpoint import (
     resolve_checkpoint_files,
     save_checkpoint,
 )
+from weight_bridge.direct import DirectReloadError, direct_reload, record_checkpoint_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = settings(
@@ -89,12 +89,12 @@ def raw_bytes(model: nn.Module) -> dict[str, bytes]:
     }
 
 
-def push_file(model: nn.Module, path: Path, verify_hash: bool = False, finite: bool = True):
+def push_file(model: nn.Module, path: Path, verify_hash: bool = False, check_finite: bool = True):
     """What a worker does for a push (``weight_bridge_push``), minus vLLM."""
     with CheckpointReader(path) as reader:
         if verify_hash:
             reader.verify_hash()
-        return direct_reload(model, reader.tensors(), finite=finite)
+        return direct_reload(model, reader.tensors(), check_finite=check_finite)
 
 
 def header_and_data(path: Path) -> tuple[dict, bytes]:
@@ -509,7 +509,7 @@ def test_verify_hash_refuses_a_file_without_one(tmp_path: Path) -> None:
 def test_nan_guard_can_be_switched_off(tmp_path: Path) -> None:
     path, *_ = bad_nan(tmp_path)
     model = toy()
-    push_file(model, path, finite=False)
+    push_file(model, path, check_finite=False)
     assert torch.isnan(model.norm).any()
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import weight_bridge.direct.plan as plan_mod
 import weight_bridge.direct.proof as proof_mod
 import weight_bridge.direct.resolve as resolve_mod
-from weight_bridge import (
+from weight_bridge.direct import (
     DirectReloadError,
     direct_reload,
     direct_reload_session,
@@ -282,7 +282,7 @@ def test_nan_guard_can_be_switched_off() -> None:
     model = cold_start(A, lambda m: None)
     ckpt = dict(B)
     _nan(ckpt)
-    direct_reload(model, ckpt, finite=False)
+    direct_reload(model, ckpt, check_finite=False)
     assert torch.isnan(model.other.bias).any()
 
 

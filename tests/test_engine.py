@@ -149,7 +149,7 @@ def test_auto_reprocesses_only_the_packed_cpu_linears(models, cold, engine_facto
     auto = engine.plan()[0]
     assert not auto["problems"] and auto["reprocess"] and auto["targets"]
     report = engine.push(b, version=1)
-    assert report.mode == "hybrid" and "re-processed by vLLM" in report.reason
+    assert report.mode == "auto" and "re-processed by vLLM" in report.reason
     assert set(report.reprocessed) == set(auto["reprocess"])
     assert report.direct == len(auto["targets"])
     assert_parity(greedy(engine), cold(b, cpu_linear="stock"))
@@ -198,13 +198,21 @@ def test_compiled_engine_push_matches_cold_start(models) -> None:
     assert r["addresses_unchanged"]
 
 
-def test_a_foreign_worker_extension_is_refused_and_a_subclass_composes(models) -> None:
-    """vLLM mixes one extension class into its workers: one that does not extend the bridge's
-    would silently drop the bridge's methods, so it is refused before an engine starts."""
-    from weight_bridge.vllm.launch import WORKER_EXTENSION, worker_extension
+def test_a_users_worker_extension_composes_with_the_bridge(models, engine_factory) -> None:
+    """The bridge reaches its workers through its backend, not a worker extension: a user's own
+    (any class) goes to vLLM untouched, its methods answer through ``collective_rpc``, on the
+    same model the pushes write, and the bridge's own queries still answer."""
+    from weight_bridge.vllm.backend import BACKEND_RPC
 
-    with pytest.raises(ValueError, match="subclass of weight_bridge"):
-        ColocatedEngine(models["llama_A"], worker_extension_cls="collections.OrderedDict")
-    mine = "benchmarks.worker.BenchWorkerExtension"  # the benchmark's: the bridge's + its own
-    assert worker_extension(mine) == mine
-    assert worker_extension(None) == WORKER_EXTENSION
+    a, b = models["llama_A"], models["llama_B"]
+    engine = engine_factory(a, worker_extension_cls="helpers.UserWorkerExtension")
+    name = "model.embed_tokens.weight"
+    [sum_a] = engine.llm.collective_rpc("user_weight_sum", args=(name,))
+    report = engine.push(b, version=1)
+    assert report.mode == "direct" and report.tensors > 0
+    [sum_b] = engine.llm.collective_rpc("user_weight_sum", args=(name,))
+    assert sum_b != sum_a  # the user's method sees the pushed weights
+    assert engine.plan()[0]["targets"] and engine.undefined is None
+    assert engine.llm.collective_rpc(BACKEND_RPC, args=("undefined",)) == [None]
+    engine.push(a, version=2)
+    assert engine.llm.collective_rpc("user_weight_sum", args=(name,)) == [sum_a]

@@ -8,14 +8,14 @@ import pytest
 import torch
 from helpers import IDS, A, B, Toy, cold_start, load_by_name, snapshot_bytes
 
-from weight_bridge import (
+from weight_bridge.direct import (
     DirectReloadError,
     Refresher,
     direct_reload,
+    direct_reload_session,
     prove_checkpoint_layout,
     record_checkpoint_layout,
 )
-from weight_bridge.direct import direct_reload_session
 from weight_bridge.direct.state import undefined_reason
 from weight_bridge.layout import fingerprint
 

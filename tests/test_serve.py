@@ -5,7 +5,7 @@ started once for the module on A, under a checkpoint root of its own. Every refe
 cold start of a *stock* ``vllm.LLM`` (no bridge) on the same checkpoint: greedy tokens and
 top-3 logprobs to 1e-4. Updates go through vLLM's own RL routes (``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``, ``/pause``, ``/resume``) with
-:class:`~weight_bridge.vllm.clients.HTTPClient`; generation through the token-in/token-out
+:class:`~weight_bridge.vllm.http_client.HTTPClient`; generation through the token-in/token-out
 route ``/inference/v1/generate``, streamed where a push must land mid-generation.
 """
 
@@ -36,8 +36,8 @@ from helpers import (
     pushes_under_load,
 )
 
+from weight_bridge import HTTPClient, RemoteUpdateError
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
-from weight_bridge.vllm.clients import HTTPClient, RemoteUpdateError
 from weight_bridge.vllm.options import BridgeOptions
 from weight_bridge.vllm.results import UpdateInProgressError
 from weight_bridge.vllm.server import VLLMServer
@@ -157,7 +157,7 @@ def dense(api_models):
 @pytest.fixture(scope="module")
 def moe(api_models):
     """A server on Qwen3-MoE (A): the CPU experts prepack refreshed after each push; started
-    with an API key, required on every route (``weight_bridge.vllm.server_auth``)."""
+    with an API key, required on every route (``weight_bridge.vllm.server_middleware``)."""
     yield from _served(api_models, "moe", api_key="moe-secret")
 
 
@@ -181,8 +181,11 @@ def test_http_push_equals_a_stock_cold_start_and_refusals_keep_the_served_versio
     client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
     cold_a = http_greedy(client)
     assert_parity(cold_a, stock_cold(a))
-    client.push(b, version="b1")
+    report = client.push(b, version="b1")
     assert client.weight_version() == "b1"
+    # The same report as in-process, from the workers' own answer (the results route).
+    assert report.mode == "direct" and report.version == "b1" and report.verified_writes > 0
+    assert report.tensors == len(_tensors(b)) and report.served == [str(b.resolve())]
     served = http_greedy(client)
     assert_parity(served, stock_cold(b))
     assert_differs(served, cold_a)
@@ -483,7 +486,7 @@ def test_two_pushers_one_update_at_a_time_and_a_dead_trainer_is_abandoned(
     assert "409" in outcomes, outcomes
 
     dead = (
-        "import sys; from weight_bridge.vllm.clients import HTTPClient; import os, signal\n"
+        "import sys; from weight_bridge.vllm.http_client import HTTPClient; import os, signal\n"
         "c = HTTPClient(sys.argv[1]); c.call('start_weight_update')\n"
         "c.call('update_weights', {'update_info': {'checkpoint': sys.argv[2], 'version': 'A'}})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

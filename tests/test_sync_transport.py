@@ -18,10 +18,9 @@ import pytest
 import torch
 from helpers import ENGINE_KWARGS, TinyLM, trainer
 
-import callbacks.retention as retention
+import weight_bridge.checkpoint.retention as retention
 import weight_bridge.checkpoint.space as space
 from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
-from callbacks.retention import estimate_bytes, place
 from weight_bridge.checkpoint import (
     HASH_KEY,
     CheckpointReader,
@@ -29,6 +28,7 @@ from weight_bridge.checkpoint import (
     CheckpointWriter,
     save_checkpoint,
 )
+from weight_bridge.checkpoint.retention import estimate_bytes, place
 from weight_bridge.checkpoint.write import CHUNK_BYTES
 
 EVERY_STEP = Schedule(every_n_train_steps=1)
@@ -339,3 +339,66 @@ def test_a_spare_file_is_overwritten_in_place_and_an_odd_one_is_not(tmp_path: Pa
             again = w.finish()
         assert other.is_symlink() or other.read_bytes() == b"x" * 100
         assert again.path.stat().st_ino not in (odd.stat().st_ino, saved.path.stat().st_ino)
+
+
+# -- vLLM's trainer API: the same writer's names, retention and default version ----------------
+
+
+class _FakeSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` calls, recorded; the engine it stands for serves the last
+    complete checkpoint and the partial ones sent on top of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Path) -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from weight_bridge.checkpoint import BASE_VERSION_KEY, VERSION_KEY
+    from weight_bridge.vllm.trainer import WeightBridgeTrainer, WeightBridgeTrainerInitInfo
+
+    client = _FakeSyncClient()
+    info = WeightBridgeTrainerInitInfo(directory=str(tmp_path), keep_last_k=1, rank=0)
+    sender = WeightBridgeTrainer.trainer_init(
+        info, client=client, source=ModuleSource(torch.nn.Linear(4, 2))
+    )
+    for _ in range(3):  # no version: none in the file or the update; the file name is the label
+        path = sender.send_weights()
+    assert path == tmp_path / "step-00000003.safetensors"
+    assert _step_files(tmp_path) == ["step-00000003.safetensors"]  # keep_last_k=1
+    assert client.calls[-3:] == [
+        ("start",),
+        ("update", {"checkpoint": str(path.resolve())}),
+        ("finish", None),
+    ]
+    assert sender.last_version == "step-00000003"
+    with CheckpointReader(path) as reader:
+        assert VERSION_KEY not in reader.metadata
+    part = sender.send_weights(names=["bias"])  # on top of the label the engine stamped
+    with CheckpointReader(part) as reader:
+        assert reader.metadata[BASE_VERSION_KEY] == "step-00000003"
+        assert list(reader.specs()) == ["bias"]
+    # the complete file the engine serves under the partial one is kept, beyond keep_last_k
+    assert _step_files(tmp_path) == ["step-00000003.safetensors", "step-00000004.safetensors"]
+    named = sender.send_weights(version="v5")
+    assert client.calls[-2:] == [
+        ("update", {"checkpoint": str(named.resolve()), VERSION_KEY: "v5"}),
+        ("finish", "v5"),
+    ]
+    with CheckpointReader(named) as reader:
+        assert reader.metadata[VERSION_KEY] == "v5"
+    assert sender.last_version == "v5"
+    assert _step_files(tmp_path) == ["step-00000005.safetensors"]

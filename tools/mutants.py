@@ -70,9 +70,9 @@ MUTANTS = [
         "nan",
         "the NaN/Inf guard",
         "weight_bridge/direct/validate.py",
-        "problems.update(check_finite(items, targets))",
+        "problems.update(find_nonfinite(items, targets))",
         "pass",
-        "the `check_finite(...)` call in `validate_checkpoint`",
+        "the `find_nonfinite(...)` call in `validate_checkpoint`",
         [
             ["tests/test_direct.py", "-k", "nan"],
             ["tests/test_reliability.py", "-k", "nan"],

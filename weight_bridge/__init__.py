@@ -1,46 +1,73 @@
 """weight-bridge: keep a colocated vLLM engine on the freshest policy by direct in-place reload.
 
-The core (layout records, direct reload, safetensors checkpoints) is plain PyTorch; the vLLM
-integration lives in :mod:`weight_bridge.vllm` and the Lightning callback in ``callbacks``,
-both imported only when used.
+What a user imports is here (the Lightning callback is ``callbacks.VLLMWeightSync``):
+
+* **engines and clients** (:mod:`weight_bridge.vllm`): :class:`ColocatedEngine`,
+  :class:`AsyncColocatedEngine`, :class:`ServedEngine` (an engine the library starts: the one
+  client plus the engine it owns), :class:`LLMClient`, :class:`AsyncLLMClient`,
+  :class:`HTTPClient` (for an engine you started), :func:`start_engine`, :func:`connect`,
+  their options (:class:`BridgeOptions`) and report (:class:`PushReport`);
+* **checkpoints** (:mod:`weight_bridge.checkpoint`): :func:`save_checkpoint`,
+  :class:`CheckpointReader`;
+* **errors**: every error a push or a save raises.
+
+The direct-reload core (layout records, proofs, plans, sessions; plain PyTorch, no vLLM) is
+:mod:`weight_bridge.direct`. Names from :mod:`weight_bridge.vllm` are imported on first use,
+so ``import weight_bridge`` (and the callback) works in a trainer without vLLM.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .checkpoint import CheckpointError, CheckpointReader, CheckpointWriteError, save_checkpoint
-from .direct import (
-    DirectReloadError,
-    OpenReload,
-    Proof,
-    Refresher,
-    ReloadPlan,
-    ReloadReport,
-    Reprocessor,
-    direct_reload,
-    direct_reload_session,
-    plan_direct_reload,
-    prove_checkpoint_layout,
-    record_checkpoint_layout,
-)
-from .layout import CheckpointLayout
+from .direct import DirectReloadError
 
 __all__ = [
+    # engines and clients
+    "ColocatedEngine",
+    "AsyncColocatedEngine",
+    "ServedEngine",
+    "VLLMServer",
+    "LLMClient",
+    "AsyncLLMClient",
+    "HTTPClient",
+    "EngineClient",
+    "start_engine",
+    "connect",
+    "BridgeOptions",
+    "PushReport",
+    "token_prompts",
+    "token_versions",
     # checkpoints
     "save_checkpoint",
     "CheckpointReader",
+    # errors
     "CheckpointError",
     "CheckpointWriteError",
-    # direct reload: what a user calls, and what it returns
-    "record_checkpoint_layout",
-    "prove_checkpoint_layout",
-    "direct_reload",
-    "direct_reload_session",
-    "plan_direct_reload",
     "DirectReloadError",
-    "CheckpointLayout",
-    "OpenReload",
-    "Proof",
-    "ReloadPlan",
-    "ReloadReport",
-    # extension points
-    "Refresher",
-    "Reprocessor",
+    "EngineCoreDeadError",
+    "EngineUndefinedError",
+    "RemoteUpdateError",
+    "UpdateInProgressError",
 ]
+
+_FROM_VLLM = {
+    name
+    for name in __all__
+    if name
+    not in {
+        "save_checkpoint",
+        "CheckpointReader",
+        "CheckpointError",
+        "CheckpointWriteError",
+        "DirectReloadError",
+    }
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_VLLM:
+        return getattr(importlib.import_module(".vllm", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,7 @@ __all__ = [
     "fingerprint",
     "live_tensors",
     "storage_ptr",
+    "storage_start",
     "tie_key",
 ]
 
@@ -113,10 +114,28 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def tie_key(t: torch.Tensor) -> tuple:
+def tie_key(t: torch.Tensor) -> object:
     """Tensors with equal keys view exactly the same bytes the same way: one weight under
-    several names (tied embeddings and ``lm_head``), written and stored once."""
-    return (storage_ptr(t), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
+    several names (tied embeddings and ``lm_head``), written and stored once. A ``DTensor`` is
+    keyed by its local shard's storage (with its global shape); an empty tensor views no bytes
+    and is tied to nothing (a key of its own)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if not local.numel():
+        return object()
+    return (
+        storage_ptr(local),
+        int(local.storage_offset()),
+        tuple(t.shape),
+        tuple(local.stride()),
+        t.dtype,
+    )
+
+
+def storage_start(t: torch.Tensor) -> tuple[str, int, int]:
+    """Where a tensor's bytes begin: its device type, storage and offset. Two non-empty tensors
+    with equal starts share storage (a writer refuses the second, a size estimate counts it
+    once), whether or not they view it the same way (:func:`tie_key` says that)."""
+    return (t.device.type, storage_ptr(t), int(t.storage_offset()))
 
 
 @dataclass(frozen=True)
@@ -165,7 +184,7 @@ class TensorLayout:
 
     @property
     def tie_key(self) -> tuple:
-        """:func:`tie_key` of the tensor as it was recorded."""
+        """:func:`tie_key` of the tensor as it was recorded (an empty one keyed like any other)."""
         return (self.storage_ptr, self.storage_offset, self.shape, self.stride, self.dtype)
 
 

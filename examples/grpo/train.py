@@ -236,7 +236,7 @@ class SyncRollouts:
         self.engine, self.sampling = engine, sampling
 
     def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
-        from weight_bridge.vllm import token_prompts
+        from weight_bridge import token_prompts
 
         return _from_outputs(self.engine.generate(token_prompts(prompts(step)), self.sampling()))
 
@@ -250,7 +250,7 @@ class AsyncRollouts:
         self.pending: deque[tuple[int, concurrent.futures.Future]] = deque()
 
     def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
-        from weight_bridge.vllm import token_prompts
+        from weight_bridge import token_prompts
 
         while self.pending and self.pending[0][0] < step:
             self.pending.popleft()[1].cancel()  # a step that will never train (resumed past it)
@@ -476,7 +476,7 @@ class GRPO(pl.LightningModule):
             return self.vllm_engine
         if self._own_engine is None:
             # Sync is off: one engine on the initial policy, never pushed to.
-            from weight_bridge.vllm import ColocatedEngine
+            from weight_bridge import ColocatedEngine
 
             cb = self._sync_callback()
             kwargs = dict(getattr(cb, "engine_kwargs", None) or DEFAULT_ENGINE_KWARGS)

@@ -19,7 +19,9 @@ makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-
 
 Modules: :mod:`.errors` (the exceptions), :mod:`.format` (dtype names, limits, the content
 hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard index,
-:class:`CheckpointReader`), :mod:`.write` (:class:`CheckpointWriter`, :func:`save_checkpoint`).
+:class:`CheckpointReader`), :mod:`.write` (:class:`CheckpointWriter`, :func:`save_checkpoint`),
+:mod:`.space` (the writer's filesystem calls), :mod:`.retention` (where a sync's files go, their
+names, which may be deleted: :class:`CheckpointFiles`, :func:`step_file`).
 Tests that inject faults patch the module that looks the name up
 (``weight_bridge.checkpoint.write`` for the writer).
 """
@@ -27,24 +29,29 @@ Tests that inject faults patch the module that looks the name up
 from __future__ import annotations
 
 from .errors import CheckpointError, CheckpointWriteError
-from .format import BASE_VERSION_KEY, HASH_KEY
+from .format import BASE_VERSION_KEY, HASH_KEY, VERSION_KEY, version_of
 from .format import DTYPE_NAMES as DTYPE_NAMES
 from .format import DTYPES as DTYPES
 from .format import INDEX_NAME as INDEX_NAME
 from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
 from .read import CheckpointReader, resolve_checkpoint_files
+from .retention import CheckpointFiles, step_file
 from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
 from .write import CheckpointWriter, SavedCheckpoint, save_checkpoint
 
 __all__ = [
     "BASE_VERSION_KEY",
     "HASH_KEY",
+    "VERSION_KEY",
     "CheckpointError",
+    "CheckpointFiles",
     "CheckpointReader",
     "CheckpointWriteError",
     "CheckpointWriter",
     "SavedCheckpoint",
     "resolve_checkpoint_files",
     "save_checkpoint",
+    "step_file",
+    "version_of",
 ]

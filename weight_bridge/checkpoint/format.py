@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = [
@@ -13,16 +15,30 @@ __all__ = [
     "INDEX_NAME",
     "MAX_HEADER_BYTES",
     "MAX_INDEX_BYTES",
+    "VERSION_KEY",
     "content_hash",
+    "version_of",
 ]
 
 HASH_KEY = "weight_bridge.blake3"
 # A checkpoint whose metadata names a base version is *partial*: it holds only some tensors and
 # applies on top of exactly that version (see ColocatedEngine.push).
 BASE_VERSION_KEY = "base_version"
+VERSION_KEY = "version"  # the metadata entry naming the weights' version
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 MAX_INDEX_BYTES = 100 * 1024 * 1024
+
+
+def version_of(path: str, metadata_version: str | None = None) -> str:
+    """The project's one default version rule: a checkpoint's version is its ``version``
+    metadata, else its file name without ``.safetensors`` (a directory of shards: the
+    directory's name). The engine stamps it when an update names no version; a trainer that
+    names none predicts the label with the same function."""
+    if metadata_version is not None:
+        return str(metadata_version)
+    return os.path.basename(os.path.normpath(path)).removesuffix(".safetensors")
+
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

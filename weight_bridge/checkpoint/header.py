@@ -23,11 +23,11 @@ import torch
 from .errors import CheckpointError
 from .format import DTYPES, FOREIGN_MAGIC, MAX_HEADER_BYTES
 
-__all__ = ["Entry", "SafetensorsFile", "open_file", "parse_header"]
+__all__ = ["HeaderEntry", "SafetensorsFile", "open_file", "parse_header"]
 
 
 @dataclass(frozen=True)
-class Entry:
+class HeaderEntry:
     """One tensor of a header: its dtype, shape and byte range in the data section."""
 
     dtype: torch.dtype
@@ -44,7 +44,7 @@ class SafetensorsFile:
     size: int
     data_start: int
     metadata: dict[str, str]
-    entries: dict[str, Entry]
+    entries: dict[str, HeaderEntry]
     map: mmap.mmap | None = None
 
 
@@ -152,7 +152,7 @@ def parse_header(path: Path, raw: bytes, size: int) -> SafetensorsFile:
         raise CheckpointError(path, "corrupt header: __metadata__ must map strings to strings")
     data_start = 8 + len(raw)
     data_size = size - data_start
-    entries: dict[str, Entry] = {}
+    entries: dict[str, HeaderEntry] = {}
     for name, info in header.items():
         entries[name] = _parse_entry(path, name, info, data_size)
     spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
@@ -162,7 +162,7 @@ def parse_header(path: Path, raw: bytes, size: int) -> SafetensorsFile:
     return SafetensorsFile(path, size, data_start, metadata, entries)
 
 
-def _parse_entry(path: Path, name: str, info: object, data_size: int) -> Entry:
+def _parse_entry(path: Path, name: str, info: object, data_size: int) -> HeaderEntry:
     if not isinstance(info, dict):
         raise CheckpointError(path, "corrupt header entry: not a JSON object", name)
     dtype_name = info.get("dtype")
@@ -189,4 +189,4 @@ def _parse_entry(path: Path, name: str, info: object, data_size: int) -> Entry:
         raise CheckpointError(
             path, f"truncated: data ends at byte {end} but the file holds {data_size}", name
         )
-    return Entry(dtype, tuple(shape), begin, end)
+    return HeaderEntry(dtype, tuple(shape), begin, end)

@@ -43,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from ..layout import storage_start
 from .errors import CheckpointError, CheckpointWriteError
 from .format import DTYPE_NAMES, HASH_KEY
 from .space import STALE_TEMP_AGE_S, fsync_dir, open_temp, reserve
@@ -362,7 +363,7 @@ def save_checkpoint(
             raise CheckpointError(path, f"dtype {t.dtype} has no safetensors name", name)
         t = t.detach()  # any device: the writer copies it off chunk by chunk
         if t.numel():
-            key = (t.device.type, t.untyped_storage().data_ptr(), int(t.storage_offset()))
+            key = storage_start(t)
             if key in owners:
                 raise CheckpointError(
                     path, f"shares storage with {owners[key]!r}; write it once", name

@@ -290,7 +290,7 @@ def prepare_direct_reload(
     model: torch.nn.Module,
     weights: Weights,
     *,
-    finite: bool = True,
+    check_finite: bool = True,
     reprocessor: Reprocessor | None = None,
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
@@ -299,7 +299,7 @@ def prepare_direct_reload(
     """Validate ``weights`` (the whole checkpoint) and plan their write; nothing is written.
 
     Names, shapes and dtypes are checked against the recorded layout (and NaN/Inf when
-    ``finite``), and every name is resolved and proven; a refusal raises
+    ``check_finite``), and every name is resolved and proven; a refusal raises
     :class:`DirectReloadError` naming each tensor. ``reprocessor`` handles the modules of
     ``reprocessable`` that cannot be written directly; ``readback`` is ``"sampled"``,
     ``"full"`` or ``"off"``. ``partial`` weights (a subset, applied on top of what the model
@@ -310,7 +310,7 @@ def prepare_direct_reload(
     started = time.perf_counter()
     state = bridge_state(model)
     items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    validate_checkpoint(require_layout(model), items, finite, partial)
+    validate_checkpoint(require_layout(model), items, check_finite, partial)
     now = addresses(model)
     plan = plan_direct_reload(model, reprocessable if reprocessor is not None else frozenset(), now)
     if plan.problems:
@@ -331,7 +331,7 @@ def prepare_direct_reload(
 class ReloadOptions(TypedDict, total=False):
     """The keyword arguments of :func:`prepare_direct_reload`, shared by the calls built on it."""
 
-    finite: bool
+    check_finite: bool
     reprocessor: Reprocessor | None
     reprocessable: set[str] | frozenset[str]
     readback: str

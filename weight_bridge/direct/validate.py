@@ -9,7 +9,7 @@ import torch
 from ..layout import CheckpointLayout, TensorSpec
 from .errors import DirectReloadError
 
-__all__ = ["check_finite", "preflight", "validate_checkpoint"]
+__all__ = ["find_nonfinite", "preflight", "validate_checkpoint"]
 
 
 def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -48,7 +48,7 @@ def preflight(
     return problems
 
 
-def check_finite(
+def find_nonfinite(
     weights: Iterable[tuple[str, torch.Tensor]],
     targets: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, str]:
@@ -84,14 +84,14 @@ def check_finite(
 def validate_checkpoint(
     layout: CheckpointLayout,
     items: list[tuple[str, torch.Tensor]],
-    finite: bool = True,
+    check_finite: bool = True,
     partial: bool = False,
 ) -> None:
     """Refuse a whole checkpoint that does not fit ``layout``, before anything is written.
 
-    Names, shapes and dtypes against the checkpoint recorded at load, then (``finite``) NaN/Inf
-    and out-of-range values; a ``partial`` checkpoint may leave names out. Every reload path
-    (direct or an engine's own) calls this first.
+    Names, shapes and dtypes against the checkpoint recorded at load, then (``check_finite``)
+    NaN/Inf and out-of-range values; a ``partial`` checkpoint may leave names out. Every reload
+    path (direct or an engine's own) calls this first.
     """
     specs: dict[str, TensorSpec] = {}
     problems: dict[str, str] = {}
@@ -100,8 +100,8 @@ def validate_checkpoint(
             problems[name] = "appears twice in the checkpoint"
         specs[name] = TensorSpec(tuple(t.shape), t.dtype)
     problems.update(preflight(layout, specs, partial))
-    if finite and not problems:
+    if check_finite and not problems:
         targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
-        problems.update(check_finite(items, targets))
+        problems.update(find_nonfinite(items, targets))
     if problems:
         raise DirectReloadError("checkpoint rejected (nothing was written)", problems)

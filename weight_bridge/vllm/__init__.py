@@ -2,8 +2,12 @@
 
 An engine started with ``weight_transfer_config={"backend": "weight_bridge"}`` (``LLM``,
 ``AsyncLLM`` or ``vllm serve``) takes updates through vLLM's own RL API, each a proven,
-transactional direct reload (:mod:`.backend`). :class:`ColocatedEngine` is a convenience over
-the same path for a ``vllm.LLM`` in the trainer's process.
+transactional direct reload (:mod:`.backend`). One client protocol (:mod:`.client`) pushes into
+each way of running it (:class:`LLMClient`, :class:`AsyncLLMClient`, :class:`HTTPClient`);
+:class:`ColocatedEngine`, :class:`AsyncColocatedEngine` and :class:`ServedEngine` are those
+clients plus an engine they start and own (:func:`start_engine` picks one by name). Every use
+of vLLM's private internals, and every patch of vLLM, is in :mod:`.vllm_internals`. Names are
+imported on first use: importing a client module needs no vLLM.
 
 Limitations:
 1. Only vLLM's default safetensors loader is bridged (the checkpoint is captured as it loads).
@@ -19,27 +23,62 @@ Limitations:
    GPUs) a step already queued when an update commits would have its output stamped with the
    new version; the bridge stamps at commit assuming steps run one at a time (not run here).
 6. An engine left undefined (a rollback that failed too) stops scheduling; a plain ``vllm.LLM``
-   caller's ``generate`` then waits until a complete update succeeds (``ColocatedEngine``
-   refuses instead).
+   caller's ``generate`` then waits until a complete update succeeds (``LLMClient`` and
+   ``ColocatedEngine`` refuse instead).
 """
 
-from .engine import (
-    ColocatedEngine,
-    EngineCoreDeadError,
-    EngineUndefinedError,
-    PushReport,
-    token_prompts,
-)
-from .options import BACKEND, BridgeOptions
-from .results import UpdateInProgressError
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "BACKEND",
+    "AsyncColocatedEngine",
+    "AsyncLLMClient",
     "BridgeOptions",
     "ColocatedEngine",
+    "EngineClient",
     "EngineCoreDeadError",
     "EngineUndefinedError",
+    "HTTPClient",
+    "LLMClient",
     "PushReport",
+    "RemoteUpdateError",
+    "ServedEngine",
     "UpdateInProgressError",
+    "VLLMServer",
+    "connect",
+    "start_engine",
     "token_prompts",
+    "token_versions",
 ]
+
+_WHERE = {
+    "BACKEND": "options",
+    "BridgeOptions": "options",
+    "AsyncColocatedEngine": "async_engine",
+    "AsyncLLMClient": "async_client",
+    "token_versions": "async_client",
+    "ColocatedEngine": "engine",
+    "EngineClient": "client",
+    "EngineCoreDeadError": "vllm_internals",
+    "EngineUndefinedError": "llm_client",
+    "LLMClient": "llm_client",
+    "token_prompts": "llm_client",
+    "HTTPClient": "http_client",
+    "RemoteUpdateError": "http_client",
+    "PushReport": "results",
+    "UpdateInProgressError": "results",
+    "ServedEngine": "server",
+    "VLLMServer": "server",
+    "connect": "engines",
+    "start_engine": "engines",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

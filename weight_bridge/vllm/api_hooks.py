@@ -3,8 +3,8 @@
 The engine core raises a refused or failed update as the project's own error
 (:mod:`.core_hooks`), but vLLM carries an engine core's exception to another process as a plain
 ``Exception`` with its message. The plugin wraps ``LLM.update_weights`` and
-``AsyncLLM.update_weights`` (inert unless the engine is bridged) so that the caller gets the
-typed error back, rebuilt from every rank's result (the engine-core utility
+``AsyncLLM.update_weights`` with the wrappers here (inert unless the engine is bridged) so that
+the caller gets the typed error back, rebuilt from every rank's result (the engine-core utility
 ``weight_bridge_results``): :class:`~weight_bridge.direct.DirectReloadError` or
 :class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems`` naming each tensor, in
 the caller's own process as in-process. Both are ``ValueError``\\s, which ``vllm serve``
@@ -25,23 +25,30 @@ from ..direct import DirectReloadError
 from .core_hooks import UpdateConflictError
 from .options import is_bridged
 from .results import PushResult, UpdateInProgressError, merged_error
+from .vllm_internals import call_core_utility, call_core_utility_async
 
-__all__ = ["install", "update_results", "update_results_async"]
+__all__ = [
+    "typed_start_weight_update",
+    "typed_start_weight_update_async",
+    "typed_update_weights",
+    "typed_update_weights_async",
+    "update_results",
+    "update_results_async",
+]
 
-_installed = False
 _UTILITY = "weight_bridge_results"
 _CONFLICT = "weight_bridge_conflict"
 
 
 def update_results(core_client: Any) -> list[PushResult]:
     """Every rank's result of the last update, from an ``LLM``'s engine-core client."""
-    return [PushResult.from_dict(r) for r in _utility(core_client, _UTILITY)]
+    return PushResult.every_rank(call_core_utility(core_client, _UTILITY))
 
 
 async def update_results_async(core_client: Any) -> list[PushResult]:
     """The same, from an ``AsyncLLM``'s engine-core client."""
-    raw = await core_client.call_utility_async(_UTILITY)
-    return [PushResult.from_dict(r) for r in raw]
+    raw = await call_core_utility_async(core_client, _UTILITY)
+    return PushResult.every_rank(raw)
 
 
 def _typed(error: Exception, results: list[PushResult]) -> Exception:
@@ -52,51 +59,46 @@ def _conflict(error: Exception, conflict: dict | None) -> Exception:
     return error if conflict is None else UpdateConflictError.active(**conflict)
 
 
-def _utility(core_client: Any, name: str) -> Any:
-    inproc = getattr(core_client, "engine_core", None)
-    if inproc is not None and hasattr(inproc, name):  # InprocClient holds the core itself
-        return getattr(inproc, name)()
-    return core_client.call_utility(name)
-
-
-def install() -> None:
-    """Wrap ``update_weights`` of vLLM's offline (``LLM``) and async (``AsyncLLM``) APIs."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from vllm.entrypoints.rl.offline import RLOfflineMixin
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    offline = RLOfflineMixin.update_weights
-    online = AsyncLLM.update_weights
-    offline_start = RLOfflineMixin.start_weight_update
-    online_start = AsyncLLM.start_weight_update
+def typed_start_weight_update(original: Any) -> Any:
+    """``LLM.start_weight_update``: a start refused by the engine core as the typed error."""
 
     def start_weight_update(self):
         try:
-            return offline_start(self)
+            return original(self)
         except UpdateInProgressError:
             raise
         except Exception as exc:
             if not is_bridged(self.llm_engine.vllm_config):
                 raise
-            raise _conflict(exc, _utility(self.llm_engine.engine_core, _CONFLICT)) from None
+            conflict = call_core_utility(self.llm_engine.engine_core, _CONFLICT)
+            raise _conflict(exc, conflict) from None
+
+    return start_weight_update
+
+
+def typed_start_weight_update_async(original: Any) -> Any:
+    """``AsyncLLM.start_weight_update``, the same."""
 
     async def start_weight_update_async(self):
         try:
-            return await online_start(self)
+            return await original(self)
         except UpdateInProgressError:
             raise
         except Exception as exc:
             if not is_bridged(self.vllm_config):
                 raise
-            conflict = await self.engine_core.call_utility_async(_CONFLICT)
+            conflict = await call_core_utility_async(self.engine_core, _CONFLICT)
             raise _conflict(exc, conflict) from None
+
+    return start_weight_update_async
+
+
+def typed_update_weights(original: Any) -> Any:
+    """``LLM.update_weights``: a refused or failed update as the typed error."""
 
     def update_weights(self, request):
         try:
-            return offline(self, request)
+            return original(self, request)
         except (DirectReloadError, CheckpointError):
             raise
         except Exception as exc:
@@ -104,9 +106,15 @@ def install() -> None:
                 raise
             raise _typed(exc, update_results(self.llm_engine.engine_core)) from None
 
+    return update_weights
+
+
+def typed_update_weights_async(original: Any) -> Any:
+    """``AsyncLLM.update_weights``, the same."""
+
     async def update_weights_async(self, request):
         try:
-            return await online(self, request)
+            return await original(self, request)
         except (DirectReloadError, CheckpointError):
             raise
         except Exception as exc:
@@ -114,7 +122,4 @@ def install() -> None:
                 raise
             raise _typed(exc, await update_results_async(self.engine_core)) from None
 
-    RLOfflineMixin.update_weights = update_weights  # type: ignore[method-assign]
-    AsyncLLM.update_weights = update_weights_async  # type: ignore[method-assign]
-    RLOfflineMixin.start_weight_update = start_weight_update  # type: ignore[method-assign]
-    AsyncLLM.start_weight_update = start_weight_update_async  # type: ignore[method-assign]
+    return update_weights_async

@@ -15,21 +15,42 @@ checkpoint before any rank writes, then writes, reads back and refreshes; a fail
 first write rolls every rank back to the version served. The engine core
 (:mod:`.core_hooks`) drives the ranks through those phases with :func:`call_backend` and
 raises the refusal, naming each tensor, from ``update_weights``.
+
+:func:`call_backend` is the bridge's one channel into the workers: besides the phases, its
+read-only actions (:data:`QUERIES`, :mod:`.queries`) answer a plan, the weights' addresses and
+why the weights are undefined, one answer per worker::
+
+    llm.collective_rpc(BACKEND_RPC, timeout=60, args=("plan", "auto"))   # any engine
+    llm.collective_rpc(call_backend, timeout=60, args=("plan", "auto"))  # in-process engine
+
+(the engine core routes the method name :data:`BACKEND_RPC` to :func:`call_backend`; a
+function itself crosses from a multi-process engine's client to its core only with vLLM's
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from .options import BridgeOptions, SessionOptions, bridge_options
+from .options import BridgeOptions, bridge_options
+from .queries import worker_addresses, worker_plan, worker_undefined
 from .results import UpdateRequest
 from .transaction import PushTransaction
+from .vllm_internals import reset_runner_caches, transfer_engine
 
-__all__ = ["WeightBridgeEngine", "call_backend"]
+__all__ = ["BACKEND_RPC", "QUERIES", "WeightBridgeEngine", "call_backend"]
+
+BACKEND_RPC = "weight_bridge.call_backend"  # the method name the engine core routes here
+_QUERIES: dict[str, Callable[..., Any]] = {
+    "plan": worker_plan,  # args: the mode (default: the one the worker pushes with)
+    "addresses": worker_addresses,
+    "undefined": worker_undefined,
+}
+QUERIES = tuple(_QUERIES)  # the read-only actions: answered by any worker, bridged or not
 
 
 def _rank() -> int:
@@ -41,10 +62,14 @@ def _rank() -> int:
         return 0
 
 
-class WeightBridgeEngine(WeightTransferEngine[SessionOptions, UpdateRequest]):  # type: ignore[type-var]
-    """One worker's backend: vLLM's four calls mapped onto a :class:`PushTransaction`."""
+class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ignore[type-var]
+    """One worker's backend: vLLM's four calls mapped onto a :class:`PushTransaction`.
 
-    init_info_cls = SessionOptions
+    ``init_info``: a trainer's session options, a dict of
+    :data:`~.options.SESSION_FIELDS` (None: keep the engine's), checked by
+    :meth:`~.options.BridgeOptions.with_session`."""
+
+    init_info_cls = dict
     update_info_cls = UpdateRequest
     supports_draft_weight_update = False
 
@@ -58,8 +83,11 @@ class WeightBridgeEngine(WeightTransferEngine[SessionOptions, UpdateRequest]):  
     def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest:
         return UpdateRequest.from_dict(dict(update_dict))
 
-    def init_transfer_engine(self, init_info: SessionOptions) -> None:
-        chosen = {k: v for k, v in asdict(init_info).items() if v is not None}
+    def parse_init_info(self, init_dict: dict[str, Any]) -> dict:
+        return dict(init_dict)
+
+    def init_transfer_engine(self, init_info: dict) -> None:
+        chosen = {k: v for k, v in init_info.items() if v is not None}
         self.transaction.options = self.options.with_session(chosen)
 
     def start_weight_update(self) -> None:
@@ -87,12 +115,17 @@ class WeightBridgeEngine(WeightTransferEngine[SessionOptions, UpdateRequest]):  
         """A trainer disconnected: nothing to release (the served chain stays for rollback)."""
 
 
-def call_backend(worker: Any, action: str, *args: Any) -> dict[str, Any]:
-    """Run one phase of the update in ``worker`` (sent by the engine core with
-    ``collective_rpc``); this rank's :class:`~.results.PushResult` as a dict."""
+def call_backend(worker: Any, action: str, *args: Any) -> Any:
+    """Run ``action`` in ``worker`` (sent with ``collective_rpc``, by the engine core or by a
+    client): a read-only one of :data:`QUERIES` returns its answer; a phase of the update
+    (``commit``, ``roll_back``, ``fail``, ``abandon``, ``result``: the engine core's) returns
+    this rank's :class:`~.results.PushResult` as a dict."""
     from vllm.config import set_current_vllm_config
 
-    engine = getattr(worker, "weight_transfer_engine", None)
+    query = _QUERIES.get(action)
+    if query is not None:
+        return query(worker, *args)
+    engine = transfer_engine(worker)
     if not isinstance(engine, WeightBridgeEngine):
         raise RuntimeError("this worker does not run the weight_bridge weight-transfer backend")
     transaction = engine.transaction
@@ -100,7 +133,7 @@ def call_backend(worker: Any, action: str, *args: Any) -> dict[str, Any]:
         if action == "commit":
             result = transaction.commit(worker.reload_weights)
             if result.error is None:
-                _reset_runner_caches(worker)
+                reset_runner_caches(worker)  # encoder and multi-modal caches: old outputs
         elif action == "roll_back":
             result = transaction.roll_back(worker.reload_weights, *args)
         elif action == "fail":
@@ -113,12 +146,3 @@ def call_backend(worker: Any, action: str, *args: Any) -> dict[str, Any]:
         else:
             raise ValueError(f"unknown backend action {action!r}")
     return result.to_dict()
-
-
-def _reset_runner_caches(worker: Any) -> None:
-    """Encoder and multi-modal caches hold outputs of the old weights."""
-    runner = worker.model_runner
-    for name in ("reset_encoder_cache", "reset_mm_cache"):
-        reset = getattr(runner, name, None)
-        if callable(reset):
-            reset()

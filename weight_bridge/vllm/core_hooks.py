@@ -2,8 +2,8 @@
 
 vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the engine core's
 ``collective_rpc``. For an engine running the ``weight_bridge`` backend, the plugin wraps it
-(:func:`install`, in the engine-core process) so that one ``update_weights`` is a transaction
-over every rank:
+(with :func:`bridged_collective_rpc`, in the engine-core process) so that one
+``update_weights`` is a transaction over every rank:
 
 1. each rank *prepares* (vLLM's own ``update_weights`` call into the backend): the whole
    checkpoint checked, every weight planned, nothing written; the version the engine serves
@@ -17,8 +17,8 @@ over every rank:
    ``start_weight_update`` works, and a ``finish_weight_update`` for the failed update is
    refused, so vLLM does not stamp the version that was not written;
 4. after a successful update no request that arrives later reuses KV computed by the old
-   weights (:func:`~._core.forget_prefixes`; vLLM's own update leaves the prefix cache as it
-   was);
+   weights (:func:`~.vllm_internals.forget_prefixes`; vLLM's own update leaves the prefix
+   cache as it was);
 5. **the weights and their label change together**: the engine core stamps the new weight
    version (the request's ``version``, else the checkpoint's ``version`` metadata, else its
    file name) in the same call that commits the write, so no engine step runs the new weights
@@ -36,6 +36,10 @@ over every rank:
    stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
    name until a complete update succeeds.
 
+The same wrapper routes :data:`~.backend.BACKEND_RPC` (a method name any client can send) to
+:func:`~.backend.call_backend`'s read-only actions (:data:`~.backend.QUERIES`): the one channel
+into the workers besides vLLM's own calls.
+
 Workers never raise for an expected outcome: vLLM's multi-process executor raises at the first
 failed rank without collecting the others' replies, which would leave them queued for the
 next call.
@@ -48,22 +52,27 @@ import logging
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from pathlib import Path
 from typing import Any
 
 from vllm.exceptions import GracefulHTTPError
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, version_of
 from ..direct import DirectReloadError
-from ._core import forget_prefixes, served_version
-from .backend import call_backend
+from .backend import BACKEND_RPC, QUERIES, call_backend
 from .options import BridgeOptions, bridge_options, is_bridged
 from .results import PushResult, UpdateInProgressError, merged_error
+from .vllm_internals import forget_prefixes, pause_scheduling, served_version, set_pause_state
 
-__all__ = ["BridgeCoreState", "UpdateConflictError", "install"]
+__all__ = [
+    "UTILITIES",
+    "BridgeCoreState",
+    "UpdateConflictError",
+    "bridged_collective_rpc",
+    "quiet_refusals",
+    "refusing_resume",
+]
 
 _logger = logging.getLogger(__name__)
-_installed = False
 _HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")
 
 
@@ -106,7 +115,7 @@ def _state(core: Any) -> BridgeCoreState:
 def _phase(rpc: Any, core: Any, timeout: float | None, action: str, *args: Any) -> list:
     raw = rpc(core, call_backend, timeout, (action, *args), None)
     _state(core).results = list(raw)
-    return [PushResult.from_dict(r) for r in raw]
+    return PushResult.every_rank(raw)
 
 
 def weight_bridge_results(self: Any) -> list[dict]:
@@ -155,14 +164,11 @@ def _asked_version(info: Any) -> str | None:
 
 
 def _label(asked: str | None, results: list[PushResult]) -> str:
-    """The version the new weights are stamped with: the request's, else the checkpoint's
-    ``version`` metadata, else its file name (a directory of shards: the directory's)."""
+    """The version the new weights are stamped with: the request's, else the project's one
+    default rule (:func:`~weight_bridge.checkpoint.version_of`)."""
     if asked is not None:
         return asked
-    first = results[0]
-    if first.version is not None:
-        return str(first.version)
-    return Path(first.checkpoint).name.removesuffix(".safetensors")
+    return version_of(results[0].checkpoint, results[0].version)
 
 
 def _with_served(info: Any, served: str | None) -> Any:
@@ -221,14 +227,10 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
 
 
 def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
-    from vllm.v1.core.sched.interface import PauseState
-
-    scheduler = core.scheduler
+    before = pause_scheduling(core)  # running requests preempted, no cached KV kept
     if state.undefined is None:
-        state.paused_before = scheduler.pause_state
+        state.paused_before = before
     state.undefined = why
-    scheduler.set_pause_state(PauseState.PAUSED_ALL)
-    scheduler.reset_prefix_cache(reset_running_requests=True)  # nothing keeps old KV
     _logger.error(
         "weight_bridge: the engine's weights are undefined (%s); nothing is scheduled until a "
         "complete update succeeds",
@@ -240,21 +242,23 @@ def _resume_if_paused_by_bridge(core: Any, state: BridgeCoreState) -> None:
     if state.undefined is None:
         return
     state.undefined = None
-    core.scheduler.set_pause_state(state.paused_before)
+    set_pause_state(core, state.paused_before)
 
 
-def install() -> None:
-    """Wrap the engine core's ``collective_rpc`` and ``resume_scheduler`` (inert unless the
-    engine is bridged); silence the traceback vLLM logs for an expected refusal."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from vllm.v1.engine import core as engine_core
+def _query(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
+    """A read-only :func:`~.backend.call_backend` action, sent by name from any client."""
+    if not args or args[0] not in QUERIES:
+        raise ValueError(f"{BACKEND_RPC}: the first argument must be one of {QUERIES}")
+    return rpc(core, call_backend, timeout, args, kwargs)
 
-    original = engine_core.EngineCore.collective_rpc
+
+def bridged_collective_rpc(original: Any) -> Any:
+    """``EngineCore.collective_rpc``, each update a transaction over every rank (inert unless
+    the engine is bridged), :data:`~.backend.BACKEND_RPC` routed to ``call_backend``."""
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if isinstance(method, str) and method == BACKEND_RPC:
+            return _query(original, self, timeout, args, kwargs)
         if not (isinstance(method, str) and method in _HOOKED and is_bridged(self.vllm_config)):
             return original(self, method, timeout, args, kwargs)
         state = _state(self)
@@ -290,16 +294,12 @@ def install() -> None:
         state.failed = None
         return original(self, method, timeout, args, kwargs)
 
-    engine_core.EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
-    engine_core.EngineCore.weight_bridge_results = weight_bridge_results  # type: ignore[attr-defined]
-    engine_core.EngineCore.weight_bridge_conflict = weight_bridge_conflict  # type: ignore[attr-defined]
-    for cls in (engine_core.EngineCore, engine_core.EngineCoreProc, engine_core.DPEngineCoreProc):
-        if "resume_scheduler" in vars(cls):
-            cls.resume_scheduler = _refusing_resume(vars(cls)["resume_scheduler"])  # type: ignore[method-assign]
-    logging.getLogger(engine_core.__name__).addFilter(_quiet_refusals)
+    return collective_rpc
 
 
-def _refusing_resume(resume: Any) -> Any:
+def refusing_resume(resume: Any) -> Any:
+    """``resume_scheduler``, refused while a rank's weights are undefined."""
+
     def resume_scheduler(self, *args, **kwargs):
         undefined = _state(self).undefined if is_bridged(self.vllm_config) else None
         if undefined is not None:
@@ -312,7 +312,7 @@ def _refusing_resume(resume: Any) -> Any:
     return resume_scheduler
 
 
-def _quiet_refusals(record: logging.LogRecord) -> bool:
+def quiet_refusals(record: logging.LogRecord) -> bool:
     """vLLM logs every failed utility call with its traceback; a refused or rolled-back update
     is an expected outcome, already in the error the caller gets: one line, no traceback."""
     error = record.exc_info[1] if record.exc_info else None
@@ -322,3 +322,10 @@ def _quiet_refusals(record: logging.LogRecord) -> bool:
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.exc_info, record.exc_text = None, None
     return True
+
+
+#: The engine-core utilities the bridge adds (name -> function of the core).
+UTILITIES = {
+    "weight_bridge_results": weight_bridge_results,
+    "weight_bridge_conflict": weight_bridge_conflict,
+}

@@ -7,10 +7,10 @@ those layers are put back on the meta device, their weights are buffered as ``lo
 streams them, re-processed, and copied into the original storages (addresses unchanged). It
 runs in the same ``load_weights`` pass as the direct writes.
 
-Relies on vLLM internals of ``vllm.model_executor.model_loader.reload`` (0.32):
-``get_layerwise_info``, ``restore_layer_on_meta``, ``initialize_online_processing``,
-``get_layer_params_buffers`` and ``finalize_layerwise_processing``; the per-layer metadata they
-use is recorded by vLLM at model init (``record_metadata_for_reloading``).
+The vLLM internals of ``vllm.model_executor.model_loader.reload`` it relies on are driven by
+:mod:`.vllm_internals` (:func:`~.vllm_internals.layerwise_begin`,
+:func:`~.vllm_internals.layerwise_finish`); the per-layer metadata they use is recorded by vLLM
+at model init (``record_metadata_for_reloading``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from ..direct.state import bridge_state
 from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
+from .vllm_internals import cpu_linear_of, layerwise_begin, layerwise_finish, layerwise_reprocesses
 
 __all__ = [
     "LayerwiseReprocessor",
@@ -32,12 +33,7 @@ __all__ = [
 
 def reprocessable_module(module: torch.nn.Module) -> bool:
     """Whether vLLM's layerwise path re-runs this module's post-load processing."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase) or bool(
-        is_deferred_attention_layer(module)
-    )
+    return layerwise_reprocesses(module)
 
 
 class LayerwiseReprocessor:
@@ -50,29 +46,12 @@ class LayerwiseReprocessor:
 
     @torch.no_grad()
     def begin(self, modules: list[str]) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            get_layerwise_info,
-            initialize_online_processing,
-        )
-        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
-        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
-
         self.modules = modules
-        for name in modules:
-            layer = self.model.get_submodule(name)
-            info = get_layerwise_info(layer)
-            info.kernel_tensors = get_layer_params_buffers(layer)
-            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
-            restore_layer_on_meta(layer, info)
-            initialize_online_processing(layer)
+        layerwise_begin(self.model, modules)
 
     @torch.no_grad()
     def finish(self) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            finalize_layerwise_processing,
-        )
-
-        finalize_layerwise_processing(self.model, self.model_config)
+        layerwise_finish(self.model, self.model_config)
 
 
 def _shared_parameter_modules(model: torch.nn.Module) -> set[str]:
@@ -104,7 +83,7 @@ def layerwise_wrong(model: torch.nn.Module) -> dict[str, str]:
             wrong[f"{name}.w13_weight"] = (
                 "CPU MoE experts: a layerwise update skips the kernel's prepack"
             )
-        linear = getattr(module, "cpu_linear", None)
+        linear = cpu_linear_of(module)
         packed = linear is not None and linear is not torch_linear
         if packed and name in tied and not isinstance(refresher, CpuLinearRepack):
             wrong[f"{name}.weight"] = (

@@ -12,24 +12,27 @@ trainer may make (read-back, NaN/Inf check, hash check) can also be given in
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from ..direct.readback import READBACK_MODES
 
 __all__ = [
     "BACKEND",
-    "BRIDGE_KEY",
     "CPU_LINEAR_MODES",
     "RELOAD_MODES",
     "BridgeOptions",
-    "SessionOptions",
+    "ROOT_ENV",
+    "SESSION_FIELDS",
     "bridge_options",
     "is_bridged",
 ]
 
-BACKEND = "weight_bridge"  # the weight-transfer backend's name in vLLM's factories
-BRIDGE_KEY = "weight_bridge"  # the options' key in additional_config
+BACKEND = "weight_bridge"  # the backend's name in vLLM's factories, and its additional_config key
+ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # the default checkpoint root of the bridge's engines
+# what init_weight_transfer_engine's init_info may change for a running engine
+SESSION_FIELDS = ("reload_mode", "readback", "check_finite", "verify_hash", "rollback")
 CPU_LINEAR_MODES = ("torch", "repack", "stock")
 RELOAD_MODES = ("direct", "layerwise", "auto")
 ReloadMode = Literal["direct", "layerwise", "auto"]
@@ -85,30 +88,31 @@ class BridgeOptions:
         return cls(**data)
 
     def with_session(self, init_info: dict[str, Any]) -> BridgeOptions:
-        """These options with a trainer's per-session choices applied (never the root)."""
-        if "checkpoint_root" in init_info:
+        """These options with a trainer's per-session choices applied (:data:`SESSION_FIELDS`
+        only: the checkpoint root, the CPU linear mode and the update timeout are fixed when
+        the engine starts)."""
+        fixed = sorted(set(init_info) - set(SESSION_FIELDS))
+        if fixed:
             raise ValueError(
-                "checkpoint_root is fixed when the engine starts (additional_config or "
-                "--additional-config), never by a request"
+                f"init_info may set {list(SESSION_FIELDS)}; {fixed} are fixed when the engine "
+                "starts (additional_config or --additional-config), never by a request"
             )
-        return BridgeOptions.from_dict({**asdict(self), **init_info})
+        return replace(self, **init_info)
+
+    @classmethod
+    def split(cls, kwargs: dict[str, Any]) -> tuple[BridgeOptions, dict[str, Any]]:
+        """The options named in ``kwargs`` (an engine's keywords, flat as a YAML config gives
+        them), and the rest (vLLM's); the checkpoint root defaults to
+        ``$WEIGHT_BRIDGE_CHECKPOINT_ROOT``, else the current directory."""
+        names = {f.name for f in fields(cls)}
+        chosen = {k: v for k, v in kwargs.items() if k in names}
+        root = chosen.get("checkpoint_root") or os.environ.get(ROOT_ENV) or os.getcwd()
+        chosen["checkpoint_root"] = str(Path(root).resolve())
+        return cls(**chosen), {k: v for k, v in kwargs.items() if k not in names}
 
     def as_config(self) -> dict[str, Any]:
         """The ``additional_config`` entry that starts an engine with these options."""
-        return {BRIDGE_KEY: asdict(self)}
-
-
-@dataclass
-class SessionOptions:
-    """``init_weight_transfer_engine({"init_info": {...}})``: what a trainer may choose for its
-    updates (each unset field keeps the engine's option). The checkpoint root is not here: it is
-    fixed when the engine starts."""
-
-    reload_mode: str | None = None
-    readback: str | None = None
-    check_finite: bool | None = None
-    verify_hash: bool | None = None
-    rollback: bool | None = None
+        return {BACKEND: asdict(self)}
 
 
 def is_bridged(vllm_config: Any) -> bool:
@@ -129,5 +133,5 @@ def bridge_options(vllm_config: Any = None) -> BridgeOptions | None:
     if vllm_config is None or not is_bridged(vllm_config):
         return None
     extra = getattr(vllm_config, "additional_config", None) or {}
-    raw = extra.get(BRIDGE_KEY) if isinstance(extra, dict) else None
+    raw = extra.get(BACKEND) if isinstance(extra, dict) else None
     return BridgeOptions.from_dict(dict(raw or {}))

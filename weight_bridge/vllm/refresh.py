@@ -23,9 +23,9 @@ happens to linear layers on the CPU backend, which vLLM packs into oneDNN handle
 * ``"stock"``: vLLM's own behaviour; the emptied weights are re-processed by vLLM's layerwise
   path in ``auto`` mode and refused in ``direct`` mode.
 
-Refreshers are created while the engine processes its weights (the patches below, installed
-by :func:`install` and inert unless the engine is bridged) and collected by the plugin with
-:func:`take_refreshers`.
+Refreshers are created while the engine processes its weights (the wrappers below, which the
+plugin installs through :mod:`.vllm_internals`, inert unless the engine is bridged) and
+collected at the end of processing with :func:`take_refreshers`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,17 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..direct import Refresher
-from .options import CPU_LINEAR_MODES, BridgeOptions
+from .options import CPU_LINEAR_MODES, bridge_options
+from .vllm_internals import drop_cpu_linear, set_cpu_linear
 
-__all__ = ["CpuLinearRepack", "CpuMoePrepack", "install", "take_refreshers", "torch_linear"]
+__all__ = [
+    "CpuLinearRepack",
+    "CpuMoePrepack",
+    "dispatch_cpu_linear",
+    "process_cpu_moe",
+    "take_refreshers",
+    "torch_linear",
+]
 
 _pending: WeakKeyDictionary[torch.nn.Module, Refresher] = WeakKeyDictionary()
 
@@ -66,7 +74,7 @@ class CpuLinearRepack:
         # packed buffer is freed before the new one is allocated, so the allocator can hand
         # the same memory back and a push holds one packed copy of a linear, not two. The
         # model is undefined until the push ends, so no forward pass sees the gap.
-        module.__dict__.pop("cpu_linear", None)
+        drop_cpu_linear(module)
         self.dispatch(module, False)
 
 
@@ -104,38 +112,34 @@ def take_refreshers(model: torch.nn.Module) -> dict[str, Refresher]:
     return {name: _pending.pop(m) for name, m in model.named_modules() if m in _pending}
 
 
-def _patch_cpu_linear(bridged: Callable[[], BridgeOptions | None]) -> None:
-    from vllm.model_executor.layers import utils as layer_utils
-
-    original = layer_utils.dispatch_cpu_unquantized_gemm
+def dispatch_cpu_linear(original: Callable[[torch.nn.Module, bool], None]) -> Callable:
+    """vLLM's ``dispatch_cpu_unquantized_gemm``, as ``cpu_linear`` asks for a bridged engine."""
 
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
-        options = bridged()
+        options = bridge_options()
         mode = options.cpu_linear if options is not None else "stock"
         weight = getattr(layer, "weight", None)
         plain = isinstance(weight, torch.Tensor) and not weight.is_meta and weight.ndim == 2
         if mode == "stock" or not plain:
             original(layer, remove_weight)
         elif mode == "torch":
-            setattr(layer, "cpu_linear", torch_linear)  # noqa: B010 (nn.Module attribute)
+            set_cpu_linear(layer, torch_linear)
         elif mode == "repack":
             original(layer, False)
             _pending[layer] = CpuLinearRepack(original)
         else:
             raise ValueError(f"weight-bridge: cpu_linear must be one of {CPU_LINEAR_MODES}")
 
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return dispatch_cpu_unquantized_gemm
 
 
-def _patch_cpu_moe(bridged: Callable[[], BridgeOptions | None]) -> None:
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-
-    cls = cpu_moe.CPUUnquantizedExperts
-    original = cls.process_weights_after_loading
+def process_cpu_moe(original: Callable[[Any, torch.nn.Module], None]) -> Callable:
+    """The CPU unquantized experts' processing, keeping what their prepack needs to be derived
+    again (a bridged engine)."""
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if bridged() is None:
+        if bridge_options() is None:
             return original(self, layer)
         before = dict(layer.named_parameters(recurse=False))
         kept = {name: p.detach().clone() for name, p in before.items()}
@@ -148,10 +152,4 @@ def _patch_cpu_moe(bridged: Callable[[], BridgeOptions | None]) -> None:
         if sources:
             _pending[layer] = CpuMoePrepack(self, original, sources)
 
-    cls.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
-
-
-def install(bridged: Callable[[], BridgeOptions | None]) -> None:
-    """Patch the CPU backend's processing so bridged engines register their refreshers."""
-    _patch_cpu_linear(bridged)
-    _patch_cpu_moe(bridged)
+    return process_weights_after_loading

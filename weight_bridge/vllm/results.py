@@ -109,6 +109,12 @@ class PushResult:
         return asdict(self)
 
     @classmethod
+    def every_rank(cls, raw: Any) -> list[PushResult]:
+        """Every rank's result, from what crossed the boundary (the engine core's utility
+        ``weight_bridge_results``, its HTTP route, a ``collective_rpc``): a list of dicts."""
+        return [cls.from_dict(r) for r in raw]
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PushResult:
         known = {f.name for f in fields(cls)}
         missing = known - set(data)
@@ -129,7 +135,7 @@ class UpdateInProgressError(RuntimeError):
     the version it is writing, once its ``update_weights`` named one; ``expires_in_s``: after
     how many more seconds without a call of its own the active update is abandoned and the next
     ``start_weight_update`` goes ahead (a trainer that died between start and finish). Over
-    HTTP this is ``409 Conflict`` with the same message (:class:`~.clients.HTTPClient` raises
+    HTTP this is ``409 Conflict`` with the same message (:class:`~.http_client.HTTPClient` raises
     this type for it)."""
 
     def __init__(
@@ -165,65 +171,54 @@ class UpdateInProgressError(RuntimeError):
 
 
 @dataclass
-class PushReport:
-    """What one push wrote, how, and how long it took (seconds; the slowest worker's).
+class PushReport(ReloadReport):
+    """What one push wrote, how, and how long it took: the direct-reload core's
+    :class:`~weight_bridge.direct.ReloadReport` over every worker (rank 0's counts, the slowest
+    worker's times, every worker's relocations and read-backs) plus what the push adds.
 
-    ``mode``: ``direct``, ``hybrid`` (direct writes plus vLLM's layerwise processing of the
-    modules in ``reprocessed``) or ``layerwise``. ``direct``: weights written in place;
-    ``refreshed``: module -> kind of derived state re-derived after the write;
-    ``verified_writes``: writes read back and found equal to the checkpoint (every rank's).
+    ``mode``: ``direct``, ``auto`` (direct writes plus vLLM's layerwise processing of the
+    modules in ``reprocessed``) or ``layerwise``; ``reason`` says which weights went which way.
     ``partial``: the checkpoint held a subset of tensors, written on top of its base version.
-    ``inflight``: how generation in flight was treated (``recompute``, ``keep``, ``drain``; see
-    :mod:`.clients`), and ``paused_s`` how long it was paused (None: not paused).
+    ``served``: the checkpoints the engine serves afterwards, as its workers answered (a
+    complete one, then partial ones on top of it). ``inflight``: how generation in flight was
+    treated (``recompute``, ``keep``, ``drain``; see :mod:`.client`), and ``paused_s`` how long
+    it was paused (None: not paused). ``elapsed_s``: the whole push, as the caller saw it.
     """
 
-    checkpoint: str
-    version: Any
-    mode: str
+    checkpoint: str = ""
+    version: Any = None
+    mode: str = "direct"
     reason: str = ""
-    tensors: int = 0
-    bytes: int = 0
-    read_s: float = 0.0
-    write_s: float = 0.0
-    elapsed_s: float = 0.0
-    direct: int = 0
-    refreshed: dict[str, str] = field(default_factory=dict)
-    reprocessed: dict[str, str] = field(default_factory=dict)
-    verified_writes: int = 0
-    refresh_s: float = 0.0
-    readback_s: float = 0.0
-    relocations: list[dict] = field(default_factory=list)
     workers: int = 1
     partial: bool = False
+    served: list[str] = field(default_factory=list)
     paused_s: float | None = None
     inflight: str | None = None
 
     @classmethod
     def merged(cls, results: list[PushResult], version: Any) -> PushReport:
-        """One report for every rank's result: rank 0's counts, the slowest rank's times,
-        every rank's relocations and read-backs."""
+        """One report for every rank's result."""
         first = results[0]
         reports = [r.report for r in results]
         return cls(
-            checkpoint=first.checkpoint,
-            version=version,
-            mode=first.mode,
-            reason=describe(first.report),
             tensors=first.report.tensors,
             bytes=first.report.bytes,
             direct=first.report.direct,
             refreshed=first.report.refreshed,
             reprocessed=first.report.reprocessed,
             verified_writes=sum(r.verified_writes for r in reports),
-            read_s=max(r.preflight_s for r in reports),
+            relocations=[rel for r in reports for rel in r.relocations],
+            preflight_s=max(r.preflight_s for r in reports),
             write_s=max(r.write_s for r in reports),
             refresh_s=max(r.refresh_s for r in reports),
             readback_s=max(r.readback_s for r in reports),
-            relocations=[
-                {**asdict(rel), "rank": r.rank} for r in results for rel in r.report.relocations
-            ],
+            checkpoint=first.checkpoint,
+            version=version,
+            mode=first.mode,
+            reason=describe(first.report),
             workers=len(results),
             partial=first.partial,
+            served=list(first.served),
         )
 
 

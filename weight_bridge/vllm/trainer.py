@@ -23,12 +23,19 @@ same four calls as every other backend::
 rank iterates the source (a ``DTensor`` is gathered collectively); only the sender (rank 0)
 writes and calls the engine. ``send_weights(names=...)`` sends a *partial* checkpoint holding
 only those tensors, on top of ``base_version`` (default: the version sent last).
+
+The files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
+writes ``step-{n:08d}.safetensors`` (:func:`~weight_bridge.checkpoint.step_file`), fsynced, and
+after each send :func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k``
+step files of ``directory`` besides every one the engine serves (the last complete checkpoint
+and the partial ones sent on top of it). With no ``version`` the file carries none and none is
+sent: the engine labels the weights by its one rule, which
+:func:`~weight_bridge.checkpoint.version_of` predicts here (the file name, ``step-00000001``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +47,8 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from ..checkpoint import BASE_VERSION_KEY
+from ..checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file, version_of
+from ..checkpoint.retention import prune
 from ..checkpoint.write import CheckpointWriter
 from .options import BACKEND
 
@@ -51,7 +59,7 @@ __all__ = ["WeightBridgeTrainer", "WeightBridgeTrainerInitInfo"]
 class WeightBridgeTrainerInitInfo(TrainerInitInfo):
     """Where the trainer saves checkpoints (under the engine's checkpoint root), how many it
     keeps, and the session options sent to the engine (see
-    :class:`~weight_bridge.vllm.options.SessionOptions`)."""
+    :data:`~weight_bridge.vllm.options.SESSION_FIELDS`)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = "."
@@ -67,9 +75,9 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = WeightBridgeTrainerInitInfo(rank=0 if is_sender else 1)
-        self.sent: list[Path] = []
+        self.served: list[Path] = []  # what the engine serves: the last complete send and after
         self.last_version: str | None = None
-        self.rounds = 0
+        self.rounds = 0  # sends so far: the step of the next file
 
     @classmethod
     def trainer_init(
@@ -88,20 +96,37 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         base_version: str | None = None,
     ) -> Path | None:
         """One update: the source saved as a checkpoint (only ``names``: a partial one on top
-        of ``base_version``), its path sent; the path on the sender, None elsewhere."""
+        of ``base_version``), its path sent; the path on the sender, None elsewhere. With no
+        ``version`` the engine labels the weights by the file's name (see the module)."""
         if self.source is None:
             raise ValueError("WeightBridgeTrainer needs a WeightSource (source=...)")
         self.rounds += 1
-        version = str(version if version is not None else self.rounds)
         wanted = set(names) if names is not None else None
-        metas = [m for m in self.source.metadata() if wanted is None or m.name in wanted]
-        metadata = {"version": version}
+        metadata = {VERSION_KEY: str(version)} if version is not None else {}
         if wanted is not None:
             base = base_version if base_version is not None else self.last_version
             if base is None:
                 raise ValueError("a partial send needs a base_version (no version was sent yet)")
             metadata[BASE_VERSION_KEY] = str(base)
-        path = Path(self.info.directory) / f"weights-{version}.safetensors"
+        path = step_file(Path(self.info.directory), self.rounds)
+        if not self._write(path, wanted, metadata):
+            return None
+        info = {"checkpoint": str(path.resolve())}
+        if version is not None:
+            info[VERSION_KEY] = str(version)
+        self.client.start_weight_update()
+        self.client.update_weights(info)
+        self.client.finish_weight_update(str(version) if version is not None else None)
+        self.last_version = version_of(str(path), metadata.get(VERSION_KEY))
+        self.served = [*self.served, path] if wanted is not None else [path]
+        prune(path.parent, path, max(self.info.keep_last_k, 1), self.served)
+        return path
+
+    def _write(self, path: Path, wanted: set[str] | None, metadata: dict[str, str]) -> bool:
+        """Stream the source (every rank: a ``DTensor`` is gathered collectively) into ``path``
+        (the sender only); whether this rank wrote it."""
+        assert self.source is not None
+        metas = [m for m in self.source.metadata() if wanted is None or m.name in wanted]
         writer = (
             CheckpointWriter(path, [(m.name, m) for m in metas], metadata)
             if self.is_sender
@@ -116,26 +141,13 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                     writer.write(name, full.detach().cpu())
                 del full
             if writer is None:
-                return None
+                return False
             writer.finish()
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
-        self.client.start_weight_update()
-        self.client.update_weights({"checkpoint": str(path.resolve()), "version": str(version)})
-        self.client.finish_weight_update(version)
-        self.last_version = version
-        self._prune(path)
-        return path
-
-    def _prune(self, current: Path) -> None:
-        self.sent.append(current)
-        while len(self.sent) > max(self.info.keep_last_k, 1):
-            old = self.sent.pop(0)
-            if old != current:
-                with contextlib.suppress(OSError):
-                    os.unlink(old)
+        return True
 
 
 def _register() -> None:

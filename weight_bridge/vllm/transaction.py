@@ -44,7 +44,7 @@ from ..direct.validate import validate_checkpoint
 from .layerwise import LayerwiseReprocessor, auto_reprocessable, layerwise_wrong
 from .options import BridgeOptions
 from .results import PushError, PushResult, UpdateRequest
-from .served import ServedCheckpoint, hold
+from .served_chain import ServedCheckpoint, hold
 
 __all__ = ["PushTransaction"]
 
@@ -139,7 +139,7 @@ class PushTransaction:
         readback = self.options.readback
         if mode == "direct":
             return prepare_direct_reload(
-                self.model, items, finite=finite, readback=readback, partial=partial
+                self.model, items, check_finite=finite, readback=readback, partial=partial
             )
         if mode == "auto":
             reprocessable = auto_reprocessable(self.model)
@@ -148,13 +148,13 @@ class PushTransaction:
                 prepared = prepare_direct_reload(
                     self.model,
                     items,
-                    finite=finite,
+                    check_finite=finite,
                     reprocessor=LayerwiseReprocessor(self.model, self.model_config),
                     reprocessable=reprocessable,
                     readback=readback,
                     partial=partial,
                 )
-                result.mode = "hybrid" if prepared.plan.reprocess else "direct"
+                result.mode = "auto" if prepared.plan.reprocess else "direct"
                 return prepared
         if partial:
             raise DirectReloadError(

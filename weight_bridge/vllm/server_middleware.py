@@ -1,4 +1,11 @@
-"""The API key on every route of a ``vllm serve`` process that can change what it serves.
+"""The bridge's two ``vllm serve`` middlewares (vLLM's ``--middleware``, HTTP functions).
+
+1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers every worker's result
+   of the last update (the engine core's ``weight_bridge_results``), from which
+   :class:`~.http_client.HTTPClient` builds the same report, and the same served chain, as
+   the in-process clients.
+2. :func:`require_api_key`: the API key on every route that can change what the server
+   serves.
 
 vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``, ``/update_weights``,
@@ -6,7 +13,7 @@ vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference
 who can reach the port (measured). Add this middleware to such a server::
 
     python -m vllm.entrypoints.openai.api_server ... --api-key KEY \\
-        --middleware weight_bridge.vllm.server_auth.require_api_key
+        --middleware weight_bridge.vllm.server_middleware.require_api_key
 
 and every route but the health and version probes needs ``Authorization: Bearer KEY`` (the
 keys of ``--api-key``, else ``VLLM_API_KEY``); without a key configured it lets everything
@@ -22,7 +29,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["OPEN_ROUTES", "require_api_key"]
+__all__ = ["OPEN_ROUTES", "require_api_key", "update_results_route"]
 
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
 
@@ -52,3 +59,18 @@ async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any
 
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
     return await call_next(request)
+
+
+async def update_results_route(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """vLLM ``--middleware``: ``GET /weight_bridge/results``, every worker's
+    :class:`~.results.PushResult` of the last update as JSON (an empty list before the first);
+    every other request goes on. Give it before :func:`require_api_key`, which then guards it."""
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    if path != "/weight_bridge/results" or request.method != "GET":
+        return await call_next(request)
+    from starlette.responses import JSONResponse
+
+    from .vllm_internals import call_core_utility_async
+
+    core = request.app.state.engine_client.engine_core
+    return JSONResponse(list(await call_core_utility_async(core, "weight_bridge_results")))

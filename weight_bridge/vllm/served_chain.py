@@ -1,5 +1,6 @@
-"""What a :class:`~weight_bridge.vllm.ColocatedEngine` serves: the checkpoints to re-read to
-roll back to it."""
+"""One worker's served chain: the checkpoints its weights are made of (a complete one, then
+partial ones on top of it), each held open so that a rollback can re-read it. Clients learn the
+chain from the workers' answer (:attr:`~.results.PushResult.served`); nothing else keeps one."""
 
 from __future__ import annotations
 

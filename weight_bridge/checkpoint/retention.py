@@ -1,11 +1,15 @@
-"""Where the sync's checkpoints live, and which of them may be deleted.
+"""Where a sync's checkpoint files live, what they are named, and which of them may be deleted:
+the one file policy of every trainer-side writer (the Lightning callback's
+:class:`~callbacks.VLLMWeightSync` and vLLM's trainer API,
+:class:`~weight_bridge.vllm.trainer.WeightBridgeTrainer`).
 
 Each sync's file is *transport* from the trainer to a colocated engine, not an archive: unless
 told otherwise it goes to a private directory in RAM (``/dev/shm``), is never fsynced, and only
 what the engine needs is kept (the file it serves and, after partial pushes, every file the
 served version is made of: a rollback re-reads them all). A checkpoint is never deleted while
 an engine needs it. Checkpoints a user wants to keep go where ``dirpath`` says, fsynced with
-``durable=True``.
+``durable=True``. Every writer names its files :func:`step_file` (``step-{step:08d}``), and
+:func:`prune` keeps the newest ``keep_last_k`` of them besides those an engine serves.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..layout import storage_start
+
 __all__ = [
     "RAM_ROOT",
     "SPARE",
@@ -31,14 +37,14 @@ __all__ = [
     "estimate_bytes",
     "free_bytes",
     "make_dir",
-    "open_dir",
     "place",
     "prune",
     "release",
-    "sync_dir",
+    "step_file",
 ]
 
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
+_STEP_GLOB = "step-*.safetensors"
 SPARE = ".spare"  # a transport file no engine needs any more, whose pages the next write reuses
 RAM_ROOT = Path("/dev/shm")  # tmpfs: the transport's default home
 RAM_MARGIN = 64 * 2**20  # left free in RAM beyond the checkpoints themselves
@@ -103,6 +109,12 @@ class Placement:
     fallback: str | None = None
 
 
+def step_file(directory: Path, step: int) -> Path:
+    """The file of the sync at ``step`` (a counter for a writer with no steps): every writer's
+    name, the one :func:`prune` orders by."""
+    return directory / f"step-{step:08d}.safetensors"
+
+
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer can still store on ``path``'s filesystem."""
     return shutil.disk_usage(path).free
@@ -117,7 +129,7 @@ def estimate_bytes(state: Mapping[str, Any], cast: torch.dtype | None = None) ->
         if not isinstance(t, torch.Tensor):
             continue
         if t.device.type != "meta" and t.numel():
-            key = (t.device.type, t.untyped_storage().data_ptr(), int(t.storage_offset()))
+            key = storage_start(t)
             if key in seen:
                 continue
             seen.add(key)
@@ -192,13 +204,6 @@ def place(
     return Placement(root / name, in_ram=True)
 
 
-def sync_dir(ram_dir: bool, dirpath: str | None, log_dir: str) -> Path:
-    """``ram_dir``: a private directory in ``/dev/shm``; else ``dirpath`` or
-    ``<log_dir>/weight_sync`` (without the free-space check and fallback of :func:`place`)."""
-    files = CheckpointFiles(dirpath=dirpath, ram_dir=ram_dir or False)
-    return place(files, log_dir, 0, builds_engine=False).directory
-
-
 def make_dir(directory: Path, private: bool) -> None:
     """Create ``directory``; a ``private`` one (the RAM transport's) is 0700 and must be ours."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700 if private else 0o777)
@@ -209,37 +214,12 @@ def make_dir(directory: Path, private: bool) -> None:
         os.chmod(directory, 0o700)
 
 
-def open_dir(
-    files: CheckpointFiles,
-    trainer: Any,
-    need_bytes: int,
-    engine: Any,
-    model_path: str | None,
-) -> tuple[Path, bool]:
-    """Every rank: rank zero's :func:`place` (warning when RAM was the default but does not
-    fit), the node's subdirectory with ``node_local``, created; and whether it is in RAM.
-    ``engine``: the one given (its checkpoint root counts), or None and the ``model_path`` the
-    callback builds one from."""
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    log_dir = trainer.log_dir or trainer.default_root_dir
-    builds = engine is None and model_path is not None
-    root = getattr(engine, "checkpoint_root", None)
-    where = place(files, log_dir, need_bytes, builds, root)
-    directory, in_ram, fallback = trainer.strategy.broadcast(
-        (str(where.directory), where.in_ram, where.fallback)
-    )
-    if fallback is not None:
-        rank_zero_warn(f"weight_sync: checkpoints go to {directory}, not to RAM: {fallback}")
-    path = Path(directory)
-    if files.node_local:
-        path = path / f"node{trainer.node_rank}"
-    make_dir(path, private=in_ram)
-    return path, in_ram
-
-
 def prune(
-    directory: Path, current: Path, keep_last_k: int, served: Iterable[str], spare: bool = False
+    directory: Path,
+    current: Path,
+    keep_last_k: int,
+    served: Iterable[str | os.PathLike[str]],
+    spare: bool = False,
 ) -> None:
     """Delete all but the newest ``keep_last_k`` step files, never ``current`` or one served.
 
@@ -247,7 +227,7 @@ def prune(
     for the next sync's writer to overwrite in place (its pages are allocated already)."""
     keep = {current.resolve(), *(Path(p).resolve() for p in served)}
     found = []
-    for f in directory.glob("step-*.safetensors"):
+    for f in directory.glob(_STEP_GLOB):
         m = _STEP_FILE.match(f.name)
         if m:
             found.append((int(m.group(1)), f))
@@ -272,7 +252,7 @@ def discard(path: Path, engine: Any) -> None:
         path.unlink(missing_ok=True)
 
 
-def release(directory: Path, served: Iterable[str]) -> None:
+def release(directory: Path, served: Iterable[str | os.PathLike[str]]) -> None:
     """At the end of a run: remove the directory, or, while an engine still serves from it,
     every step file but those it serves."""
     keep = {Path(p).resolve() for p in served}
@@ -280,6 +260,6 @@ def release(directory: Path, served: Iterable[str]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
         return
     (directory / SPARE).unlink(missing_ok=True)
-    for f in directory.glob("step-*.safetensors"):
+    for f in directory.glob(_STEP_GLOB):
         if f.resolve() not in keep:
             f.unlink(missing_ok=True)

@@ -1,21 +1,9 @@
-"""The few vLLM-private client internals the engine relies on (vLLM 0.32), in one place.
+"""What the bridge reads in vLLM's engine-core client (site 14 of the checklist in
+:mod:`weight_bridge.vllm.vllm_internals`).
 
 vLLM 0.32's own client waits forever on a call, or a generate, whose engine core process died.
 To bound every call, :func:`watched_call` runs it from a helper thread and watches vLLM's own
-"engine dead" flag. What it touches, each private to vLLM and the first thing to check on a
-vLLM upgrade:
-
-* ``llm.llm_engine.engine_core``: the engine core client (``SyncMPClient`` multi-process,
-  ``InprocClient`` in-process);
-* ``engine_core.resources.engine_dead``: set by the client's monitor thread (about once a
-  second) when the engine core process exited; present only multi-process;
-* ``resources.engine_manager.processes`` / ``finished_procs()``: the engine core processes and
-  their exit codes, for the error message and for waiting out the monitor;
-* ``engine_core.utility_results``: futures of pending utility calls (``collective_rpc``,
-  ``reset_prefix_cache``), failed here so their threads end;
-* ``engine_core.outputs_queue``: where ``generate`` waits for outputs; an exception put there is
-  raised by vLLM in the waiting thread;
-* ``engine_core.shutdown()``: stops the engine core and its workers.
+"engine dead" flag.
 """
 
 from __future__ import annotations
@@ -28,6 +16,8 @@ from typing import Any
 
 __all__ = [
     "EngineCoreDeadError",
+    "call_core_utility",
+    "call_core_utility_async",
     "core_dead",
     "dead_message",
     "engine_resources",
@@ -40,6 +30,19 @@ POLL_S = 0.05  # how often a waiting call looks for a dead engine core
 
 class EngineCoreDeadError(RuntimeError):
     """vLLM's engine core process died (a worker was killed, say); the engine must be restarted."""
+
+
+def call_core_utility(core_client: Any, name: str) -> Any:
+    """An engine-core utility called from an ``LLM``'s engine-core client."""
+    inproc = getattr(core_client, "engine_core", None)
+    if inproc is not None and hasattr(inproc, name):  # InprocClient holds the core itself
+        return getattr(inproc, name)()
+    return core_client.call_utility(name)
+
+
+async def call_core_utility_async(core_client: Any, name: str) -> Any:
+    """The same from an ``AsyncLLM``'s engine-core client."""
+    return await core_client.call_utility_async(name)
 
 
 def engine_resources(llm: Any) -> Any:
@@ -96,7 +99,8 @@ def _fail_pending(client: Any, error: BaseException) -> None:
 
 
 def watched_call(llm: Any, call: Callable[[Any], Any], what: str, timeout: float | None) -> Any:
-    """Run ``call(llm)``; for a multi-process engine, from a helper thread, watched.
+    """Run ``call(llm)``; for a multi-process engine, from a helper thread, watched (vLLM 0.32
+    waits forever on a call whose engine core process died).
 
     Raises :class:`EngineCoreDeadError` as soon as the engine core is dead and ``TimeoutError``
     after ``timeout`` seconds. An in-process engine runs the call on this thread, unbounded.

@@ -1,0 +1,41 @@
+"""The sync's directory, the same on every rank: rank zero places it by the file policy
+(:func:`weight_bridge.checkpoint.retention.place`), every rank gets it by broadcast, and a RAM
+default that does not fit is a warning naming why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from weight_bridge.checkpoint.retention import CheckpointFiles, make_dir, place
+
+__all__ = ["open_dir"]
+
+
+def open_dir(
+    files: CheckpointFiles,
+    trainer: Any,
+    need_bytes: int,
+    engine: Any,
+    model_path: str | None,
+) -> tuple[Path, bool]:
+    """Every rank: rank zero's :func:`place` (warning when RAM was the default but does not
+    fit), the node's subdirectory with ``node_local``, created; and whether it is in RAM.
+    ``engine``: the one given (its checkpoint root counts), or None and the ``model_path`` the
+    callback builds one from."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    log_dir = trainer.log_dir or trainer.default_root_dir
+    builds = engine is None and model_path is not None
+    root = getattr(engine, "checkpoint_root", None)
+    where = place(files, log_dir, need_bytes, builds, root)
+    directory, in_ram, fallback = trainer.strategy.broadcast(
+        (str(where.directory), where.in_ram, where.fallback)
+    )
+    if fallback is not None:
+        rank_zero_warn(f"weight_sync: checkpoints go to {directory}, not to RAM: {fallback}")
+    path = Path(directory)
+    if files.node_local:
+        path = path / f"node{trainer.node_rank}"
+    make_dir(path, private=in_ram)
+    return path, in_ram

@@ -1,0 +1,114 @@
+"""The top level exports the product, and every engine is the one client.
+
+* ``import weight_bridge`` and ``import callbacks`` (and the stdlib-only HTTP client) need no
+  vLLM: a trainer that pushes into a server installs none.
+* Every name of ``weight_bridge.__all__`` resolves (the vLLM ones on first use).
+* The README's examples import the library from at most three modules (fixtures of
+  ``weight_bridge.testing`` aside): the product, the callbacks, and ``vllm`` itself.
+* Every client and every engine the library starts is a :class:`BridgeClient` with nothing
+  left abstract: one push routine, one served chain, one report.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_top_level_and_the_callback_import_without_vllm() -> None:
+    code = (
+        "import sys, weight_bridge, callbacks\n"
+        "from weight_bridge import HTTPClient, EngineClient, save_checkpoint, CheckpointReader\n"
+        "from weight_bridge import DirectReloadError, CheckpointError\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_every_exported_name_resolves() -> None:
+    import weight_bridge
+    import weight_bridge.vllm
+
+    for module in (weight_bridge, weight_bridge.vllm):
+        for name in module.__all__:
+            assert getattr(module, name) is not None, name
+    with pytest.raises(AttributeError):
+        _ = weight_bridge.direct_reload  # the direct-reload machinery lives in .direct
+
+
+def test_the_readme_imports_from_at_most_three_modules() -> None:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    modules = {
+        m
+        for block in blocks
+        for m in re.findall(r"^from (\S+) import", block, re.M)
+        if (m.split(".")[0] in {"weight_bridge", "callbacks", "vllm"})
+        and not m.startswith("weight_bridge.testing")
+    }
+    assert len(modules) <= 3, sorted(modules)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "weight_bridge.vllm.llm_client:LLMClient",
+        "weight_bridge.vllm.async_client:AsyncLLMClient",
+        "weight_bridge.vllm.http_client:HTTPClient",
+        "weight_bridge.vllm.engine:ColocatedEngine",
+        "weight_bridge.vllm.async_engine:AsyncColocatedEngine",
+        "weight_bridge.vllm.server:ServedEngine",
+    ],
+)
+def test_every_engine_is_the_one_client(where: str) -> None:
+    import importlib
+
+    from weight_bridge.vllm.client import BridgeClient
+
+    module, _, name = where.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, BridgeClient) and not cls.__abstractmethods__
+    for method in ("push", "push_async", "generate", "close"):
+        assert callable(getattr(cls, method)), method
+    assert isinstance(cls.served_checkpoints, property)
+
+
+def test_a_push_into_a_server_without_the_results_route_is_refused_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    """A server started by hand without the bridge's middleware: nothing is sent but the
+    probe. (A stdlib server that answers 404 to every route stands in for it: a real ``vllm
+    serve`` would answer the same for the missing route, at the cost of a start.)"""
+    import http.server
+    import threading
+
+    from weight_bridge import HTTPClient, RemoteUpdateError
+
+    seen: list[str] = []
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            seen.append(f"GET {self.path}")
+            self.send_error(404)
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = HTTPClient(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(RemoteUpdateError, match="update_results_route") as refused:
+            client.push(tmp_path / "w.safetensors", version="1")
+        assert refused.value.status == 404 and "nothing was pushed" in refused.value.message
+        assert seen == ["GET /weight_bridge/results"]
+    finally:
+        server.shutdown()
