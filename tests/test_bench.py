@@ -164,6 +164,9 @@ def test_readme_numbers_match_results() -> None:
         assert ("not equal to a cold start" in reload_cell) == wrong, (name, reload_cell)
         assert _x(extra["http_vs_engine"], 2) in row("a push over HTTP")[i]
         assert _x(extra["gen_repack_vs_stock"], 2) in row("generation with the bridge")[i]
+        sync = r["sync"]["sizes"][name]["variants"]["default"]["x_two_copies"]
+        sync_cell = row("a default sync")[i]
+        assert _x(sync, 1) in sync_cell and ("(met)" in sync_cell) == (sync <= 6.0), sync_cell
     fsdp = r["fsdp"]
     cell = row("FSDP2 sync")[0]
     assert f"{fsdp['fsdp']['peak_extra_anon'] / 2**20:.1f} MiB" in cell
