@@ -101,9 +101,6 @@ class ColocatedEngine(LLMClient):
     verify_hash = _session_property("verify_hash", "Whether pushes check the content hash")
     readback = _session_property("readback", "How writes are read back (sampled, full, off)")
 
-    def plan(self, mode: str | None = None) -> list[dict]:
-        return super().plan(mode or self.options.reload_mode)
-
     @property
     def checkpoint_root(self) -> str:
         return str(self.options.checkpoint_root)

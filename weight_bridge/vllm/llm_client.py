@@ -149,8 +149,9 @@ class LLMClient(BridgeClient):
             self._undefined = reasons[0]
 
     def plan(self, mode: str | None = None) -> list[dict]:
-        """Per worker, a dry run of a push in ``mode`` (default: the engine's reload mode): per
-        weight its write target (relocation, refresh), the modules re-processed, the refusals."""
+        """Per worker, a dry run of a push in ``mode`` (default: the reload mode the workers push
+        with now, after any ``configure``): per weight its write target (relocation, refresh),
+        the modules re-processed, the refusals."""
         with self._lock:
             return self._rpc("plan", (mode,))
 
