@@ -14,16 +14,19 @@ process right before each sync; the ratio is taken per sync (so both sides see t
 a shared machine), its median reported.
 
 Variants: ``default`` (``VLLMWeightSync(model_path=...)`` with every default: the engine built by
-the callback, the transport in ``/dev/shm``, the previous file's pages recycled, no fsync, no
-content hash); then each lever on its own, on an engine started once per filesystem and handed to
-the callback: ``no_recycle`` (a new file every sync), ``writer_hash`` (the hash in the file, not
-checked by the engine), ``disk``
+the callback, vLLM's default multi-process engine (engine core and worker in processes of their
+own, as a user gets it), the transport in ``/dev/shm``, the previous file's pages recycled, no
+fsync, no content hash, the push's split jobs on the CPU vLLM leaves spare); then each lever on
+its own, on an engine started once per filesystem and handed to the callback: ``no_recycle`` (a
+new file every sync), ``writer_hash`` (the hash in the file, not checked by the engine),
+``no_spare_cpus`` (an engine whose worker pushes on its own CPU only:
+``WEIGHT_BRIDGE_PUSH_THREADS=0``), ``disk``
 (``ram_dir=False``: the log directory, not fsynced), ``durable`` (the log directory, fsynced:
 ``durable=True``), ``verify_hash`` (the writer hashes, the engine checks), and
 ``old_defaults`` (every setting the callback had before: disk, fsync, ``verify_hash=True``,
-``keep_last_k=2``). Memory: per sync, the process's peak extra resident memory (``VmHWM`` reset
-before, which counts mapped ``/dev/shm`` pages too) and the peak bytes of the sync directory's
-files (sampled), the RAM the transport holds.
+``keep_last_k=2``). Memory: per sync, the trainer process's peak extra resident memory
+(``VmHWM`` reset before, which counts mapped ``/dev/shm`` pages too) and the peak bytes of the
+sync directory's files (sampled), the RAM the transport holds.
 """
 
 from __future__ import annotations
@@ -311,6 +314,8 @@ def _bench_size(
     size: str, workdir: Path, reps: int, shm: Path, log: Callable[[str], None]
 ) -> dict[str, Any]:
     from callbacks import CheckpointFiles
+    from weight_bridge.vllm.cpu_threads import PUSH_THREADS_ENV
+    from weight_bridge.vllm.launch import engine_environment
 
     from .config import ENGINE_KWARGS
 
@@ -339,32 +344,37 @@ def _bench_size(
     def writer_hash(sync: Any) -> None:
         sync.gatherer.hashed = True  # the hash in the file, not checked by the engine
 
-    levers: list[tuple[str, Path, dict[str, Any]]] = [
-        ("no_recycle", ram_root, {"tweak": no_recycle}),
-        ("writer_hash", ram_root, {"tweak": writer_hash}),
-        ("verify_hash", ram_root, {"verify_hash": True}),
-        ("disk", disk_root, {"files": CheckpointFiles(ram_dir=False)}),
-        ("durable", disk_root, {"files": CheckpointFiles(durable=True)}),
+    no_helpers = {PUSH_THREADS_ENV: "0"}  # the worker's push on its own CPU only
+    levers: list[tuple[str, Path, dict[str, str], dict[str, Any]]] = [
+        ("no_recycle", ram_root, {}, {"tweak": no_recycle}),
+        ("writer_hash", ram_root, {}, {"tweak": writer_hash}),
+        ("verify_hash", ram_root, {}, {"verify_hash": True}),
+        ("no_spare_cpus", ram_root, no_helpers, {}),
+        ("disk", disk_root, {}, {"files": CheckpointFiles(ram_dir=False)}),
+        ("durable", disk_root, {}, {"files": CheckpointFiles(durable=True)}),
         (
             "old_defaults",
             disk_root,
+            {},
             {"files": CheckpointFiles(durable=True, keep_last_k=2), "verify_hash": True},
         ),
     ]
-    engines: dict[Path, Any] = {}
+    engines: dict[tuple, Any] = {}
     try:
-        for name, root, kwargs in levers:
-            if root not in engines:
+        for name, root, env, kwargs in levers:
+            key = (root, tuple(sorted(env.items())))
+            if key not in engines:
                 for other in engines.values():  # one engine at a time: memory is shared
                     other.close()
                 engines.clear()
                 _free()
-                log(f"{size}: engine with its checkpoint root in {fs_type(root)} ({root})")
-                engines[root] = ColocatedEngine(
-                    str(model_dir), checkpoint_root=str(root), **ENGINE_KWARGS
-                )
+                log(f"{size}: engine with its checkpoint root in {fs_type(root)} ({root}) {env}")
+                with engine_environment((), env):  # its processes read it when they start
+                    engines[key] = ColocatedEngine(
+                        str(model_dir), checkpoint_root=str(root), **ENGINE_KWARGS
+                    )
             log(f"{size}: {name}")
-            sync = _fit(model_dir, root, reps, engine=engines[root], **kwargs)[0]
+            sync = _fit(model_dir, root, reps, engine=engines[key], **kwargs)[0]
             out["variants"][name] = _summary(sync)
             del sync
             _free()
@@ -428,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engines in this process
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users get it
     for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

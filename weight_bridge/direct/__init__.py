@@ -11,7 +11,8 @@ One push, in order (each module imports only the ones before it): :mod:`.snapsho
 (the whole checkpoint against the recorded layout) -> :mod:`.plan` (each name resolved by
 :mod:`.resolve` and proven) -> :mod:`.session` (write through the views, read every write back
 with :mod:`.readback`, hand unprovable modules to the engine's re-processing, refresh derived
-state, audit addresses). The per-model state lives in :mod:`.state`.
+state, audit addresses). The per-model state lives in :mod:`.state`; :mod:`.parallel` splits
+the independent jobs of a push (the finiteness pass, concurrent refreshers) across threads.
 
 Public API, in tiers: what a user calls (:func:`record_checkpoint_layout` at load,
 :func:`prove_checkpoint_layout` after processing, :func:`direct_reload` or

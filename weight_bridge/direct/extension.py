@@ -28,7 +28,9 @@ class Refresher(Protocol):
     module). ``sources``: parameter name -> the tensor, in checkpoint layout, a write must target
     instead of the live parameter (kept by the refresher because processing transformed the
     live one; empty when the live parameter itself is the target). :meth:`refresh` re-derives
-    the state in place, addresses unchanged.
+    the state in place, addresses unchanged. A refresher may also set ``concurrent = True``
+    when its refresh touches only its own module and is safe to run alongside the others'
+    on other threads (:mod:`.parallel`); by default refreshes run one after another.
     """
 
     kind: str

@@ -32,6 +32,7 @@ from typing_extensions import TypedDict, Unpack
 from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .extension import Reprocessor
+from .parallel import helper_threads
 from .plan import ReloadPlan, plan_direct_reload
 from .proof import module_of
 from .readback import ReadBack
@@ -58,7 +59,10 @@ Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 @dataclass
 class ReloadReport:
-    """What a direct reload wrote, what it refreshed or re-processed, and how long it took."""
+    """What a direct reload wrote, what it refreshed or re-processed, and how long it took.
+
+    ``threads``: how many threads its split jobs ran on (the caller's and its helpers on spare
+    CPUs, :mod:`.parallel`)."""
 
     tensors: int = 0
     bytes: int = 0
@@ -73,6 +77,7 @@ class ReloadReport:
     readback_s: float = 0.0
     elapsed_s: float = 0.0
     recovered_from_undefined: str | None = None
+    threads: int = 1
 
 
 @dataclass
@@ -145,7 +150,7 @@ class _Session:
                 self.reprocessor.finish()
         finally:
             self._restore()
-        report = ReloadReport(reprocessed=dict(self.plan.reprocess))
+        report = ReloadReport(reprocessed=dict(self.plan.reprocess), threads=helper_threads() + 1)
         report.write_s = time.perf_counter() - self.started
         moved = _moved(self.addresses, addresses(self.model))
         if moved:

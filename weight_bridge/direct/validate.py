@@ -8,6 +8,7 @@ import torch
 
 from ..layout import CheckpointLayout, TensorSpec
 from .errors import DirectReloadError
+from .parallel import run_split
 
 __all__ = ["find_nonfinite", "preflight", "validate_checkpoint"]
 
@@ -48,6 +49,24 @@ def preflight(
     return problems
 
 
+def _nonfinite(t: torch.Tensor, target: torch.dtype | None) -> str | None:
+    """Why the floating tensor ``t`` cannot be written into ``target``, or None."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    if t.element_size() == 1:
+        t = t.float()  # float8 kernels lack sum/isinf; one byte per element is cheap to widen
+    if not torch.isfinite(t.sum()):
+        nan = int(torch.isnan(t).sum())
+        inf = int(torch.isinf(t).sum())
+        if nan or inf:
+            return f"holds {nan} NaN and {inf} Inf values"
+    if target is not None and target.is_floating_point:
+        limit = torch.finfo(target).max
+        if torch.finfo(t.dtype).max > limit and float(t.abs().max()) > limit:
+            return f"holds values beyond the range of {target} (would become Inf)"
+    return None
+
+
 def find_nonfinite(
     weights: Iterable[tuple[str, torch.Tensor]],
     targets: Mapping[str, torch.dtype] | None = None,
@@ -59,25 +78,22 @@ def find_nonfinite(
     5-20x slower); only a non-finite sum (NaN/Inf, or an overflow of a large half-precision
     tensor) pays for the exact element-wise check. ``targets`` (name -> the dtype the tensor is
     written into) adds a range check where the cast narrows, e.g. float64 -> float32, since a
-    finite value beyond the target's range would become Inf in the engine.
+    finite value beyond the target's range would become Inf in the engine. The tensors are
+    split across the push's threads (:mod:`.parallel`).
     """
+    items = list(weights)
+    wanted = targets or {}
+
+    def check(item: tuple[str, torch.Tensor]) -> str | None:
+        return _nonfinite(item[1], wanted.get(item[0]))
+
+    found = run_split(items, lambda item: item[1].numel() * item[1].element_size(), check)
     bad: dict[str, str] = {}
-    for name, t in weights:
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        if t.element_size() == 1:
-            t = t.float()  # float8 kernels lack sum/isinf; one byte per element is cheap to widen
-        if not torch.isfinite(t.sum()):
-            nan = int(torch.isnan(t).sum())
-            inf = int(torch.isinf(t).sum())
-            if nan or inf:
-                bad[name] = f"holds {nan} NaN and {inf} Inf values"
-                continue
-        target = (targets or {}).get(name)
-        if target is not None and target.is_floating_point:
-            limit = torch.finfo(target).max
-            if torch.finfo(t.dtype).max > limit and float(t.abs().max()) > limit:
-                bad[name] = f"holds values beyond the range of {target} (would become Inf)"
+    for (name, _), why in zip(items, found, strict=True):
+        if isinstance(why, BaseException):
+            raise why
+        if why is not None:
+            bad[name] = why
     return bad
 
 

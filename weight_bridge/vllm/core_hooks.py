@@ -32,7 +32,10 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    when and for which version; an update that makes no call for ``update_timeout_s`` (its
    trainer died) is abandoned by the next start, and vLLM's own ``finish_weight_update`` ends
    it at once;
-7. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
+7. while the update runs, the engine core waits for the workers asleep instead of spinning
+   (:func:`~.vllm_internals.waiting_without_spinning`), so the workers' push helpers
+   (:mod:`.cpu_threads`) can use the CPU vLLM reserves for it;
+8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
    stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
    name until a complete update succeeds.
 
@@ -61,7 +64,13 @@ from ..direct import DirectReloadError
 from .backend import BACKEND_RPC, QUERIES, call_backend
 from .options import BridgeOptions, bridge_options, is_bridged
 from .results import PushResult, UpdateInProgressError, merged_error
-from .vllm_internals import forget_prefixes, pause_scheduling, served_version, set_pause_state
+from .vllm_internals import (
+    forget_prefixes,
+    pause_scheduling,
+    served_version,
+    set_pause_state,
+    waiting_without_spinning,
+)
 
 __all__ = [
     "UTILITIES",
@@ -273,7 +282,8 @@ def bridged_collective_rpc(original: Any) -> Any:
             return started
         if method == "update_weights":
             try:
-                return _update(original, self, timeout, args, kwargs)
+                with waiting_without_spinning(self):  # the push's helpers get its CPU
+                    return _update(original, self, timeout, args, kwargs)
             except (DirectReloadError, CheckpointError):
                 raise
             except BaseException:

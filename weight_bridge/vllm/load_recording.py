@@ -16,7 +16,8 @@ The plugin wraps vLLM's default model loader with the three wrappers here (throu
    one vLLM's layerwise path can re-process by itself.
 4. On the CPU backend, glibc keeps freed buffers for reuse in the engine's process
    (:mod:`.allocator`), so the packed state re-derived on every push reuses memory already
-   faulted in.
+   faulted in, and the worker's pushes get helper threads on the CPUs vLLM leaves spare
+   (:mod:`.cpu_threads`).
 5. After processing, the proof (:func:`weight_bridge.direct.prove_checkpoint_layout`) compares
    what processing left with what was recorded, with the refreshers of
    :mod:`weight_bridge.vllm.refresh` declaring the derived state the bridge re-derives.
@@ -35,6 +36,7 @@ from ..direct.snapshot import snapshot_module
 from ..direct.state import bridge_state
 from ..layout import TensorSpec, fingerprint, live_tensors, storage_ptr
 from .allocator import keep_freed_memory
+from .cpu_threads import sleep_when_idle, use_spare_cpus
 from .layerwise import reprocessable_module
 from .options import bridge_options
 from .refresh import take_refreshers
@@ -96,7 +98,7 @@ def load_weights(original: Any) -> Any:
     def load_weights(self, model, model_config):
         if bridge_options() is None:
             return original(self, model, model_config)
-        _keep_freed_memory()
+        _set_up_cpu_worker()
         live = list(live_tensors(model))
         watch = ReadBack({storage_ptr(t) for _, t, _ in live}, "off")
         with watch:
@@ -135,10 +137,13 @@ def process_weights_after_loading(original: Any) -> Any:
     return process_weights_after_loading
 
 
-def _keep_freed_memory() -> None:
-    """On the CPU backend, a bridged engine's process keeps freed packed buffers for reuse
-    (:mod:`.allocator`): each push re-packs every linear."""
+def _set_up_cpu_worker() -> None:
+    """On the CPU backend, a bridged engine's worker keeps freed packed buffers for reuse
+    (:mod:`.allocator`: each push re-packs every linear), waits for its next message asleep
+    and gives its pushes helper threads on the CPUs vLLM leaves spare (:mod:`.cpu_threads`)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         keep_freed_memory()
+        sleep_when_idle()
+        use_spare_cpus()

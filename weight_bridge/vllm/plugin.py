@@ -24,7 +24,7 @@ import contextlib
 import importlib
 import os
 
-from . import api_hooks, core_hooks, load_recording, refresh
+from . import api_hooks, core_hooks, cpu_threads, load_recording, refresh
 from . import vllm_internals as internals
 from .lifeline import follow_parent
 from .options import BACKEND
@@ -92,6 +92,7 @@ def _install_patches() -> None:
     if current_platform.is_cpu():
         internals.patch_cpu_linear(refresh.dispatch_cpu_linear)
         internals.patch_cpu_moe(refresh.process_cpu_moe)
+        internals.patch_queue_waits(cpu_threads.idle_wait)
 
 
 def register() -> None:

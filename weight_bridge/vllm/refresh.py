@@ -64,6 +64,9 @@ class CpuLinearRepack:
 
     kind = "cpu packed linear"
     explains = frozenset({"cpu_linear"})
+    # Each re-pack touches its own layer only and runs in oneDNN with the GIL released: the
+    # linears of a push re-pack side by side on spare CPUs (weight_bridge.direct.parallel).
+    concurrent = True
 
     def __init__(self, dispatch: Callable[[torch.nn.Module, bool], None]):
         self.sources: dict[str, torch.Tensor] = {}

@@ -212,6 +212,7 @@ class PushReport(ReloadReport):
             write_s=max(r.write_s for r in reports),
             refresh_s=max(r.refresh_s for r in reports),
             readback_s=max(r.readback_s for r in reports),
+            threads=max(r.threads for r in reports),
             checkpoint=first.checkpoint,
             version=version,
             mode=first.mode,

@@ -69,6 +69,13 @@ checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
     .call_utility_async(name)`` still reaching the engine-core utilities of item 5; the RL
     routes (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
     ``/pause``, ``/resume``, ``/weight_info``) still answering under ``VLLM_SERVER_DEV_MODE=1``.
+18. How vLLM's processes wait on their shared-memory message queues
+    (``distributed.device_communicators.shm_broadcast.SpinCondition``: ``wait(self,
+    timeout_ms)`` spins while the last message came less than ``busy_loop_s`` ago, else sleeps
+    until the writer's notification, which every ``enqueue`` sends): ``wait`` patched (a bridged
+    CPU worker sleeps when idle); read by :func:`waiting_without_spinning`:
+    ``EngineCore.model_executor.response_mqs`` (``MultiprocExecutor``), each queue's
+    ``_spin_condition.busy_loop_s``, set to 0 during a bridged update, restored after.
 """
 
 from .client import (
@@ -81,7 +88,13 @@ from .client import (
     shutdown,
     watched_call,
 )
-from .engine_core import forget_prefixes, pause_scheduling, served_version, set_pause_state
+from .engine_core import (
+    forget_prefixes,
+    pause_scheduling,
+    served_version,
+    set_pause_state,
+    waiting_without_spinning,
+)
 from .model import (
     layerwise_begin,
     layerwise_finish,
@@ -100,6 +113,7 @@ from .patches import (
     patch_cpu_moe,
     patch_default_loader,
     patch_engine_core,
+    patch_queue_waits,
     patch_rl_api,
     processing_watched,
     set_cpu_linear,
@@ -126,6 +140,7 @@ __all__ = [
     "patch_cpu_moe",
     "patch_default_loader",
     "patch_engine_core",
+    "patch_queue_waits",
     "patch_rl_api",
     "pause_scheduling",
     "processing_watched",
@@ -135,6 +150,7 @@ __all__ = [
     "set_pause_state",
     "shutdown",
     "transfer_engine",
+    "waiting_without_spinning",
     "watched_call",
     "worker_model",
 ]
@@ -171,4 +187,5 @@ SITES = (
     f"{_RELOAD}.utils.get_layer_params_buffers",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_encoder_cache",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_mm_cache",
+    "vllm.v1.executor.multiproc_executor.MultiprocExecutor.collective_rpc",
 )

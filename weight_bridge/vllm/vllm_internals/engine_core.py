@@ -1,13 +1,21 @@
-"""What the bridge reads and drives inside vLLM's engine core (sites 11 to 13 of the checklist in
-:mod:`weight_bridge.vllm.vllm_internals`): the prefix cache, the scheduler's pause state, the
-served weight version."""
+"""What the bridge reads and drives inside vLLM's engine core (sites 11 to 13 and 18 of the
+checklist in :mod:`weight_bridge.vllm.vllm_internals`): the prefix cache, the scheduler's pause
+state, the served weight version, how it waits for its workers."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["forget_prefixes", "pause_scheduling", "served_version", "set_pause_state"]
+__all__ = [
+    "forget_prefixes",
+    "pause_scheduling",
+    "served_version",
+    "set_pause_state",
+    "waiting_without_spinning",
+]
 
 
 def served_version(core: Any) -> str | None:
@@ -68,3 +76,28 @@ def pause_scheduling(core: Any) -> Any:
 
 def set_pause_state(core: Any, state: Any) -> None:
     core.scheduler.set_pause_state(state)
+
+
+def _reply_waits(core: Any) -> list[Any]:
+    """The spin conditions the engine core waits on for its workers' replies (none for an
+    executor without vLLM's shared-memory message queues)."""
+    queues = getattr(getattr(core, "model_executor", None), "response_mqs", None) or ()
+    conditions = [getattr(mq, "_spin_condition", None) for mq in queues]
+    return [c for c in conditions if c is not None and hasattr(c, "busy_loop_s")]
+
+
+@contextlib.contextmanager
+def waiting_without_spinning(core: Any) -> Iterator[int]:
+    """While inside, the engine core waits for its workers' replies asleep (on the queue's
+    notification socket) instead of spinning on a CPU for up to a second after each reply, so
+    a push's helper threads can use that CPU; yields how many queues it changed. The worker
+    notifies after every reply it writes, so no reply waits longer than a wake-up."""
+    conditions = _reply_waits(core)
+    before = [c.busy_loop_s for c in conditions]
+    for condition in conditions:
+        condition.busy_loop_s = 0
+    try:
+        yield len(conditions)
+    finally:
+        for condition, value in zip(conditions, before, strict=True):
+            condition.busy_loop_s = value

@@ -41,6 +41,7 @@ _ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
 _GEMM = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
 _MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
 _PROCESS = "process_weights_after_loading"
+_QUEUE_WAIT = "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait"
 
 #: Every vLLM module or class attribute replaced by a ``patch_*`` function.
 PATCHED = (
@@ -56,6 +57,7 @@ PATCHED = (
     f"{_ASYNC}.start_weight_update",
     _GEMM,
     f"{_MOE}.{_PROCESS}",
+    _QUEUE_WAIT,
 )
 
 _logger = logging.getLogger(__name__)
@@ -206,6 +208,12 @@ def patch_cpu_linear(dispatch: Wrap) -> None:
 def patch_cpu_moe(process: Wrap) -> None:
     """Site 10: the CPU unquantized experts' processing (their prepack)."""
     _patch("cpu moe", {f"{_MOE}.{_PROCESS}": process})
+
+
+def patch_queue_waits(wait: Wrap) -> None:
+    """Site 18: how a reader of vLLM's shared-memory message queues waits for the next
+    message (spinning, then asleep)."""
+    _patch("queue waits", {_QUEUE_WAIT: wait})
 
 
 def cpu_linear_of(layer: Any) -> Any:

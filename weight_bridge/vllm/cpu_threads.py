@@ -1,0 +1,100 @@
+"""A bridged CPU worker and the CPUs around it: it sleeps when idle, and its pushes use the CPUs
+vLLM leaves spare.
+
+vLLM's worker waits for its next message spinning on a CPU for a second after the last one
+(``SpinCondition``), to start each engine step a few microseconds sooner. Colocated with a
+trainer on a CPU machine, that second is taken from the trainer after every generation step
+and every call (a push's, for one): the trainer's next step and its next save run on a CPU
+less. :func:`sleep_when_idle` makes a bridged CPU worker spin for :data:`IDLE_AFTER_S` only and
+then wait asleep (the queue's writer wakes it with the notification it sends after every
+message; :func:`idle_wait` is the wrapper the plugin installs, inert in any other process).
+
+vLLM's CPU backend starts its workers with their OpenMP threads bound to their CPUs
+(``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default) and keeps the rest of the CPUs its parent
+process may use for the engine core and the frontend (one per worker by default,
+``VLLM_CPU_NUM_OF_RESERVED_CPU``). While a push runs, nothing needs them: the trainer waits for
+the push, generation waits for the weights, and the engine core waits for the workers without
+spinning (:func:`~.vllm_internals.waiting_without_spinning`, from :mod:`.core_hooks`).
+
+:func:`use_spare_cpus` gives each worker an equal share of those CPUs (``len(spare) //
+workers``) as helper threads for its pushes (:mod:`weight_bridge.direct.parallel`: the linears'
+oneDNN re-pack and the finiteness pass, split across threads). Only a worker that computes
+with one OpenMP thread gets helpers by default: a worker with more already spreads those
+kernels over its CPUs, and each helper would start its own OpenMP team on those same CPUs.
+``WEIGHT_BRIDGE_PUSH_THREADS=N`` sets the number of helpers instead (``0``: none); they are still
+pinned to the spare CPUs, so a worker without any gets none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..direct.parallel import helper_threads
+from ..direct.parallel import use_spare_cpus as _use
+
+__all__ = [
+    "IDLE_AFTER_S",
+    "PUSH_THREADS_ENV",
+    "idle_wait",
+    "sleep_when_idle",
+    "spare_cpus",
+    "use_spare_cpus",
+]
+
+PUSH_THREADS_ENV = "WEIGHT_BRIDGE_PUSH_THREADS"
+# A bridged CPU worker spins this long after a message (vLLM: 1 s), then sleeps. Not 0: a
+# message sent right after another may find the queue's one-deep notification socket full and
+# its wake-up dropped (the sleeper re-checks after 5 s); within a burst the worker still spins,
+# and after a pause of this length one notification is never dropped.
+IDLE_AFTER_S = 0.01
+_sleeping = False
+
+
+def sleep_when_idle() -> None:
+    """From now on, this process's message-queue readers wait asleep (see the docstring)."""
+    global _sleeping
+    _sleeping = True
+
+
+def idle_wait(original: Callable[..., None]) -> Callable[..., None]:
+    """vLLM's ``SpinCondition.wait``, its busy loop cut to :data:`IDLE_AFTER_S` once
+    :func:`sleep_when_idle` ran."""
+
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        if _sleeping and self.busy_loop_s > IDLE_AFTER_S:
+            self.busy_loop_s = IDLE_AFTER_S
+        return original(self, timeout_ms)
+
+    return wait
+
+
+def spare_cpus() -> set[int]:
+    """The CPUs this process's parent may use and this process may not (empty if unknown)."""
+    try:
+        return set(os.sched_getaffinity(os.getppid())) - set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set()
+
+
+def _workers() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def use_spare_cpus() -> int:
+    """Give this worker's pushes their share of the spare CPUs (see the module docstring);
+    the number of helper threads."""
+    spare = spare_cpus()
+    asked = os.environ.get(PUSH_THREADS_ENV, "").strip()
+    if asked:
+        helpers = int(asked)
+    elif torch.get_num_threads() == 1:
+        helpers = len(spare) // _workers()
+    else:
+        helpers = 0
+    _use(helpers, spare)
+    return helper_threads()
