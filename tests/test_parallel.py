@@ -12,7 +12,7 @@ import torch
 
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.direct.derived import refresh_derived_state
-from weight_bridge.direct.parallel import helper_threads, run_split, use_spare_cpus
+from weight_bridge.direct.parallel import helper_threads, run_split, set_helper_threads
 from weight_bridge.direct.state import bridge_state
 from weight_bridge.direct.validate import find_nonfinite
 
@@ -22,9 +22,9 @@ CPUS = sorted(os.sched_getaffinity(0))
 @pytest.fixture
 def helpers() -> Iterator[None]:
     """One helper thread pinned to the last CPU of this process; none again afterwards."""
-    use_spare_cpus(1, CPUS[-1:])
+    set_helper_threads(1, CPUS[-1:])
     yield
-    use_spare_cpus(0, ())
+    set_helper_threads(0, ())
 
 
 def test_without_helpers_everything_runs_on_the_calling_thread() -> None:

@@ -8,7 +8,7 @@ copy (:mod:`.derived`, a oneDNN reorder on the CPU backend) and the finiteness p
 checkpoint (:mod:`.validate`). :func:`run_split` runs such jobs on the calling thread and on
 :func:`helper_threads` more, each pinned to the spare CPUs, so a push uses them too.
 
-Nothing runs on helpers until an integration calls :func:`use_spare_cpus` in the process (the
+Nothing runs on helpers until an integration calls :func:`set_helper_threads` in the process (the
 vLLM layer does, in each bridged CPU worker: :mod:`weight_bridge.vllm.cpu_threads`). The jobs
 are split by cost, largest first, each to the least loaded thread; the split is the same on
 every push, so a thread frees and re-allocates the same buffers each time (glibc keeps one heap
@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["helper_threads", "run_split", "use_spare_cpus"]
+__all__ = ["helper_threads", "run_split", "set_helper_threads"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -34,7 +34,7 @@ _helpers = 0
 _cpus: frozenset[int] = frozenset()
 
 
-def use_spare_cpus(helpers: int, cpus: Iterable[int]) -> None:
+def set_helper_threads(helpers: int, cpus: Iterable[int]) -> None:
     """Let :func:`run_split` in this process use ``helpers`` threads besides the caller's,
     pinned to ``cpus`` (0 helpers, or no CPUs: everything on the calling thread)."""
     global _helpers, _cpus

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from ..direct.parallel import helper_threads
-from ..direct.parallel import use_spare_cpus as _use
+from ..direct.parallel import helper_threads, set_helper_threads
 
 __all__ = [
     "IDLE_AFTER_S",
@@ -96,5 +95,5 @@ def use_spare_cpus() -> int:
         helpers = len(spare) // _workers()
     else:
         helpers = 0
-    _use(helpers, spare)
+    set_helper_threads(helpers, spare)
     return helper_threads()
