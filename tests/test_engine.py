@@ -239,15 +239,16 @@ def test_a_push_uses_the_cpu_vllm_leaves_spare(models, shared_engine, cold) -> N
 def test_the_engine_core_sleeps_while_its_workers_push(models, shared_engine) -> None:
     """The engine core runs in this process: without the bridge it spins on its reply queue
     while the workers write (as much CPU time as wall time); with it, it sleeps."""
-    from weight_bridge.vllm.vllm_internals import waiting_without_spinning
+    from weight_bridge.vllm.cpu_threads import IDLE_AFTER_S
+    from weight_bridge.vllm.vllm_internals import spinning_at_most
 
     engine = shared_engine("llama_A", **MP_EXECUTOR)
     core = engine.llm.llm_engine.engine_core.engine_core
     queues = core.model_executor.response_mqs
     before = [mq._spin_condition.busy_loop_s for mq in queues]
-    with waiting_without_spinning(core) as changed:
+    with spinning_at_most(core, IDLE_AFTER_S) as changed:
         assert changed == len(queues) >= 1
-        assert all(mq._spin_condition.busy_loop_s == 0 for mq in queues)
+        assert all(mq._spin_condition.busy_loop_s == IDLE_AFTER_S for mq in queues)
     assert [mq._spin_condition.busy_loop_s for mq in queues] == before
 
     engine.push(models["llama_B"], version="sleep-0")
@@ -277,3 +278,35 @@ def test_an_idle_worker_leaves_its_cpu_to_the_trainer(models, shared_engine) -> 
     used = (_cpu_seconds(worker) - before) / (time.perf_counter() - wall)
     # vLLM's own wait: about 1.0 (one CPU for the whole second); asleep: ticks of nothing
     assert used < 0.3, f"the idle worker used {used:.2f} CPU-seconds per second after a push"
+
+
+@pytest.mark.parametrize("busy_loop_s", [0.0, 0.01])
+def test_a_shortened_wait_rechecks_its_queue_soon(tmp_path, busy_loop_s) -> None:
+    """vLLM's notification socket may drop a wake-up sent soon after another, and vLLM's own
+    sleeper re-checks only every 5 s: a reader the bridge makes sleep sooner (the worker, the
+    engine core during a push) re-checks every RECHECK_MS instead. A real vLLM queue wait, no
+    writer: each wait returns after its timeout."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from weight_bridge.vllm.cpu_threads import RECHECK_MS, idle_wait
+
+    context = zmq.Context()
+    reader = SpinCondition(True, context, f"ipc://{tmp_path}/notify")
+    try:
+        wait = idle_wait(SpinCondition.wait)
+        reader.last_read = time.monotonic() - 1.0  # idle for a second
+        reader.busy_loop_s = busy_loop_s
+        started = time.perf_counter()
+        wait(reader, 5000)  # what vLLM's queue passes an idle reader
+        assert time.perf_counter() - started < 0.5  # RECHECK_MS, not 5 s
+        reader.busy_loop_s = 1.0  # vLLM's own: left as it is
+        reader.last_read = time.monotonic() - 2.0
+        started = time.perf_counter()
+        wait(reader, 200)
+        assert time.perf_counter() - started >= 0.2 > RECHECK_MS / 1000
+    finally:
+        reader.local_notify_socket.close(linger=0)
+        reader.read_cancel_socket.close(linger=0)
+        reader.write_cancel_socket.close(linger=0)
+        context.term()

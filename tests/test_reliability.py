@@ -177,8 +177,8 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
     models, shared_engine, cold, monkeypatch
 ):
     """Two threads push A and B (6 each) while a third generates 12 times: pushes and generates
-    run one at a time, and each generate call carries one version, the one pushed last before
-    it ran, and equals the cold output of that version."""
+    run one at a time, in the order they were asked for, and each generate call carries one
+    version, the one pushed last before it ran, and equals the cold output of that version."""
     a, b = models["llama_A"], models["llama_B"]
     want = {"A": cold(a), "B": cold(b)}
     engine = shared_engine("llama_A")
@@ -252,12 +252,14 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
         carried, outputs = next(generates)
         assert carried == served, (carried, served)  # the version pushed last before it ran
         assert_parity(outputs, want[carried[0]])  # type: ignore[index]
-    # the generates really ran between the pushes: they saw versions the threads pushed, of
-    # both policies (not only the one served before the threads started)
+    # the generates really ran between the pushes, served first come, first served: a thread
+    # that pushes again queues behind the waiting generate, so the generates see a new version
+    # after every round of pushes (the first round may start before the generator asked; an
+    # unfair lock let the pushers run several rounds past a waiting generate)
     versions = [version for version, _ in seen]
     print(f"\n{len(seen)} generate calls during 2x{rounds} pushes, versions seen: {versions}")
     after = set(versions) - {("A", -1)}
-    assert after <= pushed and {v[0] for v in after} == {"A", "B"}, versions  # type: ignore[index]
+    assert after <= pushed and len(after) >= rounds - 1, versions
     engine.push(a, version="A")
 
 

@@ -6,8 +6,12 @@ vLLM's worker waits for its next message spinning on a CPU for a second after th
 trainer on a CPU machine, that second is taken from the trainer after every generation step
 and every call (a push's, for one): the trainer's next step and its next save run on a CPU
 less. :func:`sleep_when_idle` makes a bridged CPU worker spin for :data:`IDLE_AFTER_S` only and
-then wait asleep (the queue's writer wakes it with the notification it sends after every
-message; :func:`idle_wait` is the wrapper the plugin installs, inert in any other process).
+then wait asleep; the engine core waits the same way for its workers' replies while they push
+(:mod:`.core_hooks`). The queue's writer wakes a sleeper with a notification after every
+message, but vLLM's notification socket may drop one sent soon after another (vLLM's own
+sleeper re-checks every 5 s for that reason), so a wait asleep sooner than vLLM meant re-checks
+the queue every :data:`RECHECK_MS` instead: a dropped wake-up costs at most that. :func:`idle_wait`
+is the wrapper of vLLM's wait the plugin installs; it changes only waits shortened this way.
 
 vLLM's CPU backend starts its workers with their OpenMP threads bound to their CPUs
 (``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default) and keeps the rest of the CPUs its parent
@@ -38,6 +42,7 @@ from ..direct.parallel import helper_threads, set_helper_threads
 __all__ = [
     "IDLE_AFTER_S",
     "PUSH_THREADS_ENV",
+    "RECHECK_MS",
     "idle_wait",
     "sleep_when_idle",
     "spare_cpus",
@@ -45,11 +50,13 @@ __all__ = [
 ]
 
 PUSH_THREADS_ENV = "WEIGHT_BRIDGE_PUSH_THREADS"
-# A bridged CPU worker spins this long after a message (vLLM: 1 s), then sleeps. Not 0: a
-# message sent right after another may find the queue's one-deep notification socket full and
-# its wake-up dropped (the sleeper re-checks after 5 s); within a burst the worker still spins,
-# and after a pause of this length one notification is never dropped.
+# A bridged CPU worker, and the engine core during a push, spin this long after a message
+# (vLLM: 1 s), then sleep. Not 0: within a burst of messages (generation steps) a reader that
+# spins starts each one sooner than one woken by the socket.
 IDLE_AFTER_S = 0.01
+# How often a reader asleep re-checks its queue (vLLM's sleeper: every 5 s), for the wake-ups
+# the notification socket drops; 200 wake-ups a second cost well under 1 % of a CPU.
+RECHECK_MS = 5
 _sleeping = False
 
 
@@ -61,11 +68,14 @@ def sleep_when_idle() -> None:
 
 def idle_wait(original: Callable[..., None]) -> Callable[..., None]:
     """vLLM's ``SpinCondition.wait``, its busy loop cut to :data:`IDLE_AFTER_S` once
-    :func:`sleep_when_idle` ran."""
+    :func:`sleep_when_idle` ran; a wait whose busy loop is that short (this one's, or the engine
+    core's during a push) sleeps at most :data:`RECHECK_MS` before it re-checks the queue."""
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
         if _sleeping and self.busy_loop_s > IDLE_AFTER_S:
             self.busy_loop_s = IDLE_AFTER_S
+        if self.busy_loop_s <= IDLE_AFTER_S:
+            timeout_ms = RECHECK_MS if timeout_ms is None else min(timeout_ms, RECHECK_MS)
         return original(self, timeout_ms)
 
     return wait

@@ -22,14 +22,15 @@ generates only when asked). What a failed push leaves behind:
   in-process engine runs the call on the caller's thread: it cannot be bounded.
 
 Concurrency: every push, generate and worker call holds one re-entrant lock, so calls from
-several threads run one at a time and each generate call is served by exactly one version.
+several threads run one at a time and each generate call is served by exactly one version. The
+lock goes to threads in the order they asked (:class:`~.fair_lock.FairLock`): a thread pushing
+in a loop cannot keep a generate waiting.
 ``.llm`` bypasses both the lock and the undefined check: use it only for what the bridge does
 not offer, never concurrently with a push.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..direct import DirectReloadError
 from .api_hooks import update_results
 from .backend import BACKEND_RPC
 from .client import BridgeClient, run_blocking
+from .fair_lock import FairLock
 from .results import PushReport, PushResult
 from .vllm_internals import (
     EngineCoreDeadError,
@@ -72,7 +74,7 @@ class LLMClient(BridgeClient):
         self.rpc_timeout_s = rpc_timeout_s
         self._undefined: str | None = None
         self._labels: dict[str, Any] = {}
-        self._lock = threading.RLock()
+        self._lock = FairLock()
 
     # -- weights -----------------------------------------------------------------------------
 
