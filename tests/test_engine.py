@@ -239,26 +239,28 @@ def test_a_push_uses_the_cpu_vllm_leaves_spare(models, shared_engine, cold) -> N
 def test_the_engine_core_sleeps_while_its_workers_push(models, shared_engine) -> None:
     """The engine core runs in this process: without the bridge it spins on its reply queue
     while the workers write (as much CPU time as wall time); with it, it sleeps."""
-    from weight_bridge.vllm.cpu_threads import IDLE_AFTER_S
     from weight_bridge.vllm.vllm_internals import spinning_at_most
 
     engine = shared_engine("llama_A", **MP_EXECUTOR)
     core = engine.llm.llm_engine.engine_core.engine_core
     queues = core.model_executor.response_mqs
     before = [mq._spin_condition.busy_loop_s for mq in queues]
-    with spinning_at_most(core, IDLE_AFTER_S) as changed:
+    with spinning_at_most(core, 0.0) as changed:
         assert changed == len(queues) >= 1
-        assert all(mq._spin_condition.busy_loop_s == IDLE_AFTER_S for mq in queues)
+        assert all(mq._spin_condition.busy_loop_s == 0 for mq in queues)
     assert [mq._spin_condition.busy_loop_s for mq in queues] == before
 
     engine.push(models["llama_B"], version="sleep-0")
-    cpu, wall = time.process_time(), time.perf_counter()
+    # this thread's CPU time: the in-process engine core waits on the calling thread (the
+    # process's would count whatever threads earlier tests left in it)
+    cpu, wall = time.thread_time(), time.perf_counter()
     for i in range(6):
         engine.push(models["llama_A" if i % 2 else "llama_B"], version=f"sleep-{i + 1}")
-    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
-    # measured: 0.18 with the bridge's sleep, 0.55-0.61 with vLLM's spin (the update's share
-    # of a tiny model's push)
-    assert share < 0.4, f"this process's CPU time / wall time over 6 pushes: {share:.2f}"
+    share = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+    # measured: 0.18 with the bridge's sleep, 0.63 with vLLM's spin (the update's
+    # share of a tiny model's push)
+    print(f"engine core thread CPU / wall over 6 pushes: {share:.2f}")
+    assert share < 0.4, f"this thread's CPU time / wall time over 6 pushes: {share:.2f}"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -281,7 +283,7 @@ def test_an_idle_worker_leaves_its_cpu_to_the_trainer(models, shared_engine) -> 
 
 
 @pytest.mark.parametrize("busy_loop_s", [0.0, 0.01])
-def test_a_shortened_wait_rechecks_its_queue_soon(tmp_path, busy_loop_s) -> None:
+def test_a_shortened_wait_rechecks_its_queue_soon(tmp_path, monkeypatch, busy_loop_s) -> None:
     """vLLM's notification socket may drop a wake-up sent soon after another, and vLLM's own
     sleeper re-checks only every 5 s: a reader the bridge makes sleep sooner (the worker, the
     engine core during a push) re-checks every RECHECK_MS instead. A real vLLM queue wait, no
@@ -289,8 +291,12 @@ def test_a_shortened_wait_rechecks_its_queue_soon(tmp_path, busy_loop_s) -> None
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
+    from weight_bridge.vllm import cpu_threads
     from weight_bridge.vllm.cpu_threads import RECHECK_MS, idle_wait
 
+    # this process is not a bridged worker (an in-process engine earlier in the session made
+    # it one): its own waits are shortened only where a caller shortened them
+    monkeypatch.setattr(cpu_threads, "_sleeping", False)
     context = zmq.Context()
     reader = SpinCondition(True, context, f"ipc://{tmp_path}/notify")
     try:

@@ -33,9 +33,10 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    trainer died) is abandoned by the next start, and vLLM's own ``finish_weight_update`` ends
    it at once;
 7. while the update runs, the engine core waits for the workers asleep instead of spinning
-   (:func:`~.vllm_internals.spinning_at_most` :data:`~.cpu_threads.IDLE_AFTER_S`, the
-   bridged worker's rule), so the workers' push helpers (:mod:`.cpu_threads`) can use the CPU
-   vLLM reserves for it;
+   (:func:`~.vllm_internals.spinning_at_most` 0 s: a push's reply is one message at its end,
+   no burst a spin could catch sooner; the wait re-checks its queue like the bridged worker's,
+   :func:`~.cpu_threads.idle_wait`), so the workers' push helpers (:mod:`.cpu_threads`) can
+   use the CPU vLLM reserves for it;
 8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
    stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
    name until a complete update succeeds.
@@ -63,7 +64,6 @@ from vllm.exceptions import GracefulHTTPError
 from ..checkpoint import CheckpointError, version_of
 from ..direct import DirectReloadError
 from .backend import BACKEND_RPC, QUERIES, call_backend
-from .cpu_threads import IDLE_AFTER_S
 from .options import BridgeOptions, bridge_options, is_bridged
 from .results import PushResult, UpdateInProgressError, merged_error
 from .vllm_internals import (
@@ -284,7 +284,7 @@ def bridged_collective_rpc(original: Any) -> Any:
             return started
         if method == "update_weights":
             try:
-                with spinning_at_most(self, IDLE_AFTER_S):  # the push's helpers get its CPU
+                with spinning_at_most(self, 0.0):  # the push's helpers get its CPU
                     return _update(original, self, timeout, args, kwargs)
             except (DirectReloadError, CheckpointError):
                 raise

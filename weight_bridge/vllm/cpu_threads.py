@@ -50,9 +50,9 @@ __all__ = [
 ]
 
 PUSH_THREADS_ENV = "WEIGHT_BRIDGE_PUSH_THREADS"
-# A bridged CPU worker, and the engine core during a push, spin this long after a message
-# (vLLM: 1 s), then sleep. Not 0: within a burst of messages (generation steps) a reader that
-# spins starts each one sooner than one woken by the socket.
+# A bridged CPU worker spins this long after a message (vLLM: 1 s), then sleeps. Not 0: within
+# a burst of messages (generation steps) a reader that spins starts each one sooner than one
+# woken by the socket. (The engine core waits for a push's one reply asleep at once.)
 IDLE_AFTER_S = 0.01
 # How often a reader asleep re-checks its queue (vLLM's sleeper: every 5 s), for the wake-ups
 # the notification socket drops; 200 wake-ups a second cost well under 1 % of a CPU.
