@@ -6,7 +6,7 @@ vLLM's worker waits for its next message spinning on a CPU for a second after th
 trainer on a CPU machine, that second is taken from the trainer after every generation step
 and every call (a push's, for one): the trainer's next step and its next save run on a CPU
 less. :func:`sleep_when_idle` makes a bridged CPU worker spin for :data:`IDLE_AFTER_S` only and
-then wait asleep; the engine core waits the same way for its workers' replies while they push
+then wait asleep; the engine core waits asleep at once for its workers' reply to a push
 (:mod:`.core_hooks`). The queue's writer wakes a sleeper with a notification after every
 message, but vLLM's notification socket may drop one sent soon after another (vLLM's own
 sleeper re-checks every 5 s for that reason), so a wait asleep sooner than vLLM meant re-checks
