@@ -239,13 +239,13 @@ def test_a_push_uses_the_cpu_vllm_leaves_spare(models, shared_engine, cold) -> N
 def test_the_engine_core_sleeps_while_its_workers_push(models, shared_engine) -> None:
     """The engine core runs in this process: without the bridge it spins on its reply queue
     while the workers write (as much CPU time as wall time); with it, it sleeps."""
-    from weight_bridge.vllm.vllm_internals import spinning_at_most
+    from weight_bridge.vllm.vllm_internals import waiting_without_spinning
 
     engine = shared_engine("llama_A", **MP_EXECUTOR)
     core = engine.llm.llm_engine.engine_core.engine_core
     queues = core.model_executor.response_mqs
     before = [mq._spin_condition.busy_loop_s for mq in queues]
-    with spinning_at_most(core, 0.0) as changed:
+    with waiting_without_spinning(core) as changed:
         assert changed == len(queues) >= 1
         assert all(mq._spin_condition.busy_loop_s == 0 for mq in queues)
     assert [mq._spin_condition.busy_loop_s for mq in queues] == before

@@ -33,7 +33,7 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    trainer died) is abandoned by the next start, and vLLM's own ``finish_weight_update`` ends
    it at once;
 7. while the update runs, the engine core waits for the workers asleep instead of spinning
-   (:func:`~.vllm_internals.spinning_at_most` 0 s: a push's reply is one message at its end,
+   (:func:`~.vllm_internals.waiting_without_spinning`: a push's reply is one message at its end,
    no burst a spin could catch sooner; the wait re-checks its queue like the bridged worker's,
    :func:`~.cpu_threads.idle_wait`), so the workers' push helpers (:mod:`.cpu_threads`) can
    use the CPU vLLM reserves for it;
@@ -71,7 +71,7 @@ from .vllm_internals import (
     pause_scheduling,
     served_version,
     set_pause_state,
-    spinning_at_most,
+    waiting_without_spinning,
 )
 
 __all__ = [
@@ -284,7 +284,7 @@ def bridged_collective_rpc(original: Any) -> Any:
             return started
         if method == "update_weights":
             try:
-                with spinning_at_most(self, 0.0):  # the push's helpers get its CPU
+                with waiting_without_spinning(self):  # the push's helpers get its CPU
                     return _update(original, self, timeout, args, kwargs)
             except (DirectReloadError, CheckpointError):
                 raise

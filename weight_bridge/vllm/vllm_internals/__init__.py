@@ -74,8 +74,8 @@ checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
     timeout_ms)`` spins while the last message came less than ``busy_loop_s`` ago, else sleeps
     until the writer's notification, which every ``enqueue`` sends): ``wait`` patched (a bridged
     CPU worker sleeps when idle, a shortened wait re-checks often); read by
-    :func:`spinning_at_most`: ``EngineCore.model_executor.response_mqs``
-    (``MultiprocExecutor``), each queue's ``_spin_condition.busy_loop_s``, shortened during a
+    :func:`waiting_without_spinning`: ``EngineCore.model_executor.response_mqs``
+    (``MultiprocExecutor``), each queue's ``_spin_condition.busy_loop_s``, set to 0 during a
     bridged update, restored after.
 """
 
@@ -94,7 +94,7 @@ from .engine_core import (
     pause_scheduling,
     served_version,
     set_pause_state,
-    spinning_at_most,
+    waiting_without_spinning,
 )
 from .model import (
     layerwise_begin,
@@ -150,8 +150,8 @@ __all__ = [
     "set_cpu_linear",
     "set_pause_state",
     "shutdown",
-    "spinning_at_most",
     "transfer_engine",
+    "waiting_without_spinning",
     "watched_call",
     "worker_model",
 ]

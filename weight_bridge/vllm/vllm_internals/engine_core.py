@@ -14,7 +14,7 @@ __all__ = [
     "pause_scheduling",
     "served_version",
     "set_pause_state",
-    "spinning_at_most",
+    "waiting_without_spinning",
 ]
 
 
@@ -87,14 +87,14 @@ def _reply_waits(core: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def spinning_at_most(core: Any, spin_s: float) -> Iterator[int]:
-    """While inside, the engine core spins on its workers' reply queues for at most ``spin_s``
-    after a reply (vLLM: a second), then waits asleep on the queue's notification socket, so a
-    push's helper threads can use its CPU; yields how many queues it changed."""
+def waiting_without_spinning(core: Any) -> Iterator[int]:
+    """While inside, the engine core waits for its workers' replies asleep on the queue's
+    notification socket instead of spinning for up to a second after each reply, so a push's
+    helper threads can use its CPU; yields how many queues it changed."""
     conditions = _reply_waits(core)
     before = [c.busy_loop_s for c in conditions]
     for condition in conditions:
-        condition.busy_loop_s = min(spin_s, condition.busy_loop_s)
+        condition.busy_loop_s = 0
     try:
         yield len(conditions)
     finally:
