@@ -24,9 +24,10 @@ new file every sync), ``writer_hash`` (the hash in the file, not checked by the 
 (``ram_dir=False``: the log directory, not fsynced), ``durable`` (the log directory, fsynced:
 ``durable=True``), ``verify_hash`` (the writer hashes, the engine checks), and
 ``old_defaults`` (every setting the callback had before: disk, fsync, ``verify_hash=True``,
-``keep_last_k=2``). Memory: per sync, the trainer process's peak extra resident memory
-(``VmHWM`` reset before, which counts mapped ``/dev/shm`` pages too) and the peak bytes of the
-sync directory's files (sampled), the RAM the transport holds.
+``keep_last_k=2``). Memory, in one more sync after the timed ones (the samplers' wake-ups
+every 2 ms would compete with the push for the machine's CPUs): the trainer process's peak extra
+resident memory (``VmHWM`` reset before, which counts mapped ``/dev/shm`` pages too) and the
+peak bytes of the sync directory's files (sampled), the RAM the transport holds.
 """
 
 from __future__ import annotations
@@ -153,16 +154,18 @@ class _Copier:
         return best
 
 
-def _measured_sync(**kwargs: Any) -> Any:
+def _measured_sync(memory_step: int, **kwargs: Any) -> Any:
     from callbacks import VLLMWeightSync
 
     class MeasuredSync(VLLMWeightSync):
-        """The callback, each sync inside a memory sampler of this process and its directory,
-        right after a timing of two memory copies of the model."""
+        """The callback, each sync right after a timing of two memory copies of the model;
+        the sync of ``memory_step`` (not timed) inside a memory sampler of this process and
+        its directory."""
 
         def __init__(self, tweak: Callable[[Any], None] | None = None, **kw: Any) -> None:
             super().__init__(**kw)
-            self.memory: list[dict[str, Any]] = []
+            self.two_copies: list[float] = []
+            self.memory: dict[str, Any] = {}
             self.copier = _Copier()
             self.tweak = tweak
 
@@ -173,18 +176,18 @@ def _measured_sync(**kwargs: Any) -> Any:
 
         def _sync(self, trainer: Any, pl_module: Any, step: int) -> None:
             assert self._dir is not None
-            two_copies_s = self.copier(pl_module)
+            if step != memory_step:
+                self.two_copies.append(self.copier(pl_module))
+                super()._sync(trainer, pl_module, step)
+                return
             with RssSampler([os.getpid()], interval=0.002) as rss, _DirSampler(self._dir) as d:
                 super()._sync(trainer, pl_module, step)
-            self.memory.append(
-                {
-                    "step": step,
-                    "two_copies_s": two_copies_s,
-                    "dir_peak_bytes": d.peak,
-                    "dir_after_bytes": d.held(),
-                    **rss.report(),
-                }
-            )
+            self.memory = {
+                "step": step,
+                "dir_peak_bytes": d.peak,
+                "dir_after_bytes": d.held(),
+                **rss.report(),
+            }
 
     return MeasuredSync(**kwargs)
 
@@ -194,11 +197,13 @@ def _fit(model_dir: Path, root: Path, reps: int, **sync_kwargs: Any) -> tuple[An
 
     from callbacks import Schedule
 
-    sync = _measured_sync(schedule=Schedule(every_n_train_steps=1), **sync_kwargs)
+    # syncs: at train start (first-touch costs, not counted), after steps 1..reps (timed),
+    # after step reps + 1 (memory sampled)
+    sync = _measured_sync(reps + 1, schedule=Schedule(every_n_train_steps=1), **sync_kwargs)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=reps,
+        max_steps=reps + 1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -222,14 +227,15 @@ def _free() -> None:
 
 
 def _summary(sync: Any) -> dict[str, Any]:
-    steady = sync.history[1:]  # the first sync pays first-touch costs
+    # the first sync pays first-touch costs; the last one ran with the memory samplers
+    steady = [h for h in sync.history[1:] if h["step"] != sync.memory.get("step")]
     save = [h["save_s"] for h in steady]
     push = [h["push_s"] for h in steady]
     total = [h["save_s"] + h["push_s"] for h in steady]
-    mem = sync.memory[1:]
+    mem = sync.memory
     sync.copier.pairs.clear()  # the copies and the model they reference go with the run
-    limits = [m["two_copies_s"] for m in mem]
-    paired = [t / m["two_copies_s"] for t, m in zip(total, mem, strict=True)]
+    limits = sync.two_copies[1:]
+    paired = [t / limit for t, limit in zip(total, limits, strict=True)]
     return {
         "syncs": len(sync.history),
         "dir": str(sync._dir),
@@ -245,10 +251,10 @@ def _summary(sync: Any) -> dict[str, Any]:
         "x_two_copies_per_sync": paired,
         "bytes": sync.copier.bytes,
         "first_sync_s": sync.history[0]["save_s"] + sync.history[0]["push_s"],
-        "peak_rss_extra_bytes": max((m["hwm_extra_total"] or 0 for m in mem), default=None),
-        "peak_anon_extra_bytes": max((m["peak_extra_anon"] for m in mem), default=None),
-        "peak_dir_bytes": max((m["dir_peak_bytes"] for m in mem), default=None),
-        "dir_after_bytes": mem[-1]["dir_after_bytes"] if mem else None,
+        "peak_rss_extra_bytes": mem.get("hwm_extra_total") or 0 if mem else None,
+        "peak_anon_extra_bytes": mem.get("peak_extra_anon"),
+        "peak_dir_bytes": mem.get("dir_peak_bytes"),
+        "dir_after_bytes": mem.get("dir_after_bytes"),
     }
 
 

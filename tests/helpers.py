@@ -484,6 +484,19 @@ def arm_write_fault(worker, action: str = "raise") -> int:
     return arm_fault(worker, FAULT_PARAM, action)
 
 
+def input_embedding_kernels(worker) -> dict[str, str]:
+    """Sent to the workers with ``collective_rpc``: per input embedding of the model, whether
+    its ``cpu_linear`` is a packed oneDNN handle (``"packed"``) or still the bridge's packer,
+    waiting for generation to use it (``"first use"``)."""
+    from weight_bridge.vllm.vllm_internals import cpu_linear_of, is_input_embedding
+
+    def state(module) -> str:
+        return "first use" if cpu_linear_of(module).__name__ == "pack_then_compute" else "packed"
+
+    model = worker.model_runner.get_model()
+    return {name: state(m) for name, m in model.named_modules() if is_input_embedding(m)}
+
+
 def bad_checkpoints(models: dict[str, Path], tmp: Path) -> list[tuple]:
     """Real bad files for llama_A's engine: (label, path, push kwargs, error type, words, file
     named, tensor named)."""

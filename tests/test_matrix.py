@@ -12,7 +12,13 @@ name; here every family is expected to be written directly (MoE experts refreshe
 from __future__ import annotations
 
 import pytest
-from helpers import assert_differs, assert_parity, greedy, run_engine_check
+from helpers import (
+    assert_differs,
+    assert_parity,
+    greedy,
+    input_embedding_kernels,
+    run_engine_check,
+)
 
 from weight_bridge.testing.models import (
     MATRIX,
@@ -32,6 +38,10 @@ def matrix_models(tmp_path_factory):
     return out
 
 
+# vLLM's Gemma2ForCausalLM computes its logits with its input embedding (tied), the others
+# with an lm_head of their own: only there is the embedding's packed copy ever used.
+LOGITS_FROM_EMBEDDING = ("gemma2",)
+
 # ``make test-fast`` keeps one dense tied, one MoE and the MLA family; CI runs them all.
 QUICK = ("qwen3-tied", "qwen3-moe", "deepseek-v2")
 
@@ -44,12 +54,17 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
 ) -> None:
     a, b = matrix_models[family]
     engine = engine_factory(a)
+    embeddings = engine.llm.collective_rpc(input_embedding_kernels)[0]
+    assert set(embeddings.values()) == {"first use"}  # not packed at load
     cold_a = greedy(engine)  # the engine has just loaded A: its own cold start
     addresses = engine.addresses()
     assert not engine.plan()[0]["problems"], "a family of the matrix is expected writable"
 
     report = engine.push(b, version=1)
     assert report.mode == "direct" and report.verified_writes > 0
+    # Packed again by the push only where generation used it, so it never waits for a pack.
+    used = "packed" if family in LOGITS_FROM_EMBEDDING else "first use"
+    assert engine.llm.collective_rpc(input_embedding_kernels)[0] == dict.fromkeys(embeddings, used)
     if family in MOE_FAMILIES:
         assert "cpu MoE prepack" in report.refreshed.values()
     got_b = greedy(engine)

@@ -6,7 +6,13 @@ how to derive the rest again, in place (addresses unchanged):
 
 1. ``cpu packed linear``: ``cpu_linear="repack"`` lets vLLM pack each linear weight into a
    oneDNN handle (held in the layer's ``cpu_linear`` closure) but keeps the weight; a refresh
-   packs again from the written weight.
+   packs again from the written weight. An input embedding's handle is packed on its first
+   use instead, at load and after each write, until generation has used it: vLLM packs it
+   only for computing logits with the embedding module itself (Gemma 2 does), which most
+   models do not (a tied ``lm_head`` shares the weight and has its own handle). Packed
+   eagerly, a SmolLM2 push re-packed 113 MiB nothing reads (a sixth of its re-pack
+   work, measured) and the engine held the copy for nothing. Once used, it is re-packed at
+   every push like any linear, so generation after a push never pays for it.
 2. ``cpu MoE prepack``: the unquantized CPU experts kernel pads and prepacks ``w13_weight`` /
    ``w2_weight`` into its grouped-GEMM layout (same shape and dtype, other values). The
    bridge keeps the unpacked tensors as the write targets; a refresh runs the kernel's own
@@ -38,7 +44,7 @@ import torch
 
 from ..direct import Refresher
 from .options import CPU_LINEAR_MODES, bridge_options
-from .vllm_internals import drop_cpu_linear, set_cpu_linear
+from .vllm_internals import cpu_linear_of, drop_cpu_linear, is_input_embedding, set_cpu_linear
 
 __all__ = [
     "CpuLinearRepack",
@@ -60,17 +66,29 @@ def torch_linear(
 
 
 class CpuLinearRepack:
-    """The oneDNN packed copy of a CPU linear's weight, packed again after a write."""
+    """The oneDNN packed copy of a CPU linear's weight, packed again after a write.
+
+    ``on_first_use``: the layer's handle may never be computed with (an input embedding, see
+    the module docstring), so it is packed when generation first calls it; from then on it is
+    known to be used and every refresh packs it again at once, as for any linear."""
 
     kind = "cpu packed linear"
     explains = frozenset({"cpu_linear"})
-    # Each re-pack touches its own layer only and runs in oneDNN with the GIL released: the
-    # linears of a push re-pack side by side on spare CPUs (weight_bridge.direct.parallel).
-    concurrent = True
 
-    def __init__(self, dispatch: Callable[[torch.nn.Module, bool], None]):
+    def __init__(
+        self, dispatch: Callable[[torch.nn.Module, bool], None], on_first_use: bool = False
+    ):
         self.sources: dict[str, torch.Tensor] = {}
         self.dispatch = dispatch
+        self.used = not on_first_use
+
+    @property
+    def concurrent(self) -> bool:
+        """Each re-pack touches its own layer only and runs in oneDNN with the GIL released:
+        the linears of a push re-pack side by side on spare CPUs (weight_bridge.direct
+        .parallel). Swapping in the first-use packer is no work to split: it runs after them,
+        on the calling thread, and does not weigh on their split."""
+        return self.used
 
     def refresh(self, module: torch.nn.Module) -> None:
         # The old handle (held only by the layer's ``cpu_linear`` closure) goes first: its
@@ -78,7 +96,23 @@ class CpuLinearRepack:
         # the same memory back and a push holds one packed copy of a linear, not two. The
         # model is undefined until the push ends, so no forward pass sees the gap.
         drop_cpu_linear(module)
-        self.dispatch(module, False)
+        if self.used:
+            self.dispatch(module, False)
+        else:
+            self.pack_on_first_use(module)
+
+    def pack_on_first_use(self, module: torch.nn.Module) -> None:
+        """A ``cpu_linear`` that packs the current weight when generation first calls it, then
+        computes with the packed handle (which replaces it)."""
+
+        def pack_then_compute(
+            x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            self.used = True
+            self.dispatch(module, False)
+            return cpu_linear_of(module)(x, weight, bias)
+
+        set_cpu_linear(module, pack_then_compute)
 
 
 class CpuMoePrepack:
@@ -127,6 +161,9 @@ def dispatch_cpu_linear(original: Callable[[torch.nn.Module, bool], None]) -> Ca
             original(layer, remove_weight)
         elif mode == "torch":
             set_cpu_linear(layer, torch_linear)
+        elif mode == "repack" and is_input_embedding(layer):
+            _pending[layer] = refresher = CpuLinearRepack(original, on_first_use=True)
+            refresher.pack_on_first_use(layer)
         elif mode == "repack":
             original(layer, False)
             _pending[layer] = CpuLinearRepack(original)

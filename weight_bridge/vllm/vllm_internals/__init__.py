@@ -42,7 +42,10 @@ checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
    error still reaches the caller as an exception carrying its message.
 9. ``model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``:
    patched as the module attribute (its callers still import it at call time); it still sets
-   ``layer.cpu_linear``, which generation calls (set and dropped here too).
+   ``layer.cpu_linear``, which generation calls (set and dropped here too). Read by
+   :func:`is_input_embedding`: ``layers.vocab_parallel_embedding.VocabParallelEmbedding`` (its
+   forward still looks rows up in the weight; only ``apply``, for logits, calls
+   ``cpu_linear``) and its subclass ``ParallelLMHead``.
 10. ``layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts.process_weights_after_loading(self,
     layer)``: patched; it still prepacks ``w13_weight`` / ``w2_weight`` (same shape and dtype).
 11. Read by :func:`forget_prefixes`: ``EngineCore.scheduler``, ``.reset_prefix_cache()`` (True
@@ -97,6 +100,7 @@ from .engine_core import (
     waiting_without_spinning,
 )
 from .model import (
+    is_input_embedding,
     layerwise_begin,
     layerwise_finish,
     layerwise_reprocesses,
@@ -134,6 +138,7 @@ __all__ = [
     "drop_cpu_linear",
     "engine_resources",
     "forget_prefixes",
+    "is_input_embedding",
     "layerwise_begin",
     "layerwise_finish",
     "layerwise_reprocesses",
@@ -167,6 +172,8 @@ SITES = (
     *PATCHED,
     "vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase",
     "vllm.model_executor.layers.attention.is_deferred_attention_layer",
+    "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding",
+    "vllm.model_executor.layers.vocab_parallel_embedding.ParallelLMHead",
     f"{_CORE}.EngineCoreProc._handle_client_request",
     f"{_CORE}.EngineCore.reset_prefix_cache",
     "vllm.v1.core.block_pool.BlockPool._maybe_evict_cached_block",

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "is_input_embedding",
     "layerwise_begin",
     "layerwise_finish",
     "layerwise_reprocesses",
@@ -25,6 +26,21 @@ def layerwise_reprocesses(module: Any) -> bool:
     return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase) or bool(
         is_deferred_attention_layer(module)
     )
+
+
+def is_input_embedding(layer: Any) -> bool:
+    """Whether ``layer`` is a vocabulary embedding that is not a logits head (site 9). On the
+    CPU backend vLLM packs such a layer's weight into a oneDNN handle too
+    (``UnquantizedEmbeddingMethod.process_weights_after_loading``), for ``apply``, which
+    computes logits; its own forward looks rows up in the weight. A tied model's logits come
+    from its ``ParallelLMHead`` (sharing the weight, packed on its own), so that handle is
+    used only by a model whose logits are computed with the embedding module itself."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    return isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
 
 
 def layerwise_begin(model: Any, modules: Iterable[str]) -> None:
