@@ -212,12 +212,14 @@ def _run_only(args: argparse.Namespace) -> int:
     from .sync import render_sync
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         section = bench_sync_section(args, workdir)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    section["started"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    section["started"] = started
+    section["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     merged = json.loads(args.out.read_text()) if args.out.exists() else {}
     merged["sync"] = section
     args.out.parent.mkdir(parents=True, exist_ok=True)
