@@ -161,12 +161,10 @@ def dispatch_cpu_linear(original: Callable[[torch.nn.Module, bool], None]) -> Ca
             original(layer, remove_weight)
         elif mode == "torch":
             set_cpu_linear(layer, torch_linear)
-        elif mode == "repack" and is_input_embedding(layer):
-            _pending[layer] = refresher = CpuLinearRepack(original, on_first_use=True)
-            refresher.pack_on_first_use(layer)
         elif mode == "repack":
-            original(layer, False)
-            _pending[layer] = CpuLinearRepack(original)
+            first_use = is_input_embedding(layer)
+            _pending[layer] = refresher = CpuLinearRepack(original, on_first_use=first_use)
+            refresher.refresh(layer)  # packs now, or on first use
         else:
             raise ValueError(f"weight-bridge: cpu_linear must be one of {CPU_LINEAR_MODES}")
 
