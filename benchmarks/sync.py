@@ -18,9 +18,10 @@ the callback, vLLM's default multi-process engine (engine core and worker in pro
 own, as a user gets it), the transport in ``/dev/shm``, the previous file's pages recycled, no
 fsync, no content hash, the push's split jobs on the CPU vLLM leaves spare); then each lever on
 its own, on an engine started once per filesystem and handed to the callback: ``no_recycle`` (a
-new file every sync), ``writer_hash`` (the hash in the file, not checked by the engine),
-``no_spare_cpus`` (an engine whose worker pushes on its own CPU only:
-``WEIGHT_BRIDGE_PUSH_THREADS=0``), ``disk``
+new file every sync), ``no_kept_maps`` (the spare's pages recycled, but written with
+``write()``, not through the map the writer keeps of each file), ``writer_hash`` (the hash in
+the file, not checked by the engine), ``no_spare_cpus`` (an engine whose worker pushes on its
+own CPU only: ``WEIGHT_BRIDGE_PUSH_THREADS=0``), ``disk``
 (``ram_dir=False``: the log directory, not fsynced), ``durable`` (the log directory, fsynced:
 ``durable=True``), ``verify_hash`` (the writer hashes, the engine checks), and
 ``old_defaults`` (every setting the callback had before: disk, fsync, ``verify_hash=True``,
@@ -260,11 +261,13 @@ def _summary(sync: Any) -> dict[str, Any]:
 
 def _writer_levers(model_dir: Path, directory: Path, reps: int) -> dict[str, Any]:
     """The writer alone on the model's tensors (fp32), files in ``directory``, round-robin:
-    a new file or the spare's pages, with or without the hash, and a cast to bf16 in the
-    writer's one pass against a cast of each whole tensor before writing it (as before)."""
+    a new file or the spare's pages (written, or through the map kept of it), with or without
+    the hash, and a cast to bf16 in the writer's one pass against a cast of each whole tensor
+    before writing it (as before)."""
     import torch
 
     from weight_bridge.checkpoint import CheckpointReader, CheckpointWriter
+    from weight_bridge.checkpoint.mapping import TransportMaps
 
     from .stats import Rounds
 
@@ -274,15 +277,19 @@ def _writer_levers(model_dir: Path, directory: Path, reps: int) -> dict[str, Any
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     spare = directory / ".spare"
     target = directory / "w.safetensors"
+    maps = TransportMaps()
 
-    def write(hashed: bool, reuse: bool, cast: str | None) -> float:
+    def write(hashed: bool, reuse: bool, cast: str | None, mapped: bool = False) -> float:
         dtype = torch.bfloat16 if cast else None
         specs = {
             n: torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
             for n, t in tensors.items()
         }
         t0 = time.perf_counter()
-        with CheckpointWriter(target, specs, None, False, hashed, spare if reuse else None) as w:
+        kept = maps if mapped else None
+        with CheckpointWriter(
+            target, specs, None, False, hashed, spare if reuse else None, kept
+        ) as w:
             for n, t in tensors.items():
                 if cast == "before":
                     w.write(n, t.to(torch.bfloat16))
@@ -301,11 +308,13 @@ def _writer_levers(model_dir: Path, directory: Path, reps: int) -> dict[str, Any
         "new_file_hashed": lambda rep: write(True, False, None),
         "recycled": lambda rep: write(False, True, None),
         "recycled_hashed": lambda rep: write(True, True, None),
+        "recycled_mapped": lambda rep: write(False, True, None, mapped=True),
         "bf16_cast_in_writer": lambda rep: write(False, False, "writer"),
         "bf16_cast_before": lambda rep: write(False, False, "before"),
     }
     rounds = Rounds()
     rounds.run(methods, max(reps, 3))
+    maps.close()
     shutil.rmtree(directory, ignore_errors=True)
     out: dict[str, Any] = {
         "dir_fs": fs_type(directory.parent),
@@ -347,12 +356,16 @@ def _bench_size(
     def no_recycle(sync: Any) -> None:
         sync.gatherer.spare = None  # a new file every sync: fresh tmpfs pages
 
+    def no_kept_maps(sync: Any) -> None:
+        sync.gatherer.maps = None  # the spare's pages recycled, written with write()
+
     def writer_hash(sync: Any) -> None:
         sync.gatherer.hashed = True  # the hash in the file, not checked by the engine
 
     no_helpers = {PUSH_THREADS_ENV: "0"}  # the worker's push on its own CPU only
     levers: list[tuple[str, Path, dict[str, str], dict[str, Any]]] = [
         ("no_recycle", ram_root, {}, {"tweak": no_recycle}),
+        ("no_kept_maps", ram_root, {}, {"tweak": no_kept_maps}),
         ("writer_hash", ram_root, {}, {"tweak": writer_hash}),
         ("verify_hash", ram_root, {}, {"verify_hash": True}),
         ("no_spare_cpus", ram_root, no_helpers, {}),

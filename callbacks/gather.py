@@ -22,6 +22,7 @@ through a 4 MiB buffer), not the model.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,9 @@ from typing import Any
 import torch
 
 from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint
+from weight_bridge.checkpoint.mapping import TransportMaps
 from weight_bridge.checkpoint.retention import estimate_bytes
+from weight_bridge.checkpoint.space import create_reserved
 
 from .changed import sync_state
 from .collective import Collective
@@ -80,6 +83,27 @@ class Gatherer:
         self.fsync = fsync  # checkpoints are fsynced (durable) or not (transport)
         self.hashed = True  # the content hash in the header (the RAM transport: only to check)
         self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
+        self.maps: TransportMaps | None = None  # the files' maps, kept across syncs (same)
+
+    def prepare_spare(self, like: Path) -> None:
+        """Give the RAM transport its spare file now (after the first sync), the size of
+        ``like``, every page allocated and touched once through the kept map: the second sync
+        then writes as fast as the later ones, instead of paying for fresh pages (allocating,
+        zeroing and faulting them in costs several times the copy). Best effort: without room
+        there is no spare, and the next sync writes a new file (and says so if it fails)."""
+        if self.spare is None or self.spare.exists():
+            return
+        size = like.stat().st_size
+        fd = create_reserved(self.spare, size)
+        if fd is None:
+            return
+        try:
+            if self.maps is not None:
+                self.maps.view(fd, size).zero_()
+        except (OSError, ValueError):
+            pass  # not mapped: the next write maps it (or writes it)
+        finally:
+            os.close(fd)
 
     def model(self, pl_module: Any) -> torch.nn.Module:
         """The module the checkpoint is of (what the canary scores)."""
@@ -134,7 +158,7 @@ class Gatherer:
             try:
                 if path is not None:
                     writer = CheckpointWriter(
-                        path, plan.specs(), metadata, self.fsync, self.hashed, self.spare
+                        path, plan.specs(), metadata, self.fsync, self.hashed, self.spare, self.maps
                     )
             except Exception as exc:
                 error = exc

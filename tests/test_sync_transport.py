@@ -5,6 +5,8 @@ behind that an engine would read when a writer or a sync fails."""
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import signal
 import stat
 import struct
@@ -28,6 +30,7 @@ from weight_bridge.checkpoint import (
     CheckpointWriter,
     save_checkpoint,
 )
+from weight_bridge.checkpoint.mapping import TransportMaps
 from weight_bridge.checkpoint.retention import estimate_bytes, place
 from weight_bridge.checkpoint.write import CHUNK_BYTES
 
@@ -104,6 +107,7 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     held: list[list[str]] = []
     recycled: list[bool] = []
     hashed: list[bool] = []
+    kept_maps: list[int] = []
 
     class Watch(VLLMWeightSync):
         def _sync(self, trainer, pl_module, step):
@@ -114,6 +118,7 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
             with CheckpointReader(self.last_checkpoint) as reader:
                 hashed.append(HASH_KEY in reader.metadata)
             recycled.append(before == (self._dir / f"step-{step:08d}.safetensors").stat().st_ino)
+            kept_maps.append(len(self.gatherer.maps))
 
     sync = Watch(
         model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
@@ -123,13 +128,14 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     directory = Path(sync.last_checkpoint).parent
     assert directory.parent == Path("/dev/shm") and directory.name.startswith("weight_bridge-")
     assert [h["step"] for h in sync.history] == [0, 1, 2, 3]
-    # the served file, and from the second sync on the previous one as the spare
-    assert held[0] == ["step-00000000.safetensors"]
-    assert held[1:] == [[".spare", f"step-0000000{s}.safetensors"] for s in (1, 2, 3)]
-    assert recycled == [False, False, True, True]  # its pages reused by the next write
+    # the served file and a spare: made after the first sync, then the previous file
+    assert held == [[".spare", f"step-0000000{s}.safetensors"] for s in (0, 1, 2, 3)]
+    assert recycled == [False, True, True, True]  # its pages reused by the next write
+    assert kept_maps == [2, 2, 2, 2]  # the writer's map of each of the two files, kept
     assert hashed == [False] * 4  # transport: no hash unless the engine is to check it
     assert fsynced.paths == []  # transport: nothing fsynced
     assert not directory.exists()  # released at teardown, with the engine it built
+    assert len(sync.gatherer.maps) == 0  # and the writer's maps of its files
 
 
 @pytest.mark.slow
@@ -306,6 +312,63 @@ def test_a_writer_killed_mid_file_in_ram_leaves_nothing_an_engine_would_read(
         directory.rmdir()
 
 
+MAPPED_WRITER = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from pathlib import Path
+    from weight_bridge.checkpoint import CheckpointWriter
+    from weight_bridge.checkpoint.mapping import TransportMaps
+    directory = Path(sys.argv[1])
+    spare, maps = directory / ".spare", TransportMaps()
+    tensors = {f"t{i}": torch.full((1024, 1024), float(i)) for i in range(48)}
+    for step in range(3):
+        path = directory / f"step-{step:08d}.safetensors"
+        with CheckpointWriter(path, tensors, fsync=False, reuse=spare, maps=maps) as writer:
+            for i, (name, t) in enumerate(tensors.items()):
+                if step == 2 and i == 24:  # the recycled file, through its kept map
+                    print("half", flush=True)
+                    time.sleep(600)
+                writer.write(name, t)
+            writer.finish()
+        if step:  # what prune does with the file no engine needs any more
+            os.rename(directory / f"step-{step - 1:08d}.safetensors", spare)
+        print(step, flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_writer_killed_mid_file_through_its_kept_map_leaves_nothing_an_engine_would_read(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL half-way through the third file, a recycled one written through the map kept
+    from its first write: the file before it is whole and the half-written one is a hidden
+    temporary (the spare was renamed to it before the first byte)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    directory = Path(os.path.realpath(shm)) / f"wb-test-mapped-{os.getpid()}"
+    directory.mkdir(mode=0o700)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAPPED_WRITER, str(directory)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert [proc.stdout.readline().strip() for _ in range(3)] == ["0", "1", "half"]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        left = sorted(p.name for p in directory.iterdir())
+        assert len(left) == 2 and left[0].startswith(".step-00000002.") and left[0].endswith(".tmp")
+        assert left[1] == "step-00000001.safetensors"
+        with CheckpointReader(directory / left[1]) as reader:
+            reader.verify_hash()
+            assert all(torch.all(t == float(n[1:])) for n, t in reader.tensors())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_a_spare_file_is_overwritten_in_place_and_an_odd_one_is_not(tmp_path: Path) -> None:
     ts = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.ones(7, 5)}
     spare = tmp_path / ".spare"
@@ -339,6 +402,92 @@ def test_a_spare_file_is_overwritten_in_place_and_an_odd_one_is_not(tmp_path: Pa
             again = w.finish()
         assert other.is_symlink() or other.read_bytes() == b"x" * 100
         assert again.path.stat().st_ino not in (odd.stat().st_ino, saved.path.stat().st_ino)
+
+
+def _write(path: Path, ts: dict, dtype: torch.dtype, hashed: bool, **kw) -> None:
+    specs = {
+        k: torch.empty(v.shape, dtype=dtype if v.is_floating_point() else v.dtype, device="meta")
+        for k, v in ts.items()
+    }
+    with CheckpointWriter(path, specs, fsync=False, hashed=hashed, **kw) as w:
+        for name, t in ts.items():
+            w.write(name, t, cast=True)
+        w.finish()
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_write_through_the_kept_map_stores_the_same_bytes_without_faulting_again(
+    tmp_path: Path,
+) -> None:
+    """The RAM transport's writer copies into a shared map of the file that it keeps from one
+    sync to the next: the bytes are those of a plain ``write()`` (cast, hash, odd tensors), and
+    a recycled file's second write through its kept map takes (almost) no page fault, where the
+    first, through a new map, faults all over it."""
+    g = torch.Generator().manual_seed(0)
+    ts = {
+        "big": torch.randn(CHUNK_BYTES // 4 * 3 + 5, generator=g),  # chunks and a remainder
+        "strided": torch.randn(64, 48, generator=g).t(),  # not contiguous
+        "ints": torch.arange(10),
+        "empty": torch.zeros(0),
+    }
+    maps = TransportMaps()
+    spare = tmp_path / ".spare"
+    for dtype in (torch.float32, torch.bfloat16):
+        for hashed in (False, True):
+            _write(tmp_path / "plain.safetensors", ts, dtype, hashed)
+            _write(tmp_path / "mapped.safetensors", ts, dtype, hashed, reuse=spare, maps=maps)
+            plain, mapped = tmp_path / "plain.safetensors", tmp_path / "mapped.safetensors"
+            assert plain.read_bytes() == mapped.read_bytes(), (dtype, hashed)
+            os.rename(mapped, spare)  # what prune does: the next write recycles it
+    assert len(maps) == 1  # one file, its map kept
+
+    pages = 32 * 2**20 // 4096
+    big = {"w": torch.randn(pages * 1024, generator=g)}
+    faults = []
+    for _ in range(2):
+        before = _minor_faults()
+        _write(tmp_path / "mapped.safetensors", big, torch.float32, False, reuse=spare, maps=maps)
+        faults.append(_minor_faults() - before)
+        os.rename(tmp_path / "mapped.safetensors", spare)
+    # the first write needs a longer map (a new one: faults all over it), the second reuses it
+    assert faults[0] > pages // 8 and faults[1] < faults[0] // 10, faults
+    assert len(maps) == 1
+    maps.close()
+    assert len(maps) == 0
+
+
+def test_a_kept_map_goes_with_its_file_and_an_unreserved_file_is_not_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deleted file's map is dropped (its RAM is given back, not held by the trainer);
+    a file whose space could not be reserved is written, never mapped (a write through a map
+    cannot report a full filesystem: it would kill the process)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    directory = shm / f"wb-maps-{os.getpid()}"
+    directory.mkdir(mode=0o700)
+    try:
+        maps = TransportMaps()
+        ts = {"w": torch.randn(16 * 2**20)}  # 64 MiB
+        _write(directory / "a.safetensors", ts, torch.float32, False, maps=maps)
+        assert len(maps) == 1
+        (directory / "a.safetensors").unlink()
+        held = shutil.disk_usage(shm).used
+        maps.drop_unlinked()
+        assert len(maps) == 0
+        assert held - shutil.disk_usage(shm).used > 48 * 2**20  # the pages went with the map
+
+        monkeypatch.setattr(space, "_libc_fallocate", lambda: None)  # no fallocate here
+        _write(directory / "b.safetensors", ts, torch.float32, False, maps=maps)
+        assert len(maps) == 0
+        with CheckpointReader(directory / "b.safetensors") as reader:
+            assert torch.equal(reader.tensor("w"), ts["w"])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # -- vLLM's trainer API: the same writer's names, retention and default version ----------------

@@ -15,6 +15,9 @@ writer fed from a mapping.
 ``hashed=False`` leaves the hash out (a transport file nobody will check: one pass less);
 ``reuse`` names a file of ours in the same directory that is no longer needed, overwritten in
 place under the temporary name instead of a new file (on tmpfs its pages are already allocated).
+``maps`` (:class:`~.mapping.TransportMaps`, the RAM transport's) writes the data through a shared
+map of the file kept from the last time this file was written: a CPU tensor is then one
+multi-threaded ``copy_`` (with its cast) into the file's pages, not a ``write()`` per chunk.
 
 Writes go to an owner-only (0600) temporary file in the target directory, locked while it is
 written, its whole size reserved up front (so a full filesystem refuses the checkpoint before
@@ -46,6 +49,7 @@ import torch
 from ..layout import storage_start
 from .errors import CheckpointError, CheckpointWriteError
 from .format import DTYPE_NAMES, HASH_KEY
+from .mapping import TransportMaps
 from .space import STALE_TEMP_AGE_S, fsync_dir, open_temp, reserve
 
 __all__ = [
@@ -165,9 +169,12 @@ class CheckpointWriter:
         fsync: bool = True,
         hashed: bool = True,
         reuse: str | os.PathLike | None = None,
+        maps: TransportMaps | None = None,
     ) -> None:
         self._started = time.perf_counter()
         self._bounce: torch.Tensor | None = None  # the chunk buffer of cast or device tensors
+        self._mapped: torch.Tensor | None = None  # the file's bytes, when written through a map
+        self._pos = 0  # where the next data byte goes
         self.path = Path(path)
         self.fsync = fsync
         pairs = specs.items() if isinstance(specs, Mapping) else specs
@@ -181,7 +188,7 @@ class CheckpointWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, self._tmp, self._reused = open_temp(self.path, reuse)
         self._file = os.fdopen(fd, "wb", buffering=0)
-        self._guard(lambda: self._open(head))
+        self._guard(lambda: self._open(head, maps))
 
     @property
     def names(self) -> list[str]:
@@ -193,10 +200,19 @@ class CheckpointWriter:
         """The tensors still to be written, in order."""
         return self._order[self._next :]
 
-    def _open(self, head: bytes) -> None:
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)  # marks the file as a live writer's
+    def _open(self, head: bytes, maps: TransportMaps | None) -> None:
+        fd = self._file.fileno()
+        fcntl.flock(fd, fcntl.LOCK_EX)  # marks the file as a live writer's
         _write_all(self._file, head)
-        reserve(self._file.fileno(), len(head), self.nbytes)
+        self._pos = len(head)
+        reserved = reserve(fd, len(head), self.nbytes)
+        if maps is not None and reserved and self.nbytes:
+            # Every page is allocated (reserved), so no write through the map can meet a full
+            # filesystem; the file gets its final size now (it is still a temporary file).
+            if os.fstat(fd).st_size < self._total:
+                os.ftruncate(fd, self._total)
+            with contextlib.suppress(OSError, ValueError):  # no map (no /proc, no memory): write
+                self._mapped = maps.view(fd, self._total)
 
     def write(self, name: str, tensor: torch.Tensor, cast: bool = False) -> None:
         """Write the next tensor of the header; anything else aborts and raises by name.
@@ -226,25 +242,51 @@ class CheckpointWriter:
         t = tensor.detach()
         if not t.numel():
             return
+        flat = t.reshape(-1)  # a view when contiguous (a copy of one tensor otherwise)
+        if self._mapped is not None and t.device.type == "cpu" and self._pos % dtype.itemsize == 0:
+            self._copy_into_map(flat, dtype)  # (an unaligned offset is copied as bytes, below)
+            return
         if t.device.type == "cpu" and t.dtype == dtype:
             data = _bytes_of(t)  # a view of a contiguous tensor: no copy at all
             for i in range(0, len(data), CHUNK_BYTES):
-                chunk = data[i : i + CHUNK_BYTES]
-                if self._hash is not None:
-                    self._hash.update(chunk)
-                _write_all(self._file, chunk)
+                self._put(data[i : i + CHUNK_BYTES])
             return
-        flat = t.reshape(-1)  # a view when contiguous (a copy of one tensor otherwise)
         bounce = self._chunk_buffer(t.device).view(dtype)
         per = bounce.numel()
         for i in range(0, flat.numel(), per):
             part = flat[i : i + per]
             buf = bounce[: part.numel()]
             buf.copy_(part.to(dtype) if part.device.type != "cpu" else part)  # cast on device
-            data = _bytes_of(buf)
-            if self._hash is not None:
-                self._hash.update(data)
+            self._put(_bytes_of(buf))
+
+    def _copy_into_map(self, flat: torch.Tensor, dtype: torch.dtype) -> None:
+        """A CPU tensor copied (and cast) straight into the mapped file: one ``copy_`` over
+        the whole tensor (torch splits it across threads), or, when hashing, chunk by chunk,
+        each hashed from the file's pages while it is in cache."""
+        assert self._mapped is not None
+        n = flat.numel() * dtype.itemsize
+        dst = self._mapped[self._pos : self._pos + n].view(dtype)
+        if self._hash is None:
+            dst.copy_(flat)
+        else:
+            per = CHUNK_BYTES // dtype.itemsize
+            for i in range(0, flat.numel(), per):
+                chunk = dst[i : i + per]
+                chunk.copy_(flat[i : i + per])
+                self._hash.update(_bytes_of(chunk))
+        self._pos += n
+
+    def _put(self, data: memoryview) -> None:
+        """Hash ``data`` and store it at the next position (through the map, or written)."""
+        if self._hash is not None:
+            self._hash.update(data)
+        if self._mapped is not None:
+            self._mapped[self._pos : self._pos + len(data)].copy_(
+                torch.frombuffer(data, dtype=torch.uint8)
+            )
+        else:
             _write_all(self._file, data)
+        self._pos += len(data)
 
     def _chunk_buffer(self, device: torch.device) -> torch.Tensor:
         """:data:`CHUNK_BYTES` of host memory, pinned when tensors come from an accelerator
@@ -269,7 +311,7 @@ class CheckpointWriter:
         digest = self._hash.hexdigest() if self._hash is not None else ""
         self._guard(lambda: self._commit(digest))
         self._state = "finished"
-        self._bounce = None
+        self._bounce = self._mapped = None
         if self.fsync:
             fsync_dir(self.path.parent)
         return SavedCheckpoint(self.path, self.nbytes, digest, time.perf_counter() - self._started)
@@ -277,7 +319,7 @@ class CheckpointWriter:
     def _commit(self, digest: str) -> None:
         if self._hash_at is not None:
             os.pwrite(self._file.fileno(), digest.encode(), self._hash_at)
-        if self._reused:  # a recycled file may have been longer
+        if self._reused or self._mapped is not None:  # a recycled or mapped file may be longer
             os.ftruncate(self._file.fileno(), self._total)
         if self.fsync:
             os.fsync(self._file.fileno())
@@ -289,7 +331,7 @@ class CheckpointWriter:
         if self._state != "open":
             return
         self._state = "aborted"
-        self._bounce = None
+        self._bounce = self._mapped = None
         with contextlib.suppress(OSError):
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
@@ -308,9 +350,7 @@ class CheckpointWriter:
         try:
             step()
         except BaseException as exc:
-            written = 0
-            with contextlib.suppress(OSError):
-                written = os.stat(self._tmp).st_size
+            written = self._pos
             self.abort()
             if isinstance(exc, OSError):
                 raise CheckpointWriteError(
