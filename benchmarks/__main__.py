@@ -37,9 +37,9 @@ median with min/max and quartiles:
   to the same directory, both fsynced, on disk and on ``/dev/shm``;
 * peak extra resident memory during a push (``RssAnon`` and ``RssFile`` of ``/proc/PID/status``
   sampled in a background thread, plus the kernel's exact ``VmHWM`` after a reset);
-* sync end to end (:mod:`benchmarks.sync`, ``--sync-sizes``; ``--only sync`` runs it alone
-  and merges it into ``--out``): the callback's save and push in a real Trainer, by default and
-  with each lever on its own, against two memory copies of the model;
+* sync end to end (:mod:`benchmarks.sync`, ``--sync-sizes``, ``--sync-reps``; ``--only sync``
+  runs it alone and merges it into ``--out``): the callback's save and push in a real Trainer, by
+  default and with each lever on its own, against two memory copies of the model;
 * generation speed of the CPU linear modes (``cpu_linear`` repack / torch, repack with glibc's
   default allocator, and vLLM's own engine), multi-process engines alive together and
   measured round-robin (``--gen-sizes`` only).
@@ -202,7 +202,7 @@ def bench_sync_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any
     sync_dir = workdir / "sync"
     sync_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return bench_sync(sync_dir, args.sync_sizes, args.reps, args.shm_dir, log)
+        return bench_sync(sync_dir, args.sync_sizes, args.sync_reps, args.shm_dir, log)
     finally:
         shutil.rmtree(sync_dir, ignore_errors=True)
 
@@ -300,6 +300,13 @@ def _parser() -> argparse.ArgumentParser:
         help="sizes of the 'sync end to end' section (benchmarks.sync; 'none': skip)",
     )
     p.add_argument(
+        "--sync-reps",
+        type=int,
+        default=9,
+        help="syncs timed per variant of 'sync end to end' (more than --reps: on 2 cores a "
+        "sync moves by 1x of the two-copy limit from one to the next)",
+    )
+    p.add_argument(
         "--only",
         choices=["sync"],
         default=None,
@@ -357,6 +364,7 @@ def _header(args: argparse.Namespace, raw_argv: list[str], workdir: Path) -> dic
             "http_sizes": args.http_sizes,
             "fsdp_size": args.fsdp_size,
             "fsdp_reps": args.fsdp_reps,
+            "sync_reps": args.sync_reps,
             "inflight_size": args.inflight_size,
             "inflight_pushes": args.inflight_pushes,
             "recipe_steps": args.recipe_steps,
