@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint
+from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint, retention
 from weight_bridge.checkpoint.mapping import TransportMaps
 from weight_bridge.checkpoint.retention import estimate_bytes
 from weight_bridge.checkpoint.space import create_reserved
@@ -84,6 +84,29 @@ class Gatherer:
         self.hashed = True  # the content hash in the header (the RAM transport: only to check)
         self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
         self.maps: TransportMaps | None = None  # the files' maps, kept across syncs (same)
+
+    def use_ram(self, directory: Path | None) -> None:
+        """Write into the RAM transport in ``directory`` (None: not in RAM, or no more): its
+        spare file, and the maps of its files, kept from one sync to the next."""
+        if self.maps is not None:
+            self.maps.close()
+        self.spare = directory / retention.SPARE if directory is not None else None
+        self.maps = TransportMaps() if directory is not None else None
+
+    def retire(self, directory: Path, current: Path, keep: int, served: Iterable) -> None:
+        """After a sync: delete the old files (in RAM the first to go becomes the spare), drop
+        the maps of deleted files now (not at the next sync), and, after the first sync, make
+        the spare."""
+        retention.prune(directory, current, keep, served, spare=self.spare is not None)
+        if self.maps is not None:
+            self.maps.drop_unlinked()
+        self.prepare_spare(current)
+
+    def discard(self, path: Path, engine: Any) -> None:
+        """A failed sync's file goes (unless the engine serves it), and its map with it."""
+        retention.discard(path, engine)
+        if self.maps is not None:
+            self.maps.drop_unlinked()
 
     def prepare_spare(self, like: Path) -> None:
         """Give the RAM transport its spare file now (after the first sync), the size of

@@ -29,7 +29,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, retention
-from weight_bridge.checkpoint.mapping import TransportMaps
 from weight_bridge.vllm.client import EngineClient
 from weight_bridge.vllm.engines import ENGINE_MODES, client_for, connect, start_engine
 
@@ -200,8 +199,7 @@ class VLLMWeightSync(Callback):
             f = self.files
             need = self.gatherer.estimate_bytes(pl_module)
             self._dir, self._in_ram = open_dir(f, trainer, need, self._engine, self.model_path)
-            self.gatherer.spare = self._dir / retention.SPARE if self._in_ram else None
-            self.gatherer.maps = TransportMaps() if self._in_ram else None
+            self.gatherer.use_ram(self._dir if self._in_ram else None)
             self.gatherer.hashed = self.verify_hash or not self._in_ram  # RAM: hash to check only
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
@@ -233,8 +231,7 @@ class VLLMWeightSync(Callback):
             _expose(pl_module, None)
         if self._in_ram and self._dir is not None and self._is_writer(trainer):
             retention.release(self._dir, self._engine.served_checkpoints if self._engine else ())
-        if self.gatherer.maps is not None:
-            self.gatherer.maps.close()
+        self.gatherer.use_ram(None)  # the writer's maps of the files go too
 
     # -- cadence -----------------------------------------------------------------------------
 
@@ -295,8 +292,7 @@ class VLLMWeightSync(Callback):
             failed = exc
         if failed is not None:
             if saved is not None and self._is_writer(trainer):  # a failed sync leaves no file
-                retention.discard(path, self._engine)
-                self._unmap_deleted()
+                self.gatherer.discard(path, self._engine)
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
         self.clock.synced(step, partial)
@@ -334,11 +330,6 @@ class VLLMWeightSync(Callback):
         saved = self.gatherer.stream(plan, where, metadata, collective, self._writers)
         return (saved.bytes if saved else 0), plan.partial, str(path)
 
-    def _unmap_deleted(self) -> None:
-        """The writer's kept maps of deleted files go now, not at the next sync (RAM)."""
-        if self.gatherer.maps is not None:
-            self.gatherer.maps.drop_unlinked()
-
     def _push(self, path: Path, step: int) -> Any:
         if self._engine is None:
             return None
@@ -355,10 +346,7 @@ class VLLMWeightSync(Callback):
         if self._is_writer(trainer):
             served = self._engine.served_checkpoints if self._engine is not None else []
             assert self._dir is not None
-            spare = self.gatherer.spare is not None
-            retention.prune(self._dir, path, self.files.keep(self._in_ram), served, spare=spare)
-            self._unmap_deleted()
-            self.gatherer.prepare_spare(path)
+            self.gatherer.retire(self._dir, path, self.files.keep(self._in_ram), served)
             metrics = {
                 "weight_sync/save_s": record["save_s"],
                 "weight_sync/push_s": record["push_s"],

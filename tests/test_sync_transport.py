@@ -118,7 +118,8 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
             with CheckpointReader(self.last_checkpoint) as reader:
                 hashed.append(HASH_KEY in reader.metadata)
             recycled.append(before == (self._dir / f"step-{step:08d}.safetensors").stat().st_ino)
-            kept_maps.append(len(self.gatherer.maps))
+            self.maps = self.gatherer.maps
+            kept_maps.append(len(self.maps))
 
     sync = Watch(
         model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
@@ -135,7 +136,7 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     assert hashed == [False] * 4  # transport: no hash unless the engine is to check it
     assert fsynced.paths == []  # transport: nothing fsynced
     assert not directory.exists()  # released at teardown, with the engine it built
-    assert len(sync.gatherer.maps) == 0  # and the writer's maps of its files
+    assert len(sync.maps) == 0 and sync.gatherer.maps is None  # and the writer's maps of it
 
 
 @pytest.mark.slow

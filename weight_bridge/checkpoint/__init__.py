@@ -20,8 +20,10 @@ makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-
 Modules: :mod:`.errors` (the exceptions), :mod:`.format` (dtype names, limits, the content
 hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard index,
 :class:`CheckpointReader`), :mod:`.write` (:class:`CheckpointWriter`, :func:`save_checkpoint`),
-:mod:`.space` (the writer's filesystem calls), :mod:`.retention` (where a sync's files go, their
-names, which may be deleted: :class:`CheckpointFiles`, :func:`step_file`).
+:mod:`.header_plan` (the header a writer plans from metadata), :mod:`.space` (the writer's
+filesystem calls), :mod:`.mapping` (the writer's maps of its files, kept across syncs),
+:mod:`.retention` (where a sync's files go, their names, which may be deleted:
+:class:`CheckpointFiles`, :func:`step_file`).
 Tests that inject faults patch the module that looks the name up
 (``weight_bridge.checkpoint.write`` for the writer).
 """

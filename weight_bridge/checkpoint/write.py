@@ -34,21 +34,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
-import math
 import os
-import struct
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from ..layout import storage_start
 from .errors import CheckpointError, CheckpointWriteError
-from .format import DTYPE_NAMES, HASH_KEY
+from .format import DTYPE_NAMES
+from .header_plan import TensorMeta, plan_header
 from .mapping import TransportMaps
 from .space import STALE_TEMP_AGE_S, fsync_dir, open_temp, reserve
 
@@ -79,16 +76,6 @@ def _write_all(f, data: memoryview | bytes) -> None:
         data = data[n:]
 
 
-class TensorMeta(Protocol):
-    """What the header needs of a tensor: a ``torch.Tensor``, a meta tensor, a ``TensorSpec``."""
-
-    @property
-    def shape(self) -> torch.Size | tuple[int, ...]: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-
 @dataclass(frozen=True)
 class SavedCheckpoint:
     """A checkpoint written by :class:`CheckpointWriter` or :func:`save_checkpoint`."""
@@ -97,55 +84,6 @@ class SavedCheckpoint:
     bytes: int
     hash: str
     elapsed_s: float
-
-
-@dataclass(frozen=True)
-class _Planned:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    begin: int
-    end: int
-
-
-def _plan(
-    path: Path,
-    specs: Iterable[tuple[str, TensorMeta]],
-    metadata: Mapping[str, str] | None,
-    hashed: bool = True,
-) -> tuple[dict[str, _Planned], bytes, int | None]:
-    """Each tensor's byte range, the encoded header (hash placeholder, 8-byte aligned) and
-    where in the file the hash's 64 hex digits go."""
-    planned: dict[str, _Planned] = {}
-    header: dict[str, object] = {}
-    offset = 0
-    for name, spec in specs:
-        if name in planned:
-            raise CheckpointError(path, "named twice", name)
-        if name == "__metadata__":
-            raise CheckpointError(path, "reserved name", name)
-        if spec.dtype not in DTYPE_NAMES:
-            raise CheckpointError(path, f"dtype {spec.dtype} has no safetensors name", name)
-        shape = tuple(int(s) for s in spec.shape)
-        n = math.prod(shape) * spec.dtype.itemsize
-        planned[name] = _Planned(shape, spec.dtype, offset, offset + n)
-        header[name] = {
-            "dtype": DTYPE_NAMES[spec.dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    meta.pop(HASH_KEY, None)
-    if hashed:
-        meta[HASH_KEY] = "0" * 64
-    header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # align the data section to 8 bytes
-    if not hashed:
-        return planned, struct.pack("<Q", len(raw)) + raw, None
-    marker = json.dumps({HASH_KEY: meta[HASH_KEY]}, separators=(",", ":"))[1:-1].encode()
-    hash_at = 8 + raw.index(marker) + len(marker) - 65
-    return planned, struct.pack("<Q", len(raw)) + raw, hash_at
 
 
 class CheckpointWriter:
@@ -178,7 +116,7 @@ class CheckpointWriter:
         self.path = Path(path)
         self.fsync = fsync
         pairs = specs.items() if isinstance(specs, Mapping) else specs
-        self._planned, head, self._hash_at = _plan(self.path, pairs, metadata, hashed)
+        self._planned, head, self._hash_at = plan_header(self.path, pairs, metadata, hashed)
         self._order = list(self._planned)
         self._next = 0
         self.nbytes = max((p.end for p in self._planned.values()), default=0)
