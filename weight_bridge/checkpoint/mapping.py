@@ -43,11 +43,12 @@ class TransportMaps:
         self._kept: dict[tuple[int, int], _Kept] = {}
 
     def view(self, fd: int, size: int) -> torch.Tensor:
-        """The first ``size`` bytes of the file open at ``fd`` (read-write, at least ``size``
-        long, its pages reserved) as a uint8 tensor over a shared map: the one kept for this
-        file if it is long enough, else a new one, kept from now on. A new map is a little
-        longer than ``size`` (so the next, slightly longer header still fits) and the file is
-        extended to it: the caller cuts the file to its size once written."""
+        """The first ``size`` bytes of the file open at ``fd`` (read-write, its first ``size``
+        bytes reserved) as a uint8 tensor over a shared map: the one kept for this file if it
+        is long enough, else a new one, kept from now on. A new map is a little longer than
+        ``size`` (so the next, slightly longer header still fits); a file shorter than its map
+        is extended to it (a hole beyond ``size``, never touched), and the caller cuts the file
+        to its size once written."""
         self.drop_unlinked()
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
@@ -55,10 +56,10 @@ class TransportMaps:
         if kept is not None and len(kept.map) < size:
             self._drop(key)
             kept = None
+        length = len(kept.map) if kept is not None else -(-size // _SLACK) * _SLACK
+        if st.st_size < length:
+            os.ftruncate(fd, length)
         if kept is None:
-            length = -(-size // _SLACK) * _SLACK
-            if os.fstat(fd).st_size < length:
-                os.ftruncate(fd, length)  # a hole: no page beyond ``size`` is ever touched
             # The map's own open file (mmap keeps a dup of the descriptor it is given): one of
             # the writer's would share, and so outlive, the writer's lock.
             own = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)

@@ -30,8 +30,8 @@ _TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")  # mkstemp's 8
 _TEMP_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 
 
-def open_temp(path: Path, reuse: str | os.PathLike | None = None) -> tuple[int, str, bool]:
-    """A new owner-only temporary file for ``path`` in its directory (fd, name, reused).
+def open_temp(path: Path, reuse: str | os.PathLike | None = None) -> tuple[int, str]:
+    """A new owner-only temporary file for ``path`` in its directory (fd, name).
 
     ``reuse``: a file of ours in the same directory that is no longer needed (a transport file
     no engine serves); it is renamed to the temporary name, atomically, and overwritten in place,
@@ -47,10 +47,10 @@ def open_temp(path: Path, reuse: str | os.PathLike | None = None) -> tuple[int, 
     # mkstemp creates the file 0600 (owner-only) with O_EXCL, whatever the umask: no byte is
     # ever readable by others, and os.replace keeps the mode.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    return fd, tmp, False
+    return fd, tmp
 
 
-def _recycle(path: Path, reuse: Path) -> tuple[int, str, bool] | None:
+def _recycle(path: Path, reuse: Path) -> tuple[int, str] | None:
     """``reuse`` opened, checked, locked, touched and renamed to a temporary name of ``path``
     (the lock and the fresh mtime keep :func:`remove_stale_temps` off it); None if unusable."""
     try:
@@ -73,7 +73,7 @@ def _recycle(path: Path, reuse: Path) -> tuple[int, str, bool] | None:
     except OSError:
         os.close(fd)
         return None
-    return fd, tmp, True
+    return fd, tmp
 
 
 def remove_stale_temps(path: Path) -> None:

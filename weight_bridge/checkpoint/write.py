@@ -124,7 +124,7 @@ class CheckpointWriter:
         self._hash = _hasher() if hashed else None
         self._state = "open"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._tmp, self._reused = open_temp(self.path, reuse)
+        fd, self._tmp = open_temp(self.path, reuse)
         self._file = os.fdopen(fd, "wb", buffering=0)
         self._guard(lambda: self._open(head, maps))
 
@@ -146,9 +146,7 @@ class CheckpointWriter:
         reserved = reserve(fd, len(head), self.nbytes)
         if maps is not None and reserved and self.nbytes:
             # Every page is allocated (reserved), so no write through the map can meet a full
-            # filesystem; the file gets its final size now (it is still a temporary file).
-            if os.fstat(fd).st_size < self._total:
-                os.ftruncate(fd, self._total)
+            # filesystem; the map extends the (still temporary) file to its length if shorter.
             with contextlib.suppress(OSError, ValueError):  # no map (no /proc, no memory): write
                 self._mapped = maps.view(fd, self._total)
 
@@ -257,7 +255,7 @@ class CheckpointWriter:
     def _commit(self, digest: str) -> None:
         if self._hash_at is not None:
             os.pwrite(self._file.fileno(), digest.encode(), self._hash_at)
-        if self._reused or self._mapped is not None:  # a recycled or mapped file may be longer
+        if os.fstat(self._file.fileno()).st_size != self._total:  # recycled or mapped: longer
             os.ftruncate(self._file.fileno(), self._total)
         if self.fsync:
             os.fsync(self._file.fileno())
