@@ -84,14 +84,20 @@ class Gatherer:
         self.hashed = True  # the content hash in the header (the RAM transport: only to check)
         self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
         self.maps: TransportMaps | None = None  # the files' maps, kept across syncs (same)
+        self.owner: int | None = None  # holds the RAM transport's directory while the run lives
 
-    def use_ram(self, directory: Path | None) -> None:
+    def use_ram(self, directory: Path | None, owner: int | None = None) -> None:
         """Write into the RAM transport in ``directory`` (None: not in RAM, or no more): its
-        spare file, and the maps of its files, kept from one sync to the next."""
+        spare file, and the maps of its files, kept from one sync to the next; ``owner``: the
+        descriptor that holds the run's directory (:func:`~weight_bridge.checkpoint.run_dirs.
+        claim`), closed when the transport is left."""
         if self.maps is not None:
             self.maps.close()
+        if self.owner is not None:
+            os.close(self.owner)
         self.spare = directory / retention.SPARE if directory is not None else None
         self.maps = TransportMaps() if directory is not None else None
+        self.owner = owner
 
     def retire(self, directory: Path, current: Path, keep: int, served: Iterable) -> None:
         """After a sync: delete the old files (in RAM the first to go becomes the spare), drop

@@ -196,10 +196,11 @@ class VLLMWeightSync(Callback):
             _expose(pl_module, None)
             return
         if stage == "fit":
-            f = self.files
             need = self.gatherer.estimate_bytes(pl_module)
-            self._dir, self._in_ram = open_dir(f, trainer, need, self._engine, self.model_path)
-            self.gatherer.use_ram(self._dir if self._in_ram else None)
+            partial = self.schedule.skip_frozen  # a partial chain holds its complete base too
+            where = open_dir(self.files, trainer, need, self._engine, self.model_path, partial)
+            self._dir, self._in_ram, owner = where
+            self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
             self.gatherer.hashed = self.verify_hash or not self._in_ram  # RAM: hash to check only
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
@@ -231,7 +232,7 @@ class VLLMWeightSync(Callback):
             _expose(pl_module, None)
         if self._in_ram and self._dir is not None and self._is_writer(trainer):
             retention.release(self._dir, self._engine.served_checkpoints if self._engine else ())
-        self.gatherer.use_ram(None)  # the writer's maps of the files go too
+        self.gatherer.use_ram(None)  # the writer's maps of the files go too, and its hold
 
     # -- cadence -----------------------------------------------------------------------------
 
@@ -269,8 +270,7 @@ class VLLMWeightSync(Callback):
         """Save (every rank plans; the writers write), push (every rank with an engine), check.
 
         Each step is tried locally and agreed on by every rank (:class:`Collective`), so one
-        rank's failure fails every rank at the same point and none is left waiting.
-        """
+        rank's failure fails every rank at the same point and none is left waiting."""
         if self._dir is None:
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
         collective = Collective(trainer.strategy)

@@ -286,6 +286,40 @@ def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, sto
     assert_parity(http_greedy(client), stock_cold(b))
 
 
+def test_a_restarted_trainer_never_reuses_a_name_of_the_served_chain(dense, stock_cold) -> None:
+    """vLLM's trainer API against a long-lived server: a trainer sends a complete checkpoint
+    and a partial on top of it; a restarted trainer on the same directory counts on past both
+    names, so no file of the server's chain is ever replaced (issue 37). The server then equals
+    a stock cold start on the restarted trainer's weights."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weight_bridge.vllm.trainer import WeightBridgeTrainerInitInfo
+
+    client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
+    info = WeightBridgeTrainerInitInfo(directory=str(root / "restarted"), rank=0)
+
+    def sender(model_dir: Path):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        source = ModuleSource(model)
+        return WeightTransferTrainerFactory.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(client.url), source=source
+        )
+
+    first = sender(a)
+    chain = [first.send_weights(version="r1")]
+    chain.append(first.send_weights(version="r1p", names=["model.norm.weight"]))
+    again = sender(b)  # the trainer restarted: its own count starts at 1
+    sent = again.send_weights(version="r2")
+    assert sent is not None and sent.name == "step-00000003.safetensors"
+    assert sent not in chain
+    assert client.weight_version() == "r2"
+    assert_parity(http_greedy(client), stock_cold(b))
+    client.push(a, version="A")
+
+
 def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
     """A real ``Trainer`` with ``VLLMWeightSync(engine_url=...)``: after training, the server
     serves exactly the trainer's weights (a stock cold start on them), its version the step."""

@@ -81,7 +81,16 @@ def test_fallback_to_disk_names_why(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     need = 100 * 2**20
     small = place(CheckpointFiles(), str(tmp_path), need, True, free=lambda p: 150 * 2**20)
     assert not small.in_ram and small.directory == tmp_path / "weight_sync"
-    assert "150 MiB free" in small.fallback and "2 checkpoints of 100 MiB" in small.fallback
+    # the newest file, the one being written, and the complete base a partial chain rests on
+    assert "150 MiB free" in small.fallback and "3 checkpoints of 100 MiB" in small.fallback
+    complete_only = place(
+        CheckpointFiles(), str(tmp_path), need, True, free=lambda p: 150 * 2**20, partial=False
+    )
+    assert "2 checkpoints of 100 MiB" in str(complete_only.fallback)
+    fits = place(
+        CheckpointFiles(), str(tmp_path), need, True, free=lambda p: 3 * need + 2**27, partial=True
+    )
+    assert fits.in_ram
     kept = place(CheckpointFiles(keep_last_k=3), str(tmp_path), need, True, free=lambda p: 1 << 40)
     assert kept.in_ram  # room enough
     monkeypatch.setattr(retention, "RAM_ROOT", tmp_path / "no-shm")

@@ -84,11 +84,12 @@ def _sniff(path: Path, head: bytes) -> None:
             )
 
 
-def open_file(path: Path) -> SafetensorsFile:
-    """Open, validate and map one safetensors file; nothing but the header is read."""
+def open_file(path: Path, via: Path | None = None) -> SafetensorsFile:
+    """Open, validate and map one safetensors file; nothing but the header is read.
+    ``via``: another name of the same file to open (a held descriptor's), ``path`` is named."""
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(via or path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise CheckpointError(path, f"cannot open: {exc.strerror or exc}") from exc
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from ..layout import TensorSpec
 from .errors import CheckpointError
 from .format import HASH_KEY, INDEX_NAME, MAX_INDEX_BYTES, content_hash
 from .header import SafetensorsFile, open_file
+from .held import HeldFile
 
 __all__ = ["CheckpointReader", "resolve_checkpoint_files"]
 
@@ -105,13 +106,35 @@ class CheckpointReader:
     while the views are in use.
     """
 
-    def __init__(self, checkpoint: str | os.PathLike):
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike,
+        hold: bool = False,
+        held: Sequence[HeldFile] | None = None,
+    ):
+        """``hold``: hold each file (:class:`~.held.HeldFile`: open, shared-locked, its
+        identity recorded) so that it can be re-read exactly as it is now, after
+        :meth:`take_held`. ``held``: re-read those files, through their descriptors, each
+        checked against its identity first (a file changed since is refused by name)."""
         self.path = Path(checkpoint)
-        paths, indexed = _resolve(checkpoint)
         self.files: list[SafetensorsFile] = []
+        self._own = held is None  # whether the held files are this reader's to release
+        self.held: list[HeldFile] = list(held or [])
         try:
-            for p in paths:
-                self.files.append(open_file(p))
+            if held is not None:
+                paths, indexed = [h.path for h in held], None
+            else:
+                paths, indexed = _resolve(checkpoint)
+                if hold:
+                    for p in paths:
+                        self.held.append(HeldFile(p))
+            for i, p in enumerate(paths):
+                f = open_file(p, self.held[i].via if self.held else None)
+                self.files.append(f)
+                if held is not None:
+                    self.held[i].check(f.metadata.get(HASH_KEY))
+                elif hold:
+                    self.held[i].stamped(f.metadata.get(HASH_KEY))
             self._where: dict[str, SafetensorsFile] = {}
             for f in self.files:
                 for name in f.entries:
@@ -125,6 +148,11 @@ class CheckpointReader:
         except BaseException:
             self.close()
             raise
+
+    def take_held(self) -> list[HeldFile]:
+        """The files this reader holds, now the caller's to release (see ``hold``)."""
+        held, self.held, self._own = self.held, [], False
+        return held
 
     def _check_index(self, indexed: dict[str, Path]) -> None:
         index = self.path / INDEX_NAME
@@ -199,6 +227,10 @@ class CheckpointReader:
         # views would raise), so only the reader's references are dropped.
         for f in getattr(self, "files", []):
             f.map = None
+        if getattr(self, "_own", False):
+            for h in self.held:
+                h.release()
+            self.held = []
 
     def __enter__(self) -> CheckpointReader:
         return self

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 
 from ..layout import storage_start
+from .held import try_lock_exclusive
+from .run_dirs import new_run_dir_name, remove_orphans
 
 __all__ = [
     "RAM_ROOT",
@@ -36,11 +37,13 @@ __all__ = [
     "discard",
     "estimate_bytes",
     "free_bytes",
+    "held_files",
     "make_dir",
     "place",
     "prune",
     "release",
     "step_file",
+    "unused_step",
 ]
 
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
@@ -58,8 +61,11 @@ class CheckpointFiles:
       the engine (``model_path``), or the engine's checkpoint root is itself in RAM, it goes to a
       private (0700) directory in ``/dev/shm`` that the engine reads from, removed at teardown;
       if ``/dev/shm`` is missing or has too little room for the files a sync holds at once
-      (``keep_last_k + 1`` checkpoints plus 64 MiB), the callback warns, saying which, and
-      writes to ``<trainer.log_dir>/weight_sync`` instead (as it does for any other engine).
+      (:func:`held_files`: ``keep_last_k + 1`` checkpoints, one more while syncs may be
+      partial, plus 64 MiB), the callback warns, saying which, and writes to
+      ``<trainer.log_dir>/weight_sync`` instead (as it does for any other engine). A run's
+      directory is removed at its end (SIGTERM included); one a SIGKILLed run left is removed
+      by the next run's start (:mod:`.run_dirs`).
     * ``dirpath``: write there, whatever filesystem it is on (``ram_dir=True`` still wins).
     * ``ram_dir=True``: RAM, whatever the engine; ``ram_dir=False``: never RAM.
     * ``durable=True``: fsync every checkpoint and its directory after the rename, so a saved
@@ -115,6 +121,14 @@ def step_file(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}.safetensors"
 
 
+def unused_step(directory: Path) -> int:
+    """The first step number after every step file in ``directory``: a writer that counts its
+    own sends (vLLM's trainer API) starts there, so a restarted one never reuses a name an
+    engine's chain may still carry."""
+    steps = [int(m.group(1)) for f in directory.glob(_STEP_GLOB) if (m := _STEP_FILE.match(f.name))]
+    return max(steps, default=0) + 1
+
+
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer can still store on ``path``'s filesystem."""
     return shutil.disk_usage(path).free
@@ -165,6 +179,14 @@ def _is_tmpfs(path: Path) -> bool:
     return kind == "tmpfs"
 
 
+def held_files(keep_last_k: int, partial: bool) -> int:
+    """How many checkpoints the transport holds at once, at most: the newest ``keep_last_k``
+    (the served one among them), the one being written (a recycled spare), and, while syncs
+    may be partial, the complete checkpoint their chain rests on. The served chain keeps no
+    more (:func:`~weight_bridge.vllm.served_chain.compact`), however long the run."""
+    return keep_last_k + 1 + int(partial)
+
+
 def place(
     files: CheckpointFiles,
     log_dir: str,
@@ -172,13 +194,17 @@ def place(
     builds_engine: bool,
     engine_root: str | None = None,
     free: Callable[[Path], int] | None = None,
+    partial: bool = True,
 ) -> Placement:
     """Where this run's checkpoints go (see :class:`CheckpointFiles`); ``need_bytes``: one
-    checkpoint's size, to check RAM's free space against (``free``: the check, for tests)."""
+    checkpoint's size, to check RAM's free space against (``free``: the check, for tests);
+    ``partial``: whether syncs may be partial (the chain then holds a complete base besides).
+    Choosing RAM first removes the directories killed runs of this user left there."""
     disk = Path(files.dirpath) if files.dirpath is not None else Path(log_dir) / "weight_sync"
-    name = f"weight_bridge-{os.getpid()}-{secrets.token_hex(4)}"
+    name = new_run_dir_name()
     if files.ram_dir:  # as before: a private directory, removed at the end, in /tmp without RAM
         ram = RAM_ROOT if RAM_ROOT.is_dir() else Path(tempfile.gettempdir())
+        remove_orphans(ram)
         return Placement(ram / name, in_ram=True)
     if files.ram_dir is False or files.dirpath is not None or files.durable:
         return Placement(disk, in_ram=False)
@@ -187,7 +213,8 @@ def place(
         return Placement(disk, in_ram=False)
     if not root.is_dir():
         return Placement(disk, False, f"{root} does not exist")
-    held = files.keep(in_ram=True) + 1  # the kept files and the one being written
+    remove_orphans(root)
+    held = held_files(files.keep(in_ram=True), partial)
     want = held * need_bytes + RAM_MARGIN
     try:
         room = (free or free_bytes)(root)
@@ -235,10 +262,26 @@ def prune(
     for _, f in found[:-keep_last_k]:
         if f.resolve() in keep:
             continue
-        if spare and not (directory / SPARE).exists():
-            os.rename(f, directory / SPARE)
-        else:
-            f.unlink(missing_ok=True)
+        if not (spare and not (directory / SPARE).exists() and _renamed_unheld(f, SPARE)):
+            f.unlink(missing_ok=True)  # an engine holding it keeps its bytes: its descriptor
+
+
+def _renamed_unheld(f: Path, name: str) -> bool:
+    """Rename ``f`` to ``name`` in its directory if no engine holds it (an exclusive lock is
+    free, and held across the rename): a file an engine may re-read is never made a spare."""
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not try_lock_exclusive(fd):
+            return False
+        os.rename(f, f.parent / name)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def discard(path: Path, engine: Any) -> None:

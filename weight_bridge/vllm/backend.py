@@ -109,7 +109,8 @@ class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ig
         self.transaction.prepare(update_info)
 
     def finish_weight_update(self) -> None:
-        self.transaction.abandon()
+        # The update is over: no rank rolls back to the chain served before it any more.
+        self.transaction.settle()
 
     def shutdown(self) -> None:
         """A trainer disconnected: nothing to release (the served chain stays for rollback)."""

@@ -202,7 +202,7 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
     out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
     results = _phase(rpc, core, timeout, "result") if len(out) > 1 else []
     if any(r.error is not None for r in results):
-        _phase(rpc, core, timeout, "abandon")  # a rank refused: no rank writes
+        results = _phase(rpc, core, timeout, "abandon")  # a rank refused: no rank writes
     else:
         results = _phase(rpc, core, timeout, "commit")
     error = merged_error(results)

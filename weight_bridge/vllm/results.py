@@ -83,9 +83,11 @@ class PushError:
 class PushResult:
     """One worker's update in plain values: the core's report, or the error, and the state left.
 
-    ``rolled_back``: after a failure past the first write, what the rollback did (it re-wrote
-    the served version, or failed too). ``served``: the checkpoints the worker's weights are
-    made of afterwards (a complete one, then partial ones on top of it).
+    ``written``: whether this worker started writing (its commit ran); a worker that only
+    prepared, or refused, wrote nothing and is never rolled back. ``rolled_back``: after a
+    failure past the first write, what the rollback did (it re-wrote the served version, or
+    failed too). ``served``: the checkpoints the worker's weights are made of afterwards (a
+    complete one, then partial ones on top of it).
     """
 
     rank: int = 0
@@ -99,11 +101,12 @@ class PushResult:
     rollback_s: float | None = None
     served: list[str] = field(default_factory=list)
     version: str | None = None  # the checkpoint's own ``version`` metadata, if any
+    written: bool = False
 
     @property
     def wrote(self) -> bool:
         """Whether this worker's weights changed (a success, or a failure after writing)."""
-        return self.error is None or self.error.phase == "after-write"
+        return self.written and (self.error is None or self.error.phase == "after-write")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

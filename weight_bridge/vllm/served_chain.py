@@ -1,39 +1,78 @@
 """One worker's served chain: the checkpoints its weights are made of (a complete one, then
-partial ones on top of it), each held open so that a rollback can re-read it. Clients learn the
-chain from the workers' answer (:attr:`~.results.PushResult.served`); nothing else keeps one."""
+partial ones on top of it), each file held open and shared-locked
+(:class:`~weight_bridge.checkpoint.held.HeldFile`) so that a rollback re-reads exactly the
+bytes that were served, through the descriptor, its identity checked first, or refuses by name.
+Clients learn the chain from the workers' answer (:attr:`~.results.PushResult.served`);
+nothing else keeps one.
+
+The chain stays bounded however long a run is: a link whose every tensor a later link also
+holds is dropped (:func:`compact`), so a run of partial checkpoints that each carry every
+trainable tensor keeps its complete base and its newest partial only.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ServedCheckpoint", "hold"]
+from ..checkpoint import CheckpointError, CheckpointReader
+from ..checkpoint.held import HeldFile
+
+__all__ = ["ServedCheckpoint", "compact", "hold"]
 
 
 @dataclass
 class ServedCheckpoint:
-    """One checkpoint of the served version, with a descriptor held open on it (a file) so
-    that a rollback can re-read it even if something deleted it meanwhile (a directory of
-    shards is re-read by path)."""
+    """One checkpoint of the served version: its path (for messages and clients), the version
+    it was pushed as, its tensors' names, and its files, held."""
 
     path: str
     version: Any
-    fd: int | None = None
+    files: list[HeldFile] = field(default_factory=list)
+    names: frozenset[str] = frozenset()
 
-    def readable(self) -> str:
-        if self.fd is not None and not os.path.exists(self.path):
-            return f"/proc/{os.getpid()}/fd/{self.fd}"
-        return self.path
+    def reader(self) -> CheckpointReader:
+        """The checkpoint as it was served, read through the held descriptors; a file that
+        changed since (or is no longer held) raises ``CheckpointError`` naming it and what
+        changed."""
+        if not self.files:
+            raise CheckpointError(self.path, "not held by the engine: it cannot be re-read")
+        return CheckpointReader(self.path, held=self.files)
+
+    def check(self) -> None:
+        """Refuse by name unless every file can be re-read exactly as served."""
+        self.reader().close()
 
     def release(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
+        for f in self.files:
+            f.release()
+        self.files = []
 
 
-def hold(path: str) -> int | None:
-    """A read-only descriptor on ``path`` if it is a file (a shard directory: None)."""
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC) if os.path.isfile(path) else None
+def hold(path: str, version: Any = None) -> ServedCheckpoint:
+    """A link for the checkpoint at ``path`` (a file or a directory of shards), its files held
+    now; a checkpoint that cannot be opened is a link with no file (it cannot be re-read, and
+    a rollback onto it refuses by name)."""
+    try:
+        reader = CheckpointReader(path, hold=True)
+    except CheckpointError:
+        return ServedCheckpoint(path, version)
+    try:
+        return ServedCheckpoint(path, version, reader.take_held(), frozenset(reader.specs()))
+    finally:
+        reader.close()
+
+
+def compact(chain: list[ServedCheckpoint]) -> tuple[list[ServedCheckpoint], list]:
+    """``chain`` without the links every tensor of which a later link holds too (re-writing
+    the rest in order gives the same weights); and the links dropped."""
+    kept: list[ServedCheckpoint] = []
+    dropped: list[ServedCheckpoint] = []
+    later: set[str] = set()
+    for link in reversed(chain):
+        if link is not chain[0] and link.names and link.names <= later:
+            dropped.append(link)
+        else:
+            kept.append(link)
+        later |= link.names
+    return kept[::-1], dropped

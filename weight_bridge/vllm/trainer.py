@@ -25,7 +25,9 @@ writes and calls the engine. ``send_weights(names=...)`` sends a *partial* check
 only those tensors, on top of ``base_version`` (default: the version sent last).
 
 The files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
-writes ``step-{n:08d}.safetensors`` (:func:`~weight_bridge.checkpoint.step_file`), fsynced, and
+writes ``step-{n:08d}.safetensors`` (:func:`~weight_bridge.checkpoint.step_file`; a trainer
+started on a directory that holds step files already counts on from the last of them, so it
+never reuses a name a long-lived engine's chain carries), fsynced, and
 after each send :func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k``
 step files of ``directory`` besides every one the engine serves (the last complete checkpoint
 and the partial ones sent on top of it). With no ``version`` the file carries none and none is
@@ -48,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file, version_of
-from ..checkpoint.retention import prune
+from ..checkpoint.retention import prune, unused_step
 from ..checkpoint.write import CheckpointWriter
 from .options import BACKEND
 
@@ -100,7 +102,8 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         ``version`` the engine labels the weights by the file's name (see the module)."""
         if self.source is None:
             raise ValueError("WeightBridgeTrainer needs a WeightSource (source=...)")
-        self.rounds += 1
+        # never a name a chain of an earlier trainer may still carry (a restart starts past it)
+        self.rounds = max(self.rounds + 1, unused_step(Path(self.info.directory)))
         wanted = set(names) if names is not None else None
         metadata = {VERSION_KEY: str(version)} if version is not None else {}
         if wanted is not None:

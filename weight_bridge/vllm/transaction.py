@@ -13,8 +13,14 @@ roll back every rank that wrote if one failed:
 2. :meth:`PushTransaction.commit`: write, read back, refresh derived state (or vLLM's
    layerwise path, for what it must handle). A failure past the first write is a result too.
 3. :meth:`PushTransaction.roll_back`: re-write the version served before (its complete
-   checkpoint, then each partial one on top of it, each held open by descriptor so that a file
-   deleted meanwhile still rolls back). If that fails too, the model stays *undefined*.
+   checkpoint, then each partial one on top of it), re-read through the descriptors held since
+   each was pushed, each file's identity checked before any byte is re-written
+   (:mod:`.served_chain`): a file deleted or renamed over meanwhile still rolls back, one whose
+   bytes changed is refused by name. If that fails too, the model stays *undefined*.
+
+Every file of the chain is held shared-locked, so no writer recycles it; the chain served
+before the last commit is released when the update ends (vLLM's ``finish_weight_update``:
+:meth:`PushTransaction.settle`), so the trainer's next save may recycle it.
 
 Nothing here raises for an expected outcome: every phase leaves a :class:`PushResult`.
 """
@@ -44,7 +50,7 @@ from ..direct.validate import validate_checkpoint
 from .layerwise import LayerwiseReprocessor, auto_reprocessable, layerwise_wrong
 from .options import BridgeOptions
 from .results import PushError, PushResult, UpdateRequest
-from .served_chain import ServedCheckpoint, hold
+from .served_chain import ServedCheckpoint, compact, hold
 
 __all__ = ["PushTransaction"]
 
@@ -76,7 +82,7 @@ class PushTransaction:
         start = str(getattr(model_config, "model", "") or "")
         # what the served version is made of: a complete checkpoint, then partials on top of it
         self.served: list[ServedCheckpoint] = (
-            [ServedCheckpoint(os.path.abspath(start), None)] if os.path.isdir(start) else []
+            [hold(os.path.abspath(start))] if os.path.isdir(start) else []
         )
         self._started_on = list(self.served)
         # the chain served before the last commit, kept until no rank needs to roll back to it
@@ -87,13 +93,13 @@ class PushTransaction:
     def prepare(self, request: UpdateRequest) -> PushResult:
         """Check everything about ``request``'s checkpoint; write nothing."""
         self.abandon()
-        self._release_before()
+        self.settle()
         result = self.result = PushResult(rank=self.rank, checkpoint=request.checkpoint)
         reader = None
         try:
             path = str(trusted_checkpoint(request.checkpoint, self.options.checkpoint_root))
             result.checkpoint = path
-            reader = CheckpointReader(path)
+            reader = CheckpointReader(path, hold=True)  # held from now: what is served is this
             verify = _choose(request.verify_hash, self.options.verify_hash)
             if verify:
                 reader.verify_hash()
@@ -181,6 +187,7 @@ class PushTransaction:
         if pending is None:
             return result  # refused in phase 1: nothing to write
         self._pending = None
+        result.written = True  # from here on this worker's weights may have changed
         try:
             result.report = self._write(pending, reload_weights)
             self._serve(pending)
@@ -213,15 +220,24 @@ class PushTransaction:
         return report
 
     def _serve(self, pending: _Pending) -> None:
-        """Record the written checkpoint as (the last part of) what this worker serves; the
-        chain it replaces is kept until the next update, in case another rank failed."""
+        """Record the written checkpoint as (the last part of) what this worker serves, its
+        files held since it was prepared; the chain it replaces is kept until the update ends,
+        in case another rank failed. Links every tensor of which the new one holds too go."""
         self._before = list(self.served)
-        link = ServedCheckpoint(pending.path, None, hold(pending.path))
-        self.served = [*self.served, link] if pending.partial else [link]
+        reader = pending.reader
+        link = ServedCheckpoint(
+            pending.path, None, reader.take_held(), frozenset(n for n, _ in pending.items)
+        )
+        chain = [*self.served, link] if pending.partial else [link]
+        self.served, _ = compact(chain)  # what is dropped stays held in _before until settle
 
-    def _release_before(self) -> None:
+    def settle(self) -> None:
+        """The update ended (or a new one starts): release every file the served chain no
+        longer needs (the chain before the last commit, links compacted away)."""
+        self.abandon()
+        live = {id(link) for link in self.served}
         for link in self._before or ():
-            if link not in self.served:
+            if id(link) not in live:
                 link.release()
         self._before = None
 
@@ -241,8 +257,9 @@ class PushTransaction:
             )
             return self._finished(result)
         if self._before is not None:  # this rank's commit succeeded: back to the old chain
-            self.served, dropped = self._before, self.served[-1:]
-            self._before = None
+            kept = {id(link) for link in self._before}
+            dropped = [link for link in self.served if id(link) not in kept]
+            self.served, self._before = self._before, None
             for link in dropped:
                 link.release()
         started = time.perf_counter()
@@ -273,8 +290,10 @@ class PushTransaction:
         """Write ``chain`` (a complete checkpoint, then partial ones) as it was served."""
         if not chain:
             raise DirectReloadError("the engine holds no checkpoint of it to re-read")
+        for link in chain:  # every file as served, before a byte is re-written
+            link.check()
         for i, link in enumerate(chain):
-            with CheckpointReader(link.readable()) as reader:
+            with link.reader() as reader:
                 items = list(reader.tensors())
                 prepared = self._plan(items, False, i > 0, PushResult())
                 pending = _Pending(reader, items, prepared, link.path, i > 0, None)
