@@ -138,8 +138,9 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     directory = Path(sync.last_checkpoint).parent
     assert directory.parent == Path("/dev/shm") and directory.name.startswith("weight_bridge-")
     assert [h["step"] for h in sync.history] == [0, 1, 2, 3]
-    # the served file and a spare: made after the first sync, then the previous file
-    assert held == [[".spare", f"step-0000000{s}.safetensors"] for s in (0, 1, 2, 3)]
+    # the served file and a spare: made after the first sync, then the previous file (the run
+    # holds the directory through its owner file)
+    assert held == [[".owner", ".spare", f"step-0000000{s}.safetensors"] for s in (0, 1, 2, 3)]
     assert recycled == [False, True, True, True]  # its pages reused by the next write
     assert kept_maps == [2, 2, 2, 2]  # the writer's map of each of the two files, kept
     assert hashed == [False] * 4  # transport: no hash unless the engine is to check it
