@@ -133,8 +133,6 @@ def _open_locked(path: Path) -> int:
 
 
 def _same_file(fd: int, path: Path) -> bool:
-    if path.is_relative_to("/proc"):
-        return True  # a descriptor's own name: the same file by construction
     try:
         st, now = os.fstat(fd), os.stat(path)
     except OSError:

@@ -39,10 +39,6 @@ class ServedCheckpoint:
             raise CheckpointError(self.path, "not held by the engine: it cannot be re-read")
         return CheckpointReader(self.path, held=self.files)
 
-    def check(self) -> None:
-        """Refuse by name unless every file can be re-read exactly as served."""
-        self.reader().close()
-
     def release(self) -> None:
         for f in self.files:
             f.release()

@@ -92,7 +92,6 @@ class PushTransaction:
 
     def prepare(self, request: UpdateRequest) -> PushResult:
         """Check everything about ``request``'s checkpoint; write nothing."""
-        self.abandon()
         self.settle()
         result = self.result = PushResult(rank=self.rank, checkpoint=request.checkpoint)
         reader = None
@@ -290,14 +289,18 @@ class PushTransaction:
         """Write ``chain`` (a complete checkpoint, then partial ones) as it was served."""
         if not chain:
             raise DirectReloadError("the engine holds no checkpoint of it to re-read")
-        for link in chain:  # every file as served, before a byte is re-written
-            link.check()
-        for i, link in enumerate(chain):
-            with link.reader() as reader:
+        readers: list[CheckpointReader] = []
+        try:
+            for link in chain:  # every file opened as served, identity checked, before any write
+                readers.append(link.reader())
+            for i, (link, reader) in enumerate(zip(chain, readers, strict=True)):
                 items = list(reader.tensors())
                 prepared = self._plan(items, False, i > 0, PushResult())
                 pending = _Pending(reader, items, prepared, link.path, i > 0, None)
                 self._write(pending, reload_weights)
+        finally:
+            for reader in readers:
+                reader.close()
 
     def refuse(self, why: str) -> PushResult:
         """A request that cannot even be prepared (malformed): a refusal, nothing written."""
