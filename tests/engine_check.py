@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     args = parser.parse_args()
 
-    from helpers import ENGINE_KWARGS, PROMPTS, greedy
+    from helpers import ENGINE_KWARGS, PROMPTS, for_model, greedy
 
     from weight_bridge.testing import parity
     from weight_bridge.vllm import ColocatedEngine
@@ -64,7 +64,7 @@ def main() -> None:
         models = [args.model_a, *([args.model_b] if args.model_b else []), *args.more]
         result["colds"] = []
         for model in models:
-            with ColocatedEngine(model, **kwargs) as engine:
+            with ColocatedEngine(model, **for_model(model, kwargs)) as engine:
                 result["colds"].append(greedy(engine))
         result["cold"] = result["colds"][0]
         print("RESULT " + json.dumps(result, default=str))

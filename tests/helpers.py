@@ -46,6 +46,16 @@ ENGINE_KWARGS = dict(
 PROMPTS = parity.PROMPTS
 
 
+def for_model(model: str | Path, kwargs: dict) -> dict:
+    """``kwargs`` for an engine on ``model``: an MLA model (DeepSeek) asks for vLLM's reference
+    CPU MLA backend. On a CPU with AMX, vLLM otherwise picks its AMX MLA backend, whose weight
+    packing takes only bf16, fp16, int8 or fp8 weights, and these tests run float32."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    if config.get("kv_lora_rank"):
+        return {"attention_backend": "CPU_MLA", **kwargs}
+    return kwargs
+
+
 # -- parity ------------------------------------------------------------------------------------
 
 
@@ -217,7 +227,7 @@ def open_engine(model: Path, key: object = None, **kwargs):
     if _slot.get("key") != key or _slot.get("engine") is None:
         close_engine()
         started = time.perf_counter()
-        _slot["engine"] = ColocatedEngine(model, **{**ENGINE_KWARGS, **kwargs})
+        _slot["engine"] = ColocatedEngine(model, **for_model(model, {**ENGINE_KWARGS, **kwargs}))
         _slot["key"] = key
         print(f"\nengine {model.name} {kwargs} started in {time.perf_counter() - started:.1f} s")
     return _slot["engine"]
