@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.vllm.allocator import ALLOCATOR_ENV
+from weight_bridge.vllm.worker.allocator import ALLOCATOR_ENV
 
 from .config import DEFAULT_CPU_LINEAR, GEN_BATCH, GLIBC, OTHER_CPU_LINEAR
 from .engines import (

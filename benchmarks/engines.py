@@ -64,7 +64,7 @@ class StockEngine:
         return self.llm.generate(prompts, sampling_params, **kwargs)
 
     def close(self) -> None:
-        from weight_bridge.vllm.vllm_internals import shutdown
+        from weight_bridge.vllm.internals import shutdown
 
         llm, self.llm = self.llm, None
         if llm is not None:

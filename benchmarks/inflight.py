@@ -78,7 +78,7 @@ class _Busy:
 
 def _pauses(workdir: Path, size: str, pushes: int, log: Callable[[str], None]) -> dict:
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
-    from weight_bridge.vllm.async_engine import AsyncColocatedEngine
+    from weight_bridge.vllm.clients.async_colocated import AsyncColocatedEngine
 
     a = build_tiny_model(workdir / f"{size}_A", arch="llama", size=size, seed=0)
     b = perturb_checkpoint(a, workdir / f"{size}_B", scale=0.3, seed=1)

@@ -4,7 +4,7 @@ Interleaved round-robin with the default push (``direct``) of the same checkpoin
 
 * ``direct_glibc_malloc``: the worker process switched to glibc's default allocator
   parameters (``mallopt``, fixed thresholds of 128 KiB) for an untimed push and the timed one,
-  then switched back with two untimed pushes: what :mod:`weight_bridge.vllm.allocator` buys
+  then switched back with two untimed pushes: what :mod:`weight_bridge.vllm.worker.allocator` buys
   in steady state (a switch alone would time the first push after it);
 * ``direct_cold_plan``: the plan cached on the model dropped before the push (untimed), so
   the push resolves and proves every weight again: what the plan cache buys;

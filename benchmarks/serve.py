@@ -1,11 +1,11 @@
 """The HTTP overhead of a push: the same push through a ``vllm serve`` process.
 
-A server with the ``weight_bridge`` backend (:class:`~weight_bridge.vllm.server.VLLMServer`,
+A server with the ``weight_bridge`` backend (:class:`~weight_bridge.vllm.clients.served.VLLMServer`,
 the same engine arguments, vLLM's default multi-process engine) on A, alive beside the
 benchmark's multi-process :class:`~weight_bridge.vllm.ColocatedEngine`. Interleaved
 round-robin, the same checkpoints pushed into each:
 
-* ``http``: :class:`~weight_bridge.vllm.http_client.HTTPClient` ``push`` (``/start_weight_update``,
+* ``http``: :class:`~weight_bridge.vllm.clients.http.HTTPClient` ``push`` (``/start_weight_update``,
   ``/update_weights``, ``/finish_weight_update``; no pause, ``inflight=None``);
 * ``engine``: ``ColocatedEngine.push`` into the multi-process engine;
 * ``http_tiny`` / ``engine_tiny``: a partial push of one small tensor each way (the fixed
@@ -68,9 +68,9 @@ def measure_http(
     engine: Any, a: Path, b: Path, reps: int, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """See the module docstring; the engine ends on B."""
-    from weight_bridge.vllm.http_client import HTTPClient
+    from weight_bridge.vllm.clients.http import HTTPClient
+    from weight_bridge.vllm.clients.served import VLLMServer
     from weight_bridge.vllm.options import BridgeOptions
-    from weight_bridge.vllm.server import VLLMServer
 
     fa, fb = a / "model.safetensors", b / "model.safetensors"
     options = BridgeOptions(checkpoint_root=str(a.parent))

@@ -329,8 +329,8 @@ def _bench_size(
     size: str, workdir: Path, reps: int, shm: Path, log: Callable[[str], None]
 ) -> dict[str, Any]:
     from callbacks import CheckpointFiles
-    from weight_bridge.vllm.cpu_threads import PUSH_THREADS_ENV
-    from weight_bridge.vllm.launch import engine_environment
+    from weight_bridge.vllm.clients.launch import engine_environment
+    from weight_bridge.vllm.worker.cpu_threads import PUSH_THREADS_ENV
 
     from .config import ENGINE_KWARGS
 

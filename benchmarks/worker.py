@@ -28,7 +28,7 @@ class BenchWorkerExtension:
 
     def bench_allocator(self, state: str) -> str:
         """Switch this worker process's allocator: ``"kept"`` (what a bridged CPU engine
-        runs with, :mod:`weight_bridge.vllm.allocator`) or ``"default"`` (glibc's default
+        runs with, :mod:`weight_bridge.vllm.worker.allocator`) or ``"default"`` (glibc's default
         parameters, fixed); the state it is in afterwards."""
         from weight_bridge.vllm import allocator
 

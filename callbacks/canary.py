@@ -37,7 +37,7 @@ class CanaryCheck:
 
     def gap(self, model: torch.nn.Module, engine: Any) -> float:
         """The logprob gap after a push; raises :class:`CanaryError` above the tolerance."""
-        from weight_bridge.vllm.http_client import HTTPClient
+        from weight_bridge.vllm.clients.http import HTTPClient
 
         if isinstance(engine, HTTPClient) or not callable(getattr(engine, "generate", None)):
             raise CanaryError(

@@ -10,7 +10,7 @@ The callback only wires the parts together: :class:`~callbacks.schedule.SyncCloc
 (and whether a sync may be partial), :class:`~callbacks.gather.Gatherer` what is sent and how
 each tensor reaches the writer (DTensors of sharded trainers one at a time),
 :class:`~callbacks.collective.Collective` makes each step fail on every rank or none, and the
-engine (any :class:`~weight_bridge.vllm.client.EngineClient`) is pushed.
+engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`) is pushed.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, retention
-from weight_bridge.vllm.client import EngineClient
-from weight_bridge.vllm.engines import ENGINE_MODES, client_for, connect, start_engine
+from weight_bridge.vllm.clients.bridge_client import EngineClient
+from weight_bridge.vllm.clients.by_name import ENGINE_MODES, client_for, connect, start_engine
 
 from .canary import CanaryCheck
 from .collective import Collective, StepFailed

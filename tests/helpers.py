@@ -498,7 +498,7 @@ def input_embedding_kernels(worker) -> dict[str, str]:
     """Sent to the workers with ``collective_rpc``: per input embedding of the model, whether
     its ``cpu_linear`` is a packed oneDNN handle (``"packed"``) or still the bridge's packer,
     waiting for generation to use it (``"first use"``)."""
-    from weight_bridge.vllm.vllm_internals import cpu_linear_of, is_input_embedding
+    from weight_bridge.vllm.internals import cpu_linear_of, is_input_embedding
 
     def state(module) -> str:
         return "first use" if cpu_linear_of(module).__name__ == "pack_then_compute" else "packed"

@@ -12,8 +12,8 @@ driven only through vLLM's calls (``start_weight_update``, ``update_weights``,
 with, per engine: greedy outputs before and after pushing B, what a NaN checkpoint raised (type,
 problems) and the outputs after it, and, for ``async``, long generations interrupted by a push
 in ``recompute`` mode and by a refused push. ``labels``: an
-:class:`~weight_bridge.vllm.async_engine.AsyncColocatedEngine` (``AsyncLLM``) generating without
-a break while A and B are pushed alternately in each in-flight mode (every output with its
+:class:`~weight_bridge.vllm.clients.async_colocated.AsyncColocatedEngine` (``AsyncLLM``) generating
+without a break while A and B are pushed alternately in each in-flight mode (every output with its
 ``weight_versions``), a push while another update is active, and one after a trainer died
 holding the update (``update_timeout_s`` = :data:`UPDATE_TIMEOUT_S`).
 """
@@ -56,7 +56,7 @@ def _nan_checkpoint(model_b: str, root: str) -> tuple[str, str]:
 
 
 def _refusal(exc: BaseException) -> dict:
-    from weight_bridge.vllm.results import UpdateInProgressError
+    from weight_bridge.vllm.errors import UpdateInProgressError
 
     return {
         "type": type(exc).__name__,
@@ -135,7 +135,7 @@ async def run_async(root: str, model_a: str, model_b: str) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from weight_bridge.testing.parity import collect
-    from weight_bridge.vllm.async_client import AsyncLLMClient
+    from weight_bridge.vllm.clients.async_llm import AsyncLLMClient
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_a, **_engine_kwargs(root)))
     client = AsyncLLMClient(engine, inflight=None)
@@ -178,7 +178,7 @@ def run_labels(root: str, model_a: str, model_b: str) -> dict:
     from helpers import ENGINE_KWARGS, LABEL_PROMPTS, LABEL_TOKENS, pushes_under_load
     from vllm import SamplingParams
 
-    from weight_bridge.vllm.async_engine import AsyncColocatedEngine
+    from weight_bridge.vllm.clients.async_colocated import AsyncColocatedEngine
 
     kwargs = {k: v for k, v in ENGINE_KWARGS.items() if k != "plugins"}
     engine = AsyncColocatedEngine(

@@ -204,7 +204,7 @@ def test_a_users_worker_extension_composes_with_the_bridge(models, engine_factor
     """The bridge reaches its workers through its backend, not a worker extension: a user's own
     (any class) goes to vLLM untouched, its methods answer through ``collective_rpc``, on the
     same model the pushes write, and the bridge's own queries still answer."""
-    from weight_bridge.vllm.backend import BACKEND_RPC
+    from weight_bridge.vllm.worker.backend import BACKEND_RPC
 
     a, b = models["llama_A"], models["llama_B"]
     engine = engine_factory(a, worker_extension_cls="helpers.UserWorkerExtension")
@@ -239,7 +239,7 @@ def test_a_push_uses_the_cpu_vllm_leaves_spare(models, shared_engine, cold) -> N
 def test_the_engine_core_sleeps_while_its_workers_push(models, shared_engine) -> None:
     """The engine core runs in this process: without the bridge it spins on its reply queue
     while the workers write (as much CPU time as wall time); with it, it sleeps."""
-    from weight_bridge.vllm.vllm_internals import waiting_without_spinning
+    from weight_bridge.vllm.internals import waiting_without_spinning
 
     engine = shared_engine("llama_A", **MP_EXECUTOR)
     core = engine.llm.llm_engine.engine_core.engine_core
@@ -292,7 +292,7 @@ def test_a_shortened_wait_rechecks_its_queue_soon(tmp_path, monkeypatch, busy_lo
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     from weight_bridge.vllm import cpu_threads
-    from weight_bridge.vllm.cpu_threads import RECHECK_MS, idle_wait
+    from weight_bridge.vllm.worker.cpu_threads import RECHECK_MS, idle_wait
 
     # this process is not a bridged worker (an in-process engine earlier in the session made
     # it one): its own waits are shortened only where a caller shortened them

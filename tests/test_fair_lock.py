@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from weight_bridge.vllm.fair_lock import FairLock
-from weight_bridge.vllm.llm_client import LLMClient
+from weight_bridge.vllm.clients.fair_lock import FairLock
+from weight_bridge.vllm.clients.llm import LLMClient
 
 
 def _waiting_until_queued(lock: FairLock, target, n: int = 1) -> list[threading.Thread]:

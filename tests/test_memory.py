@@ -1,4 +1,4 @@
-"""Colocated memory: the engine leaves room for the trainer (``weight_bridge.vllm.memory``).
+"""Colocated memory: the engine leaves room for the trainer (``weight_bridge.vllm.clients.memory``).
 
 The keyword rules are checked directly (no engine). The slow test starts a ``ColocatedEngine``
 from a plain Python script in a clean environment (no ``VLLM_CPU_KVCACHE_SPACE``, none of the
@@ -19,7 +19,7 @@ import pytest
 from helpers import result_of
 
 from weight_bridge.testing import real_model
-from weight_bridge.vllm.memory import (
+from weight_bridge.vllm.clients.memory import (
     CPU_DEFAULT_KV_CACHE_GB,
     CUDA_COLOCATED_UTILIZATION,
     KVCacheTooSmallWarning,

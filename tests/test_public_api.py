@@ -58,18 +58,18 @@ def test_the_readme_imports_from_at_most_three_modules() -> None:
 @pytest.mark.parametrize(
     "where",
     [
-        "weight_bridge.vllm.llm_client:LLMClient",
-        "weight_bridge.vllm.async_client:AsyncLLMClient",
-        "weight_bridge.vllm.http_client:HTTPClient",
-        "weight_bridge.vllm.engine:ColocatedEngine",
-        "weight_bridge.vllm.async_engine:AsyncColocatedEngine",
-        "weight_bridge.vllm.server:ServedEngine",
+        "weight_bridge.vllm.clients.llm:LLMClient",
+        "weight_bridge.vllm.clients.async_llm:AsyncLLMClient",
+        "weight_bridge.vllm.clients.http:HTTPClient",
+        "weight_bridge.vllm.clients.colocated:ColocatedEngine",
+        "weight_bridge.vllm.clients.async_colocated:AsyncColocatedEngine",
+        "weight_bridge.vllm.clients.served:ServedEngine",
     ],
 )
 def test_every_engine_is_the_one_client(where: str) -> None:
     import importlib
 
-    from weight_bridge.vllm.client import BridgeClient
+    from weight_bridge.vllm.clients.bridge_client import BridgeClient
 
     module, _, name = where.partition(":")
     cls = getattr(importlib.import_module(module), name)

@@ -5,7 +5,7 @@ started once for the module on A, under a checkpoint root of its own. Every refe
 cold start of a *stock* ``vllm.LLM`` (no bridge) on the same checkpoint: greedy tokens and
 top-3 logprobs to 1e-4. Updates go through vLLM's own RL routes (``/start_weight_update``,
 ``/update_weights``, ``/finish_weight_update``, ``/pause``, ``/resume``) with
-:class:`~weight_bridge.vllm.http_client.HTTPClient`; generation through the token-in/token-out
+:class:`~weight_bridge.vllm.clients.http.HTTPClient`; generation through the token-in/token-out
 route ``/inference/v1/generate``, streamed where a push must land mid-generation.
 """
 
@@ -38,9 +38,9 @@ from helpers import (
 
 from weight_bridge import HTTPClient, RemoteUpdateError
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
+from weight_bridge.vllm.clients.served import VLLMServer
 from weight_bridge.vllm.options import BridgeOptions
-from weight_bridge.vllm.results import UpdateInProgressError
-from weight_bridge.vllm.server import VLLMServer
+from weight_bridge.vllm.errors import UpdateInProgressError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -157,7 +157,7 @@ def dense(api_models):
 @pytest.fixture(scope="module")
 def moe(api_models):
     """A server on Qwen3-MoE (A): the CPU experts prepack refreshed after each push; started
-    with an API key, required on every route (``weight_bridge.vllm.server_middleware``)."""
+    with an API key, required on every route (``weight_bridge.vllm.server.middleware``)."""
     yield from _served(api_models, "moe", api_key="moe-secret")
 
 
@@ -272,7 +272,7 @@ def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, sto
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weight_bridge.vllm.trainer import WeightBridgeTrainerInitInfo
+    from weight_bridge.vllm.clients.trainer_api import WeightBridgeTrainerInitInfo
 
     client, b, root = dense["client"], dense["b"], dense["root"]
     model = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
@@ -296,7 +296,7 @@ def test_a_restarted_trainer_never_reuses_a_name_of_the_served_chain(dense, stoc
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weight_bridge.vllm.trainer import WeightBridgeTrainerInitInfo
+    from weight_bridge.vllm.clients.trainer_api import WeightBridgeTrainerInitInfo
 
     client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
     info = WeightBridgeTrainerInitInfo(directory=str(root / "restarted"), rank=0)
@@ -520,7 +520,7 @@ def test_two_pushers_one_update_at_a_time_and_a_dead_trainer_is_abandoned(
     assert "409" in outcomes, outcomes
 
     dead = (
-        "import sys; from weight_bridge.vllm.http_client import HTTPClient; import os, signal\n"
+        "import sys; from weight_bridge.vllm.clients.http import HTTPClient; import os, signal\n"
         "c = HTTPClient(sys.argv[1]); c.call('start_weight_update')\n"
         "c.call('update_weights', {'update_info': {'checkpoint': sys.argv[2], 'version': 'A'}})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -528,7 +528,10 @@ def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Pat
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from weight_bridge.checkpoint import BASE_VERSION_KEY, VERSION_KEY
-    from weight_bridge.vllm.trainer import WeightBridgeTrainer, WeightBridgeTrainerInitInfo
+    from weight_bridge.vllm.clients.trainer_api import (
+        WeightBridgeTrainer,
+        WeightBridgeTrainerInitInfo,
+    )
 
     client = _FakeSyncClient()
     info = WeightBridgeTrainerInitInfo(directory=str(tmp_path), keep_last_k=1, rank=0)

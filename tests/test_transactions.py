@@ -116,7 +116,7 @@ FAULTS = ("write", "refresh", "cache")
 def fault_scenarios(model_a: str, model_b: str) -> dict:
     """One engine: a healthy round, each fault with rollback, each fault without."""
     from weight_bridge.vllm import ColocatedEngine, EngineUndefinedError
-    from weight_bridge.vllm.vllm_internals import engine_resources
+    from weight_bridge.vllm.internals import engine_resources
 
     r: dict = {"rollback": {}, "no_rollback": {}}
     with ColocatedEngine(model_a, **ENGINE_KWARGS) as engine:

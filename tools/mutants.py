@@ -57,7 +57,7 @@ MUTANTS = [
     Mutant(
         "prefix",
         "prefix-cache reset after a push",
-        "weight_bridge/vllm/core_hooks.py",
+        "weight_bridge/vllm/core/updates.py",
         'forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")',
         "pass",
         "the `forget_prefixes(...)` call in `_update`",
@@ -90,7 +90,7 @@ MUTANTS = [
     Mutant(
         "rollback",
         "rollback of a failed push",
-        "weight_bridge/vllm/transaction.py",
+        "weight_bridge/vllm/worker/transaction.py",
         "self._rewrite(self.served, reload_weights)",
         "pass",
         "the re-write of the served chain in `roll_back` (the model stays marked undefined)",
@@ -102,7 +102,7 @@ MUTANTS = [
     Mutant(
         "fake-rollback",
         "rollback of a failed push",
-        "weight_bridge/vllm/transaction.py",
+        "weight_bridge/vllm/worker/transaction.py",
         "self._rewrite(self.served, reload_weights)",
         "clear_undefined(self.model)",
         "the re-write in `roll_back`, the model marked defined as if it had run",
@@ -129,7 +129,7 @@ MUTANTS = [
     Mutant(
         "trust-call",
         "the checkpoint root: every update",
-        "weight_bridge/vllm/transaction.py",
+        "weight_bridge/vllm/worker/transaction.py",
         "path = str(trusted_checkpoint(request.checkpoint, self.options.checkpoint_root))",
         "path = str(request.checkpoint)",
         "the `trusted_checkpoint(...)` call in `PushTransaction.prepare`",
@@ -138,7 +138,7 @@ MUTANTS = [
     Mutant(
         "base",
         "a partial's base version",
-        "weight_bridge/vllm/transaction.py",
+        "weight_bridge/vllm/worker/transaction.py",
         "self._check_base(path, base, request.served_version)",
         "pass",
         "the `_check_base(...)` call in `PushTransaction.prepare`",
@@ -150,7 +150,7 @@ MUTANTS = [
     Mutant(
         "held-reread",
         "a rollback re-reads the bytes served (issue 37)",
-        "weight_bridge/vllm/served_chain.py",
+        "weight_bridge/vllm/worker/served_chain.py",
         "return CheckpointReader(self.path, held=self.files)",
         "return CheckpointReader(self.path)",
         "re-reads through the held descriptors (`ServedCheckpoint.reader` reads by name)",
@@ -177,7 +177,7 @@ MUTANTS = [
     Mutant(
         "no-rewrite",
         "nothing written, nothing rewritten (issue 37)",
-        "weight_bridge/vllm/results.py",
+        "weight_bridge/vllm/outcome.py",
         "return self.written and (",
         "return (",
         "`PushResult.wrote`'s `written` (a rank that only prepared counts as written)",
@@ -186,7 +186,7 @@ MUTANTS = [
     Mutant(
         "compact",
         "the served chain stays bounded (issue 37)",
-        "weight_bridge/vllm/transaction.py",
+        "weight_bridge/vllm/worker/transaction.py",
         "self.served, _ = compact(chain)",
         "self.served = chain",
         "`compact(...)` in `PushTransaction._serve`",
@@ -204,7 +204,7 @@ MUTANTS = [
     Mutant(
         "trainer-names",
         "a restarted trainer never reuses a served name (issue 37)",
-        "weight_bridge/vllm/trainer.py",
+        "weight_bridge/vllm/clients/trainer_api.py",
         "self.rounds = max(self.rounds + 1, unused_step(Path(self.info.directory)))",
         "self.rounds += 1",
         "`unused_step(...)` in `WeightBridgeTrainer.send_weights`",
@@ -213,7 +213,7 @@ MUTANTS = [
     Mutant(
         "label",
         "per-token label/weights agreement",
-        "weight_bridge/vllm/core_hooks.py",
+        "weight_bridge/vllm/core/updates.py",
         "core.set_weight_version(_label(asked, results))",
         "pass",
         "`core.set_weight_version(...)` in `_update` (the label set with the weights)",

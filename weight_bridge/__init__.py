@@ -19,10 +19,32 @@ so ``import weight_bridge`` (and the callback) works in a trainer without vLLM.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import CheckpointError, CheckpointReader, CheckpointWriteError, save_checkpoint
 from .direct import DirectReloadError
+
+if TYPE_CHECKING:  # typed for mypy and IDEs; at run time imported from .vllm on first use
+    from .vllm import (
+        AsyncColocatedEngine,
+        AsyncLLMClient,
+        BridgeOptions,
+        ColocatedEngine,
+        EngineClient,
+        EngineCoreDeadError,
+        EngineUndefinedError,
+        HTTPClient,
+        LLMClient,
+        PushReport,
+        RemoteUpdateError,
+        ServedEngine,
+        UpdateInProgressError,
+        VLLMServer,
+        connect,
+        start_engine,
+        token_prompts,
+        token_versions,
+    )
 
 __all__ = [
     # engines and clients

@@ -1,7 +1,7 @@
 """Where a sync's checkpoint files live, what they are named, and which of them may be deleted:
 the one file policy of every trainer-side writer (the Lightning callback's
 :class:`~callbacks.VLLMWeightSync` and vLLM's trainer API,
-:class:`~weight_bridge.vllm.trainer.WeightBridgeTrainer`).
+:class:`~weight_bridge.vllm.clients.trainer_api.WeightBridgeTrainer`).
 
 Each sync's file is *transport* from the trainer to a colocated engine, not an archive: unless
 told otherwise it goes to a private directory in RAM (``/dev/shm``), is never fsynced, and only
@@ -183,7 +183,7 @@ def held_files(keep_last_k: int, partial: bool) -> int:
     """How many checkpoints the transport holds at once, at most: the newest ``keep_last_k``
     (the served one among them), the one being written (a recycled spare), and, while syncs
     may be partial, the complete checkpoint their chain rests on. The served chain keeps no
-    more (:func:`~weight_bridge.vllm.served_chain.compact`), however long the run."""
+    more (:func:`~weight_bridge.vllm.worker.served_chain.compact`), however long the run."""
     return keep_last_k + 1 + int(partial)
 
 

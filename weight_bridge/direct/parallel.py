@@ -9,7 +9,7 @@ checkpoint (:mod:`.validate`). :func:`run_split` runs such jobs on the calling t
 :func:`helper_threads` more, each pinned to the spare CPUs, so a push uses them too.
 
 Nothing runs on helpers until an integration calls :func:`set_helper_threads` in the process (the
-vLLM layer does, in each bridged CPU worker: :mod:`weight_bridge.vllm.cpu_threads`). The jobs
+vLLM layer does, in each bridged CPU worker: :mod:`weight_bridge.vllm.worker.cpu_threads`). The jobs
 are split by cost, largest first, each to the least loaded thread; the split is the same on
 every push, so a thread frees and re-allocates the same buffers each time (glibc keeps one heap
 per thread).

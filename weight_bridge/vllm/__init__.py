@@ -2,12 +2,13 @@
 
 An engine started with ``weight_transfer_config={"backend": "weight_bridge"}`` (``LLM``,
 ``AsyncLLM`` or ``vllm serve``) takes updates through vLLM's own RL API, each a proven,
-transactional direct reload (:mod:`.backend`). One client protocol (:mod:`.client`) pushes into
-each way of running it (:class:`LLMClient`, :class:`AsyncLLMClient`, :class:`HTTPClient`);
-:class:`ColocatedEngine`, :class:`AsyncColocatedEngine` and :class:`ServedEngine` are those
-clients plus an engine they start and own (:func:`start_engine` picks one by name). Every use
-of vLLM's private internals, and every patch of vLLM, is in :mod:`.vllm_internals`. Names are
-imported on first use: importing a client module needs no vLLM.
+transactional direct reload (:mod:`~weight_bridge.vllm.worker.backend`). One client protocol
+(:mod:`~weight_bridge.vllm.clients.bridge_client`) pushes into each way of running it
+(:class:`LLMClient`, :class:`AsyncLLMClient`, :class:`HTTPClient`); :class:`ColocatedEngine`,
+:class:`AsyncColocatedEngine` and :class:`ServedEngine` are those clients plus an engine they start
+and own (:func:`start_engine` picks one by name). Every use of vLLM's private internals, and every
+patch of vLLM, is in :mod:`~weight_bridge.vllm.internals`. Names are imported on first use:
+importing a client module needs no vLLM.
 
 Limitations:
 1. Only vLLM's default safetensors loader is bridged (the checkpoint is captured as it loads).
@@ -30,12 +31,26 @@ Limitations:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on first use
+    from .clients.async_colocated import AsyncColocatedEngine
+    from .clients.async_llm import AsyncLLMClient, token_versions
+    from .clients.bridge_client import EngineClient
+    from .clients.by_name import connect, start_engine
+    from .clients.colocated import ColocatedEngine
+    from .clients.http import HTTPClient, RemoteUpdateError
+    from .clients.llm import LLMClient, token_prompts
+    from .clients.served import ServedEngine, VLLMServer
+    from .errors import EngineUndefinedError, UpdateInProgressError
+    from .internals import EngineCoreDeadError
+    from .options import BACKEND, BridgeOptions
+    from .report import PushReport
 
 __all__ = [
-    "BACKEND",
     "AsyncColocatedEngine",
     "AsyncLLMClient",
+    "BACKEND",
     "BridgeOptions",
     "ColocatedEngine",
     "EngineClient",
@@ -57,23 +72,23 @@ __all__ = [
 _WHERE = {
     "BACKEND": "options",
     "BridgeOptions": "options",
-    "AsyncColocatedEngine": "async_engine",
-    "AsyncLLMClient": "async_client",
-    "token_versions": "async_client",
-    "ColocatedEngine": "engine",
-    "EngineClient": "client",
-    "EngineCoreDeadError": "vllm_internals",
-    "EngineUndefinedError": "llm_client",
-    "LLMClient": "llm_client",
-    "token_prompts": "llm_client",
-    "HTTPClient": "http_client",
-    "RemoteUpdateError": "http_client",
-    "PushReport": "results",
-    "UpdateInProgressError": "results",
-    "ServedEngine": "server",
-    "VLLMServer": "server",
-    "connect": "engines",
-    "start_engine": "engines",
+    "AsyncColocatedEngine": "clients.async_colocated",
+    "AsyncLLMClient": "clients.async_llm",
+    "token_versions": "clients.async_llm",
+    "ColocatedEngine": "clients.colocated",
+    "EngineClient": "clients.bridge_client",
+    "EngineCoreDeadError": "internals",
+    "EngineUndefinedError": "errors",
+    "LLMClient": "clients.llm",
+    "token_prompts": "clients.llm",
+    "HTTPClient": "clients.http",
+    "RemoteUpdateError": "clients.http",
+    "PushReport": "report",
+    "UpdateInProgressError": "errors",
+    "ServedEngine": "clients.served",
+    "VLLMServer": "clients.served",
+    "connect": "clients.by_name",
+    "start_engine": "clients.by_name",
 }
 
 

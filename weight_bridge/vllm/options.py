@@ -46,14 +46,14 @@ class BridgeOptions:
     :mod:`weight_bridge.checkpoint.trust`); unset, every update is refused with how to set it.
     ``reload_mode``: ``direct`` (refuse what cannot be proven), ``auto`` (hand unprovable
     modules to vLLM's layerwise processing) or ``layerwise`` (always vLLM's own reload).
-    ``cpu_linear`` (CPU backend): see :mod:`weight_bridge.vllm.refresh`. ``readback``:
+    ``cpu_linear`` (CPU backend): see :mod:`weight_bridge.vllm.worker.refresh`. ``readback``:
     ``sampled``, ``full`` or ``off``. ``check_finite``: refuse NaN/Inf. ``verify_hash``: check
     the content hash :func:`~weight_bridge.checkpoint.save_checkpoint` writes. ``rollback``:
     re-write the served version after an update that failed mid-write (else the engine is left
     undefined and refuses to generate). ``update_timeout_s``: an update that makes no call
     for this long (a trainer that died between ``start_weight_update`` and
     ``finish_weight_update``) is abandoned by the next ``start_weight_update``; until then a
-    second start is refused (:class:`~.results.UpdateInProgressError`).
+    second start is refused (:class:`~weight_bridge.vllm.outcome.UpdateInProgressError`).
     """
 
     checkpoint_root: str | None = None

@@ -2,20 +2,23 @@
 
 vLLM runs ``register`` in every process it starts (entry point group ``vllm.general_plugins``):
 the API server or ``LLM`` process, the engine core, every worker. It registers the
-``weight_bridge`` weight-transfer backend (:mod:`.backend`) and its trainer side in vLLM's
-factories (vLLM's own API), warns if vLLM is not the version tested, and installs, through
-:mod:`.vllm_internals` (the one place that patches vLLM), the project's wrappers:
+``weight_bridge`` weight-transfer backend (:mod:`~weight_bridge.vllm.worker.backend`) and its
+trainer side in vLLM's factories (vLLM's own API), warns if vLLM is not the version tested, and
+installs, through :mod:`~weight_bridge.vllm.internals` (the one place that patches vLLM), the
+project's wrappers:
 
 * the default model loader's: the layout and its proof recorded at load
-  (:mod:`.load_recording`);
-* the engine core's: each update a transaction over every rank (:mod:`.core_hooks`);
+  (:mod:`~weight_bridge.vllm.worker.load_recording`);
+* the engine core's: each update a transaction over every rank
+  (:mod:`~weight_bridge.vllm.core.updates`);
 * ``LLM`` and ``AsyncLLM``'s ``update_weights``: typed errors in every process
-  (:mod:`.api_hooks`);
-* on the CPU backend, its processing: the refreshers of derived state (:mod:`.refresh`).
+  (:mod:`~weight_bridge.vllm.server.typed_errors`);
+* on the CPU backend, its processing: the refreshers of derived state
+  (:mod:`~weight_bridge.vllm.worker.refresh`).
 
-Every wrapper is inert unless the engine is bridged (:func:`~.options.is_bridged`: started
-with ``weight_transfer_config={"backend": "weight_bridge"}``). Then the engine plugins listed
-in :data:`PLUGINS_ENV` run.
+Every wrapper is inert unless the engine is bridged (:func:`~weight_bridge.vllm.options.is_bridged`:
+started with ``weight_transfer_config={"backend": "weight_bridge"}``). Then the engine plugins
+listed in :data:`PLUGINS_ENV` run.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import contextlib
 import importlib
 import os
 
-from . import api_hooks, core_hooks, cpu_threads, load_recording, refresh
-from . import vllm_internals as internals
+from . import internals
+from .core import updates as core_updates
 from .lifeline import follow_parent
 from .options import BACKEND
+from .server import typed_errors
+from .worker import cpu_threads, load_recording, refresh
 
 __all__ = ["PLUGINS_ENV", "register", "run_engine_plugins"]
 
@@ -45,8 +50,12 @@ def _register_backend() -> None:
     )
 
     for factory, module, cls in (
-        (WeightTransferEngineFactory, "weight_bridge.vllm.backend", "WeightBridgeEngine"),
-        (WeightTransferTrainerFactory, "weight_bridge.vllm.trainer", "WeightBridgeTrainer"),
+        (WeightTransferEngineFactory, "weight_bridge.vllm.worker.backend", "WeightBridgeEngine"),
+        (
+            WeightTransferTrainerFactory,
+            "weight_bridge.vllm.clients.trainer_api",
+            "WeightBridgeTrainer",
+        ),
     ):
         with contextlib.suppress(ValueError):  # registered already in this process
             factory.register_engine(BACKEND, module, cls)
@@ -78,16 +87,16 @@ def _install_patches() -> None:
         process_weights_after_loading=load_recording.process_weights_after_loading,
     )
     internals.patch_engine_core(
-        collective_rpc=core_hooks.bridged_collective_rpc,
-        resume_scheduler=core_hooks.refusing_resume,
-        utilities=core_hooks.UTILITIES,
-        log_filter=core_hooks.quiet_refusals,
+        collective_rpc=core_updates.bridged_collective_rpc,
+        resume_scheduler=core_updates.refusing_resume,
+        utilities=core_updates.UTILITIES,
+        log_filter=core_updates.quiet_refusals,
     )
     internals.patch_rl_api(
-        update_weights=api_hooks.typed_update_weights,
-        update_weights_async=api_hooks.typed_update_weights_async,
-        start_weight_update=api_hooks.typed_start_weight_update,
-        start_weight_update_async=api_hooks.typed_start_weight_update_async,
+        update_weights=typed_errors.typed_update_weights,
+        update_weights_async=typed_errors.typed_update_weights_async,
+        start_weight_update=typed_errors.typed_start_weight_update,
+        start_weight_update_async=typed_errors.typed_start_weight_update_async,
     )
     if current_platform.is_cpu():
         internals.patch_cpu_linear(refresh.dispatch_cpu_linear)

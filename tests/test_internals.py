@@ -1,0 +1,133 @@
+"""The one place that touches vLLM's internals (``weight_bridge/vllm/internals/``), without
+an engine: every site it names exists in the installed vLLM, a missing one is named before
+anything is patched, a vLLM other than the tested one is warned about, and no other module of
+the library assigns onto a vLLM object."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+from pathlib import Path
+
+import pytest
+
+from weight_bridge.vllm import internals as vllm_internals
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERNALS = ROOT / "weight_bridge" / "vllm" / "internals"
+# Models and plugins built for the tests: they set attributes on their own modules.
+NOT_LIBRARY = ROOT / "weight_bridge" / "testing"
+
+
+def _resolve(path: str) -> object:
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ModuleNotFoundError(path)
+
+
+@pytest.mark.parametrize("site", vllm_internals.SITES)
+def test_every_site_exists_in_the_installed_vllm(site: str) -> None:
+    _resolve(site)
+
+
+def test_every_patched_site_is_a_site() -> None:
+    assert set(vllm_internals.PATCHED) <= set(vllm_internals.SITES)
+    assert len(set(vllm_internals.SITES)) == len(vllm_internals.SITES)
+
+
+def test_a_missing_site_is_named_and_nothing_is_patched(monkeypatch) -> None:
+    from vllm.entrypoints.rl.offline import RLOfflineMixin
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    before = AsyncLLM.update_weights
+    monkeypatch.delattr(RLOfflineMixin, "start_weight_update")
+    with pytest.raises(RuntimeError) as raised:
+        vllm_internals.patch_rl_api(*[lambda original: original] * 4)
+    assert str(raised.value) == (
+        "vllm.entrypoints.rl.offline.RLOfflineMixin.start_weight_update is missing: weight-bridge "
+        "supports vLLM 0.32 (see weight_bridge/vllm/internals/__init__.py's checklist)"
+    )
+    assert AsyncLLM.update_weights is before
+
+
+@pytest.mark.parametrize(("version", "warned"), [("0.32.0", False), ("0.33.1", True)])
+def test_an_untested_vllm_is_warned_about(monkeypatch, caplog, version, warned) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with caplog.at_level(logging.WARNING):
+        assert vllm_internals.check_vllm_version() == version
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(warned)
+    if warned:
+        assert "vLLM 0.33.1" in warnings[0] and "internals/__init__.py" in warnings[0]
+
+
+def assignments_onto_vllm(source: str) -> list[str]:
+    """Where ``source`` assigns (or deletes) an attribute of a name imported from vLLM, or
+    calls ``setattr`` / ``delattr`` at all."""
+    tree = ast.parse(source)
+    from_vllm: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            from_vllm |= {
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] == "vllm"
+            }
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            from_vllm |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+        ):
+            found.append(f"line {node.lineno}: {node.func.id}(...)")
+        for target in targets:
+            root = target
+            while isinstance(root, ast.Attribute | ast.Subscript):
+                root = root.value
+            named = isinstance(root, ast.Name) and root.id in from_vllm
+            if isinstance(target, ast.Attribute) and named:
+                found.append(f"line {node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_only_vllm_internals_assigns_onto_vllm() -> None:
+    offenders = []
+    for path in sorted((ROOT / "weight_bridge").rglob("*.py")):
+        if path.is_relative_to(INTERNALS) or path.is_relative_to(NOT_LIBRARY):
+            continue
+        offenders += [
+            f"{path.relative_to(ROOT)} {f}" for f in assignments_onto_vllm(path.read_text())
+        ]
+    assert not offenders, offenders
+
+
+def test_the_assignment_scan_finds_each_kind() -> None:
+    """The scan itself can fail: each way of patching vLLM is found, plain code is not."""
+    patches = {
+        "from vllm.v1.engine import core\ncore.EngineCore.collective_rpc = f": 1,
+        "import vllm.v1.engine.core as c\nc.EngineCore.x += 1": 1,
+        "from vllm.x import Y\ndel Y.z": 1,
+        "import vllm\nvllm.v1.engine.core.EngineCore.x = 1": 1,
+        "setattr(anything, 'x', 1)": 1,
+        "from vllm import LLM\nllm = LLM('m')\nself.llm = llm\nd = {}\nd['k'] = 1": 0,
+    }
+    for source, count in patches.items():
+        assert len(assignments_onto_vllm(source)) == count, source

@@ -1,0 +1,159 @@
+"""The client of a ``vllm serve`` process running the ``weight_bridge`` backend, over HTTP.
+
+Stdlib only, so a trainer needs no vLLM to push into a server. It runs the one push routine
+(:mod:`~weight_bridge.vllm.clients.bridge_client`) over vLLM's RL routes
+(``VLLM_SERVER_DEV_MODE=1``), in flight if asked, and reads every worker's result of the update from
+the bridge's ``GET /weight_bridge/results`` route
+(:func:`~weight_bridge.vllm.server.middleware.update_results_route`, which a server started by
+:class:`~weight_bridge.vllm.clients.served.VLLMServer` has; a server started by hand needs
+``--middleware weight_bridge.vllm.server.middleware.update_results_route``, and a push into one
+without it is refused before it starts, naming that flag).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Coroutine
+from http import HTTPStatus
+from typing import Any
+
+from ..errors import UpdateInProgressError
+from ..outcome import PushResult
+from ..report import PushReport
+from .bridge_client import BridgeClient, InflightMode, run_blocking
+
+__all__ = ["RESULTS_ROUTE", "HTTPClient", "RemoteUpdateError"]
+
+RESULTS_ROUTE = "weight_bridge/results"
+
+
+class RemoteUpdateError(RuntimeError):
+    """A ``vllm serve`` engine refused or failed an update: the HTTP status and the server's
+    message, which names each tensor and says what the engine serves now."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class HTTPClient(BridgeClient):
+    """Pushes into a ``vllm serve`` process over its RL routes, in flight if asked.
+
+    ``url``: the server's base URL; ``api_key``: its key (default ``$VLLM_API_KEY``; see
+    :mod:`~weight_bridge.vllm.server.middleware`: vLLM's own ``--api-key`` does not guard the
+    RL routes); ``inflight``: the default mode (None: no pause). Blocking calls, from any
+    thread. The server is not this client's: :meth:`close` leaves it running.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        inflight: InflightMode | None = "recompute",
+    ) -> None:
+        super().__init__(inflight)
+        self.url = url.rstrip("/")
+        self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
+        self.timeout_s = timeout_s
+        self._has_results_route = False
+
+    def call(self, route: str, body: Any = None, method: str = "POST") -> Any:
+        """One request to the server; its JSON answer, or :class:`RemoteUpdateError`."""
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(f"{self.url}/{route.lstrip('/')}", data, method=method)
+        request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            message = _message(exc.read())
+            if exc.code == HTTPStatus.CONFLICT:
+                raise UpdateInProgressError(message) from None
+            raise RemoteUpdateError(exc.code, message) from None
+        return json.loads(raw) if raw else None
+
+    def weight_version(self) -> str:
+        """The version the server stamps on outputs (``GET /weight_info``)."""
+        return str(self.call("weight_info", method="GET")["weight_version"])
+
+    def _blocking(self, push: Coroutine[Any, Any, PushReport]) -> PushReport:
+        if not self._has_results_route:
+            try:
+                self._check_results_route()
+            except BaseException:
+                push.close()
+                raise
+        return run_blocking(push)
+
+    def _check_results_route(self) -> None:
+        try:
+            self.call(RESULTS_ROUTE, method="GET")
+        except RemoteUpdateError as exc:
+            if exc.status != HTTPStatus.NOT_FOUND:
+                raise
+            raise RemoteUpdateError(
+                exc.status,
+                f"{self.url} has no /{RESULTS_ROUTE} route, so a push could not report what "
+                "it wrote: start the server with --middleware "
+                "weight_bridge.vllm.server.middleware.update_results_route (nothing was pushed)",
+            ) from None
+        self._has_results_route = True
+
+    async def _pause(self, mode: str, clear_cache: bool) -> None:
+        self.call(f"pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
+
+    async def _start(self) -> None:
+        self.call("start_weight_update")
+
+    async def _update(self, info: dict) -> None:
+        self.call("update_weights", {"update_info": info})
+
+    async def _finish(self, version: str | None) -> None:
+        self.call("finish_weight_update", {"weight_version": version} if version else {})
+
+    async def _resume(self) -> None:
+        self.call("resume")
+
+    async def _results(self) -> list[PushResult]:
+        return PushResult.every_rank(self.call(RESULTS_ROUTE, method="GET"))
+
+    async def _version(self) -> str:
+        return self.weight_version()
+
+    def generate(self, prompts: Any, sampling_params: Any = None) -> list[list[dict]]:
+        """Completions of each prompt, given as token ids (a list of ints, or vLLM's
+        ``{"prompt_token_ids": [...]}``), with ``sampling_params`` a dict of vLLM's sampling
+        parameters (``POST /inference/v1/generate``; the server needs ``--enable-scale-out``):
+        per prompt its JSON choices (``sampling_params["n"]`` of them), each with
+        ``token_ids``, ``logprobs`` and ``weight_versions``."""
+        params = dict(sampling_params or {})
+        return [self.generate_tokens(_token_ids(p), params) for p in prompts]
+
+    def generate_tokens(self, token_ids: list[int], sampling_params: dict) -> list[dict]:
+        """The choices of one prompt given as token ids (see :meth:`generate`)."""
+        body = {"token_ids": list(token_ids), "sampling_params": dict(sampling_params)}
+        return list(self.call("inference/v1/generate", body)["choices"])
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    if isinstance(prompt, dict):
+        return list(prompt["prompt_token_ids"])
+    return list(prompt)
+
+
+def _message(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    return json.dumps(body)

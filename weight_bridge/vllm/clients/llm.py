@@ -1,0 +1,223 @@
+"""The client of a ``vllm.LLM`` in this process started with the ``weight_bridge`` backend.
+
+It pushes with the one push routine (:mod:`~weight_bridge.vllm.clients.bridge_client`), never in
+flight (a ``vllm.LLM`` generates only when asked). What a failed push leaves behind:
+
+* A checkpoint that does not fit (names, shapes, dtypes, NaN/Inf, a corrupt, truncated, foreign
+  or torn file, a shard index that leads out of its directory, a path outside the checkpoint
+  root, weights the reload mode cannot prove or refresh) is refused before the first byte is
+  written on any rank; the engine keeps serving the previous version. The error
+  (:class:`~weight_bridge.direct.DirectReloadError` or
+  :class:`~weight_bridge.checkpoint.CheckpointError`, the same in-process and multi-process)
+  names the checkpoint, the file and the tensor where there is one, and the problem.
+* A failure after writing started (in a weight loader, in the refresh of derived state, in the
+  read-back) is rolled back: every rank re-writes the version it served, from that version's
+  checkpoints, and keeps serving it; the error says so (``last_rollback_s`` says how long it
+  took). Only if the rollback fails too is the engine left *undefined*: :meth:`generate`
+  raises :class:`EngineUndefinedError` naming why, until a complete push succeeds.
+* With a multi-process engine (vLLM's default), every call into the engine waits at most
+  ``rpc_timeout_s`` and stops waiting as soon as vLLM marks the engine core process dead
+  (:class:`EngineCoreDeadError`): a worker that dies or hangs mid-push is an error within a
+  bounded time, never a hang. ``generate`` is watched the same way, without the timeout. An
+  in-process engine runs the call on the caller's thread: it cannot be bounded.
+
+Concurrency: every push, generate and worker call holds one re-entrant lock, so calls from
+several threads run one at a time and each generate call is served by exactly one version. The
+lock goes to threads in the order they asked
+(:class:`~weight_bridge.vllm.clients.fair_lock.FairLock`): a thread pushing in a loop cannot keep a
+generate waiting. ``.llm`` bypasses both the lock and the undefined check: use it only for what the
+bridge does not offer, never concurrently with a push.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from ...checkpoint import CheckpointError
+from ...direct import DirectReloadError
+from ..errors import EngineUndefinedError
+from ..internals import (
+    EngineCoreDeadError,
+    core_dead,
+    dead_message,
+    engine_resources,
+    watched_call,
+)
+from ..outcome import PushResult
+from ..report import PushReport
+from ..server.typed_errors import update_results
+from ..worker.backend import BACKEND_RPC
+from .bridge_client import BridgeClient, run_blocking
+from .fair_lock import FairLock
+
+__all__ = ["LLMClient", "token_prompts"]
+
+_PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
+_DEFAULT: Any = object()
+_LABELS_KEPT = 64  # version labels remembered to map outputs' weight_versions back
+
+
+class LLMClient(BridgeClient):
+    """Pushes into, and generates with, a ``vllm.LLM`` started with
+    ``weight_transfer_config={"backend": "weight_bridge"}``; typed errors, bounded calls
+    (``rpc_timeout_s``; ``None``: wait indefinitely). The ``LLM`` is the caller's:
+    :meth:`close` leaves it running."""
+
+    def __init__(self, llm: Any, rpc_timeout_s: float | None = 300) -> None:
+        super().__init__(inflight=None)
+        if rpc_timeout_s is not None and not rpc_timeout_s > 0:
+            raise ValueError(f"rpc_timeout_s must be positive or None, not {rpc_timeout_s!r}")
+        self.llm = llm
+        self.rpc_timeout_s = rpc_timeout_s
+        self._undefined: str | None = None
+        self._labels: dict[str, Any] = {}
+        self._lock = FairLock()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    pauses = False  # a vllm.LLM generates only when asked: nothing runs during a push
+
+    def _blocking(self, push: Coroutine[Any, Any, PushReport]) -> PushReport:
+        with self._lock:
+            return run_blocking(push)
+
+    def _pushed(self, report: PushReport) -> None:
+        super()._pushed(report)
+        self._undefined = None
+        self._labels[str(report.version)] = report.version
+        while len(self._labels) > _LABELS_KEPT:
+            del self._labels[next(iter(self._labels))]
+
+    async def _start(self) -> None:
+        self._call(lambda llm: llm.start_weight_update(), "start_weight_update")
+
+    async def _update(self, info: dict) -> None:
+        self._call(lambda llm: llm.update_weights({"update_info": info}), "update_weights")
+
+    async def _finish(self, version: str | None) -> None:
+        self._call(
+            lambda llm: llm.finish_weight_update(weight_version=version), "finish_weight_update"
+        )
+
+    async def _results(self) -> list[PushResult]:
+        return list(
+            self._call(
+                lambda llm: update_results(llm.llm_engine.engine_core), "weight_bridge_results"
+            )
+        )
+
+    async def _version(self) -> str:
+        return str(self._call(lambda llm: llm.get_weight_version(), "get_weight_version"))
+
+    async def _failed(self, error: BaseException) -> None:
+        if isinstance(error, (DirectReloadError, CheckpointError)):
+            self._note_results(await self._results())  # a refusal, or a failure rolled back
+            return
+        if isinstance(error, (EngineCoreDeadError, TimeoutError)):
+            return  # _call noted what it means for the weights
+        self._after_failure(error, "update_weights")
+        if self._core_dead():
+            raise EngineCoreDeadError(self._undefined or str(error)) from error
+
+    def _note_results(self, results: list[PushResult]) -> None:
+        super()._note_results(results)
+        self._undefined = next((r.undefined for r in results if r.undefined), None)
+
+    def _after_failure(self, exc: BaseException, what: str) -> None:
+        if isinstance(exc, (EngineCoreDeadError, TimeoutError)):
+            # A dead core cannot answer; a stuck one would answer after the stuck call, if ever.
+            self._undefined = f"{type(exc).__name__}: {exc}"
+            return
+        if not isinstance(exc, Exception):
+            # Interrupted here (KeyboardInterrupt...): a multi-process engine may still finish
+            # the push after this, so neither the old version nor the new one can be claimed.
+            self._undefined = f"{what} interrupted by {type(exc).__name__}; weights unknown"
+            return
+        if self._core_dead():
+            # vLLM may report a worker's death as a plain failure of the call, just before it
+            # notices that the engine core is gone.
+            why = dead_message(engine_resources(self.llm), what)
+            self._undefined = f"{why} ({type(exc).__name__}: {exc})"
+            return
+        try:
+            timeout = min(self.rpc_timeout_s or _PROBE_TIMEOUT_S, _PROBE_TIMEOUT_S)
+            reasons = [r for r in self._rpc("undefined", timeout=timeout) if r]
+        except Exception as probe:  # the workers cannot even answer: assume the worst
+            reasons = [f"workers unreachable after a failed push ({type(probe).__name__}: {probe})"]
+        if reasons:
+            self._undefined = reasons[0]
+
+    def plan(self, mode: str | None = None) -> list[dict]:
+        """Per worker, a dry run of a push in ``mode`` (default: the reload mode the workers push
+        with now, after any ``configure``): per weight its write target (relocation, refresh),
+        the modules re-processed, the refusals."""
+        with self._lock:
+            return self._rpc("plan", (mode,))
+
+    def addresses(self) -> list[dict[str, tuple]]:
+        """Per worker, every parameter/buffer name -> (data_ptr, shape, stride, dtype)."""
+        with self._lock:
+            return self._rpc("addresses")
+
+    @property
+    def undefined(self) -> str | None:
+        """Why the engine refuses to generate (a push failed mid-way), or None."""
+        return self._undefined
+
+    # -- calls into the engine ---------------------------------------------------------------
+
+    def _core_dead(self, grace_s: float = 2.0) -> bool:
+        return core_dead(self.llm, grace_s)
+
+    def _rpc(self, action: str, args: tuple = (), timeout: float | None = _DEFAULT) -> list:
+        """One backend action on every worker
+        (:func:`~weight_bridge.vllm.worker.backend.call_backend`), bounded by ``timeout`` and by the
+        engine core staying alive."""
+        timeout = self.rpc_timeout_s if timeout is _DEFAULT else timeout
+        return self._call(
+            lambda llm: llm.collective_rpc(BACKEND_RPC, timeout=timeout, args=(action, *args)),
+            action,
+            timeout,
+        )
+
+    def _call(self, call: Any, what: str, timeout: Any = _DEFAULT) -> Any:
+        timeout = self.rpc_timeout_s if timeout is _DEFAULT else timeout
+        if self.llm is None:
+            raise RuntimeError("the engine is closed")
+        try:
+            return watched_call(self.llm, call, what, timeout)
+        except (EngineCoreDeadError, TimeoutError) as exc:
+            self._after_failure(exc, what)
+            raise
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
+        """``vllm.LLM.generate``; each output's ``policy_version`` is the version its tokens were
+        sampled with (derived from vLLM's own ``weight_versions`` spans)."""
+        with self._lock:
+            if self._undefined is not None:
+                raise EngineUndefinedError(
+                    f"engine weights are undefined ({self._undefined}); push a complete "
+                    "checkpoint before generating"
+                )
+            kwargs.setdefault("use_tqdm", False)
+            outputs = self._call(
+                lambda llm: llm.generate(prompts, sampling_params, **kwargs), "generate", None
+            )
+            for out in outputs:
+                vars(out)["policy_version"] = self._policy_version(out)
+            return outputs
+
+    def _policy_version(self, output: Any) -> Any:
+        spans = [s for c in output.outputs for s in (c.weight_versions or ())]
+        if not spans:
+            return self.version
+        label = spans[-1].version
+        return self._labels.get(label, None if label == "default" else label)
+
+
+def token_prompts(token_ids: Sequence[Sequence[int]]) -> list[dict]:
+    """Prompts given as token ids (sidesteps the tokenizer in tests and toy tasks)."""
+    return [{"prompt_token_ids": list(ids)} for ids in token_ids]

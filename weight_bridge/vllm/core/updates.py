@@ -1,0 +1,347 @@
+"""The engine-core side of a bridged update: agreement across ranks, errors, the prefix cache.
+
+vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the engine core's
+``collective_rpc``. For an engine running the ``weight_bridge`` backend, the plugin wraps it
+(with :func:`bridged_collective_rpc`, in the engine-core process) so that one
+``update_weights`` is a transaction over every rank:
+
+1. each rank *prepares* (vLLM's own ``update_weights`` call into the backend): the whole
+   checkpoint checked, every weight planned, nothing written; the version the engine serves
+   (kept here, by vLLM) is passed along, for a partial checkpoint's base;
+2. only if every rank prepared does every rank *commit*; if any rank then failed past its first
+   write, every rank that wrote *rolls back* to the version served;
+3. a refusal or failure is raised from ``update_weights`` as the project's own error, every
+   rank's problems merged, each naming its tensor (a plain ``Exception`` with the same message
+   across vLLM's process boundary; over HTTP a non-2xx answer whose body carries it), logged on
+   one line without a traceback. The workers' update session is closed, so the next
+   ``start_weight_update`` works, and a ``finish_weight_update`` for the failed update is
+   refused, so vLLM does not stamp the version that was not written;
+4. after a successful update no request that arrives later reuses KV computed by the old
+   weights (:func:`~weight_bridge.vllm.internals.forget_prefixes`; vLLM's own update leaves the
+   prefix cache as it was);
+5. **the weights and their label change together**: the engine core stamps the new weight
+   version (the request's ``version``, else the checkpoint's ``version`` metadata, else its
+   file name) in the same call that commits the write, so no engine step runs the new weights
+   under the old label or the old weights under the new one, whether or not generation was
+   paused (vLLM itself writes at ``update_weights`` and stamps at ``finish_weight_update``,
+   generating in between). A ``finish_weight_update(weight_version=V)`` with another ``V``
+   relabels from then on (the same weights under a second name);
+6. **one update at a time**: a ``start_weight_update`` while another update is active is
+   refused with :class:`UpdateConflictError` (an
+   :class:`~weight_bridge.vllm.outcome.UpdateInProgressError` that ``vllm serve`` answers with ``409
+   Conflict``) before it reaches a worker, naming since when and for which version; an update that
+   makes no call for ``update_timeout_s`` (its trainer died) is abandoned by the next start, and
+   vLLM's own ``finish_weight_update`` ends it at once;
+7. while the update runs, the engine core waits for the workers asleep instead of spinning
+   (:func:`~weight_bridge.vllm.internals.waiting_without_spinning`: a push's reply is one message at
+   its end, no burst a spin could catch sooner; the wait re-checks its queue like the bridged
+   worker's, :func:`~weight_bridge.vllm.worker.cpu_threads.idle_wait`), so the workers' push helpers
+   (:mod:`~weight_bridge.vllm.worker.cpu_threads`) can use the CPU vLLM reserves for it;
+8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
+   stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
+   name until a complete update succeeds.
+
+The same wrapper routes :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` (a method name any
+client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
+(:data:`~weight_bridge.vllm.worker.backend.QUERIES`): the one channel into the workers besides
+vLLM's own calls.
+
+Workers never raise for an expected outcome: vLLM's multi-process executor raises at the first
+failed rank without collecting the others' replies, which would leave them queued for the
+next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from vllm.exceptions import GracefulHTTPError
+
+from ...checkpoint import CheckpointError, version_of
+from ...direct import DirectReloadError
+from ..errors import UpdateInProgressError
+from ..internals import (
+    forget_prefixes,
+    pause_scheduling,
+    served_version,
+    set_pause_state,
+    waiting_without_spinning,
+)
+from ..options import BridgeOptions, bridge_options, is_bridged
+from ..outcome import PushResult, merged_error
+from ..worker.backend import BACKEND_RPC, QUERIES, call_backend
+
+__all__ = [
+    "UTILITIES",
+    "BridgeCoreState",
+    "UpdateConflictError",
+    "bridged_collective_rpc",
+    "quiet_refusals",
+    "refusing_resume",
+]
+
+_logger = logging.getLogger(__name__)
+_HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
+class UpdateConflictError(UpdateInProgressError, GracefulHTTPError):
+    """:class:`~weight_bridge.vllm.outcome.UpdateInProgressError` as vLLM's API server answers it:
+    ``409 Conflict`` with the message (vLLM's ``GracefulHTTPError``), no traceback."""
+
+    http_status = HTTPStatus.CONFLICT
+
+
+@dataclass
+class ActiveUpdate:
+    """The update between its ``start_weight_update`` and its end."""
+
+    since: float  # time.time() of its start
+    last_call: float  # time.monotonic() of its last call
+    version: str | None = None  # what its update_weights asked to stamp
+
+
+@dataclass
+class BridgeCoreState:
+    """What the engine core remembers between the calls of an update."""
+
+    failed: str | None = None  # the last update failed: its finish is refused
+    undefined: str | None = None  # a rank's weights are half-written: nothing is scheduled
+    paused_before: Any = None  # the scheduler's pause state before the bridge paused it
+    updates: int = 0
+    results: list[dict] = field(default_factory=list)  # every rank's result of the last update
+    active: ActiveUpdate | None = None
+    conflict: dict | None = None  # the last refused start's UpdateInProgressError, as a dict
+
+
+def _state(core: Any) -> BridgeCoreState:
+    state = core.__dict__.get("_weight_bridge")
+    if state is None:
+        state = core.__dict__["_weight_bridge"] = BridgeCoreState()
+    return state
+
+
+def _phase(rpc: Any, core: Any, timeout: float | None, action: str, *args: Any) -> list:
+    raw = rpc(core, call_backend, timeout, (action, *args), None)
+    _state(core).results = list(raw)
+    return PushResult.every_rank(raw)
+
+
+def weight_bridge_results(self: Any) -> list[dict]:
+    """Engine-core utility: every rank's :class:`~weight_bridge.vllm.outcome.PushResult` of the last
+    update, as dicts (a caller in another process rebuilds the typed report or error from them)."""
+    return list(_state(self).results)
+
+
+def weight_bridge_conflict(self: Any) -> dict | None:
+    """Engine-core utility: the last refused ``start_weight_update``'s error, as a dict (a
+    caller in another process rebuilds :class:`UpdateConflictError` from it)."""
+    return _state(self).conflict
+
+
+def _claim(rpc: Any, core: Any, timeout: float | None) -> None:
+    """Make this start the engine's one active update, or refuse it by name. An active update
+    idle for ``update_timeout_s`` is abandoned first (its workers' session closed; what it
+    committed was stamped with its label when it was written)."""
+    state = _state(core)
+    active = state.active
+    if active is not None:
+        limit = (bridge_options(core.vllm_config) or BridgeOptions()).update_timeout_s
+        idle = time.monotonic() - active.last_call
+        if idle < limit:
+            error = UpdateConflictError.active(active.since, active.version, limit - idle)
+            state.conflict = error.to_dict()
+            raise error
+        _logger.warning(
+            "weight_bridge: abandoning the update started %.1f s ago (no call for %.1f s, "
+            "update_timeout_s=%s)",
+            time.time() - active.since,
+            idle,
+            limit,
+        )
+        state.active = None
+        with contextlib.suppress(Exception):
+            rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
+    state.conflict = None
+    state.active = ActiveUpdate(time.time(), time.monotonic())
+
+
+def _asked_version(info: Any) -> str | None:
+    first = info[0] if isinstance(info, list) and info else info
+    version = first.get("version") if isinstance(first, dict) else None
+    return None if version is None else str(version)
+
+
+def _label(asked: str | None, results: list[PushResult]) -> str:
+    """The version the new weights are stamped with: the request's, else the project's one
+    default rule (:func:`~weight_bridge.checkpoint.version_of`)."""
+    if asked is not None:
+        return asked
+    return version_of(results[0].checkpoint, results[0].version)
+
+
+def _with_served(info: Any, served: str | None) -> Any:
+    if isinstance(info, list):
+        return [_with_served(i, served) for i in info]
+    if isinstance(info, dict):
+        return {**info, "served_version": served}
+    return info
+
+
+def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
+    state = _state(core)
+    state.results = []  # nothing of an earlier update may stand for this one
+    info = (kwargs or {}).get("update_info", args[0] if args else None)
+    asked = _asked_version(info)
+    if state.active is not None:
+        state.active.last_call = time.monotonic()
+        state.active.version = asked
+    served = served_version(core)
+    out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
+    results = _phase(rpc, core, timeout, "result") if len(out) > 1 else []
+    if any(r.error is not None for r in results):
+        results = _phase(rpc, core, timeout, "abandon")  # a rank refused: no rank writes
+    else:
+        results = _phase(rpc, core, timeout, "commit")
+    error = merged_error(results)
+    if error is None:
+        try:
+            state.updates += 1
+            forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")
+        except Exception as exc:
+            why = (
+                f"prefix cache reset failed after the update ({type(exc).__name__}: {exc}): "
+                "its cached KV may be from the old weights"
+            )
+            results = _phase(rpc, core, timeout, "fail", why)
+            error = merged_error(results)
+    if error is None:
+        # The label changes in this same engine-core call: no step runs in between.
+        core.set_weight_version(_label(asked, results))
+        state.failed = None
+        _resume_if_paused_by_bridge(core, state)
+        if state.active is not None:
+            state.active.last_call = time.monotonic()
+        return out
+    if any(r.wrote for r in results):
+        results = _phase(rpc, core, timeout, "roll_back", served)
+        error = merged_error(results) or error
+    rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
+    state.active = None
+    state.failed = str(error)
+    undefined = next((r.undefined for r in results if r.undefined), None)
+    if undefined is not None:
+        _stop_scheduling(core, state, undefined)
+    raise error
+
+
+def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
+    before = pause_scheduling(core)  # running requests preempted, no cached KV kept
+    if state.undefined is None:
+        state.paused_before = before
+    state.undefined = why
+    _logger.error(
+        "weight_bridge: the engine's weights are undefined (%s); nothing is scheduled until a "
+        "complete update succeeds",
+        why,
+    )
+
+
+def _resume_if_paused_by_bridge(core: Any, state: BridgeCoreState) -> None:
+    if state.undefined is None:
+        return
+    state.undefined = None
+    set_pause_state(core, state.paused_before)
+
+
+def _query(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
+    """A read-only :func:`~weight_bridge.vllm.worker.backend.call_backend` action, sent by name from
+    any client."""
+    if not args or args[0] not in QUERIES:
+        raise ValueError(f"{BACKEND_RPC}: the first argument must be one of {QUERIES}")
+    return rpc(core, call_backend, timeout, args, kwargs)
+
+
+def bridged_collective_rpc(original: Any) -> Any:
+    """``EngineCore.collective_rpc``, each update a transaction over every rank (inert unless
+    the engine is bridged), :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` routed to
+    ``call_backend``."""
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if isinstance(method, str) and method == BACKEND_RPC:
+            return _query(original, self, timeout, args, kwargs)
+        if not (isinstance(method, str) and method in _HOOKED and is_bridged(self.vllm_config)):
+            return original(self, method, timeout, args, kwargs)
+        state = _state(self)
+        if method == "start_weight_update":
+            _claim(original, self, timeout)
+            try:
+                started: Any = original(self, method, timeout, args, kwargs)
+            except BaseException:
+                state.active = None
+                raise
+            state.failed = None
+            return started
+        if method == "update_weights":
+            try:
+                with waiting_without_spinning(self):  # the push's helpers get its CPU
+                    return _update(original, self, timeout, args, kwargs)
+            except (DirectReloadError, CheckpointError):
+                raise
+            except BaseException:
+                # Not an outcome of the update (an interrupt, a worker that died): the workers'
+                # session must not stay open, or no update could ever start again.
+                with contextlib.suppress(Exception):
+                    original(self, "finish_weight_update", timeout, (), None)
+                state.active = None
+                state.failed = "the last update did not finish"
+                raise
+        state.active = None  # finish_weight_update: the update ends, whoever calls it
+        if state.failed is not None:
+            failed, state.failed = state.failed, None
+            raise RuntimeError(
+                "finish_weight_update after a failed update_weights: nothing was updated, the "
+                f"engine serves version {served_version(self)!r} ({failed.splitlines()[0]})"
+            )
+        state.failed = None
+        return original(self, method, timeout, args, kwargs)
+
+    return collective_rpc
+
+
+def refusing_resume(resume: Any) -> Any:
+    """``resume_scheduler``, refused while a rank's weights are undefined."""
+
+    def resume_scheduler(self, *args, **kwargs):
+        undefined = _state(self).undefined if is_bridged(self.vllm_config) else None
+        if undefined is not None:
+            raise RuntimeError(
+                f"the engine's weights are undefined ({undefined}): push a complete checkpoint "
+                "before resuming generation"
+            )
+        return resume(self, *args, **kwargs)
+
+    return resume_scheduler
+
+
+def quiet_refusals(record: logging.LogRecord) -> bool:
+    """vLLM logs every failed utility call with its traceback; a refused or rolled-back update
+    is an expected outcome, already in the error the caller gets: one line, no traceback."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, (DirectReloadError, CheckpointError, UpdateInProgressError)):
+        record.msg = "weight_bridge: update refused: %s"
+        record.args = (str(error).splitlines()[0],)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+#: The engine-core utilities the bridge adds (name -> function of the core).
+UTILITIES = {
+    "weight_bridge_results": weight_bridge_results,
+    "weight_bridge_conflict": weight_bridge_conflict,
+}

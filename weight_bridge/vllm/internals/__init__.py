@@ -1,0 +1,200 @@
+"""Every use the bridge makes of vLLM's private internals, and every patch of vLLM, in one place.
+
+This package is the bottom of the vLLM layer: it imports nothing from the project.
+
+Nothing else in the project assigns onto a vLLM class, module or layer
+(``tests/test_internals.py`` checks it): the modules that own the logic
+(:mod:`~weight_bridge.vllm.worker.load_recording`, :mod:`~weight_bridge.vllm.core.updates`,
+:mod:`~weight_bridge.vllm.server.typed_errors`, :mod:`~weight_bridge.vllm.worker.refresh`) hand
+their wrappers (``original -> wrapped``) to the ``patch_*`` functions of :mod:`.patches`, which
+:func:`~weight_bridge.vllm.plugin.register` calls once per process. Each ``patch_*`` checks every
+site it patches before patching any and raises a ``RuntimeError`` naming a missing one;
+:func:`check_vllm_version` warns when vLLM is not the tested :data:`TESTED_VLLM`. What is only
+read lives in :mod:`.engine_core`, :mod:`~weight_bridge.vllm.internals.engine_client` and
+:mod:`.model`.
+
+Upgrade checklist: on a new vLLM, check each site below (paths under ``vllm.``; :data:`SITES`
+lists those that are attributes of a vLLM module or class, and ``tests/test_internals.py``
+checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
+
+1. ``model_loader.default_loader.DefaultModelLoader.get_all_weights(self, model_config,
+   model)`` (yields ``(name, tensor)``) and ``.load_weights(self, model, model_config)``:
+   patched; still the default loader's path from the checkpoint into the model.
+2. ``model_loader.base_loader.process_weights_after_loading(model, model_config,
+   target_device)``: patched as the module global ``load_model`` looks up at call time.
+3. Each module's own ``process_weights_after_loading``: its ``quant_method``'s
+   (``QuantizeMethodBase``) or an attention layer's (``layers.attention
+   .is_deferred_attention_layer``), wrapped on the instance while processing runs; still what
+   vLLM's layerwise path re-runs.
+4. ``v1.engine.core.EngineCore.collective_rpc(self, method, timeout, args, kwargs)``: patched;
+   ``LLM``, ``AsyncLLM`` and the HTTP routes still reach ``start_weight_update``,
+   ``update_weights``, ``finish_weight_update`` through it; a callable ``method`` still runs
+   in every worker as ``method(worker, *args)`` (the bridge's one channel into the workers,
+   ``call_backend``, also reached by the method name ``"weight_bridge.call_backend"``).
+5. Engine-core utilities ``weight_bridge_results`` / ``weight_bridge_conflict``: added to
+   ``EngineCore``; utilities still found with ``getattr(core, name)``
+   (``EngineCoreProc._handle_client_request``), ``InprocClient.engine_core`` still the core.
+6. ``resume_scheduler`` of ``EngineCore`` and of each subclass that overrides it
+   (``DPEngineCoreProc``; ``EngineCoreProc`` if it comes to): patched.
+7. The logger ``vllm.v1.engine.core``: a filter; a failed utility call still logged there
+   with ``exc_info``.
+8. ``entrypoints.rl.offline.RLOfflineMixin`` and ``v1.engine.async_llm.AsyncLLM``:
+   ``update_weights(self, request)`` and ``start_weight_update(self)`` patched; an engine-core
+   error still reaches the caller as an exception carrying its message.
+9. ``model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``:
+   patched as the module attribute (its callers still import it at call time); it still sets
+   ``layer.cpu_linear``, which generation calls (set and dropped here too). Read by
+   :func:`is_input_embedding`: ``layers.vocab_parallel_embedding.VocabParallelEmbedding`` (its
+   forward still looks rows up in the weight; only ``apply``, for logits, calls
+   ``cpu_linear``) and its subclass ``ParallelLMHead``.
+10. ``layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts.process_weights_after_loading(self,
+    layer)``: patched; it still prepacks ``w13_weight`` / ``w2_weight`` (same shape and dtype).
+11. Read by :func:`forget_prefixes`: ``EngineCore.scheduler``, ``.reset_prefix_cache()`` (True
+    if it reset), ``Scheduler.running``, ``.kv_cache_manager.coordinator.single_type_managers
+    [*].block_pool`` (``blocks``, ``_maybe_evict_cached_block``,
+    ``cached_block_hashes_by_block``), ``Request._block_hasher`` (request -> block hashes).
+12. Scheduling stopped and restored: ``Scheduler.pause_state``, ``.set_pause_state``,
+    ``.reset_prefix_cache(reset_running_requests=True)``, ``PauseState.PAUSED_ALL``.
+13. ``EngineCore._weight_version``: the label stamped on outputs (:func:`served_version`).
+14. The engine-core client (:func:`watched_call`...): ``llm.llm_engine.engine_core``
+    (``SyncMPClient`` or ``InprocClient``), ``.resources.engine_dead`` (multi-process only),
+    ``.resources.engine_manager.processes`` / ``.finished_procs()``, ``.utility_results``
+    (futures), ``.outputs_queue`` (an exception put there is raised by ``generate``),
+    ``.shutdown()``, ``.call_utility(name)``, ``.call_utility_async(name)``.
+15. Layerwise reload (``model_loader.reload``): ``get_layerwise_info``,
+    ``restore_layer_on_meta``, ``initialize_online_processing``, ``get_layer_params_buffers``,
+    ``finalize_layerwise_processing``; ``LayerwiseInfo.kernel_tensors`` /
+    ``.kernel_non_persistent_buffers`` (assigned, as vLLM's own reload does).
+16. The worker: ``weight_transfer_engine`` (the backend ``load_model`` built),
+    ``model_runner.get_model()``, ``model_runner.reset_encoder_cache()`` /
+    ``.reset_mm_cache()``.
+17. The API server (:mod:`~weight_bridge.vllm.server.middleware`, a ``--middleware``):
+    ``request.app.state.engine_client`` still the ``AsyncLLM``, its ``engine_core
+    .call_utility_async(name)`` still reaching the engine-core utilities of item 5; the RL
+    routes (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+    ``/pause``, ``/resume``, ``/weight_info``) still answering under ``VLLM_SERVER_DEV_MODE=1``.
+18. How vLLM's processes wait on their shared-memory message queues
+    (``distributed.device_communicators.shm_broadcast.SpinCondition``: ``wait(self,
+    timeout_ms)`` spins while the last message came less than ``busy_loop_s`` ago, else sleeps
+    until the writer's notification, which every ``enqueue`` sends): ``wait`` patched (a bridged
+    CPU worker sleeps when idle, a shortened wait re-checks often); read by
+    :func:`waiting_without_spinning`: ``EngineCore.model_executor.response_mqs``
+    (``MultiprocExecutor``), each queue's ``_spin_condition.busy_loop_s``, set to 0 during a
+    bridged update, restored after.
+"""
+
+from .engine_client import (
+    EngineCoreDeadError,
+    call_core_utility,
+    call_core_utility_async,
+    core_dead,
+    dead_message,
+    engine_resources,
+    shutdown,
+    watched_call,
+)
+from .engine_core import (
+    forget_prefixes,
+    pause_scheduling,
+    served_version,
+    set_pause_state,
+    waiting_without_spinning,
+)
+from .model import (
+    is_input_embedding,
+    layerwise_begin,
+    layerwise_finish,
+    layerwise_reprocesses,
+    reset_runner_caches,
+    transfer_engine,
+    worker_model,
+)
+from .patches import (
+    PATCHED,
+    TESTED_VLLM,
+    check_vllm_version,
+    cpu_linear_of,
+    drop_cpu_linear,
+    patch_cpu_linear,
+    patch_cpu_moe,
+    patch_default_loader,
+    patch_engine_core,
+    patch_queue_waits,
+    patch_rl_api,
+    processing_watched,
+    set_cpu_linear,
+)
+
+__all__ = [
+    "PATCHED",
+    "SITES",
+    "TESTED_VLLM",
+    "EngineCoreDeadError",
+    "call_core_utility",
+    "call_core_utility_async",
+    "check_vllm_version",
+    "core_dead",
+    "cpu_linear_of",
+    "dead_message",
+    "drop_cpu_linear",
+    "engine_resources",
+    "forget_prefixes",
+    "is_input_embedding",
+    "layerwise_begin",
+    "layerwise_finish",
+    "layerwise_reprocesses",
+    "patch_cpu_linear",
+    "patch_cpu_moe",
+    "patch_default_loader",
+    "patch_engine_core",
+    "patch_queue_waits",
+    "patch_rl_api",
+    "pause_scheduling",
+    "processing_watched",
+    "reset_runner_caches",
+    "served_version",
+    "set_cpu_linear",
+    "set_pause_state",
+    "shutdown",
+    "transfer_engine",
+    "waiting_without_spinning",
+    "watched_call",
+    "worker_model",
+]
+
+_CORE = "vllm.v1.engine.core"
+_CLIENT = "vllm.v1.engine.core_client"
+_RELOAD = "vllm.model_executor.model_loader.reload"
+_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+
+#: Every site of the checklist that is an attribute of a vLLM module or class: what is patched
+#: (:data:`PATCHED`), then what is read.
+SITES = (
+    *PATCHED,
+    "vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase",
+    "vllm.model_executor.layers.attention.is_deferred_attention_layer",
+    "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding",
+    "vllm.model_executor.layers.vocab_parallel_embedding.ParallelLMHead",
+    f"{_CORE}.EngineCoreProc._handle_client_request",
+    f"{_CORE}.EngineCore.reset_prefix_cache",
+    "vllm.v1.core.block_pool.BlockPool._maybe_evict_cached_block",
+    f"{_SCHEDULER}.pause_state",
+    f"{_SCHEDULER}.set_pause_state",
+    f"{_SCHEDULER}.reset_prefix_cache",
+    "vllm.v1.core.sched.interface.PauseState.PAUSED_ALL",
+    f"{_CLIENT}.BackgroundResources.engine_dead",
+    f"{_CLIENT}.BackgroundResources.engine_manager",
+    "vllm.v1.engine.utils.CoreEngineProcManager.finished_procs",
+    f"{_CLIENT}.MPClient.shutdown",
+    f"{_CLIENT}.InprocClient.shutdown",
+    f"{_CLIENT}.SyncMPClient.call_utility",
+    f"{_CLIENT}.AsyncMPClient.call_utility_async",
+    f"{_RELOAD}.layerwise.get_layerwise_info",
+    f"{_RELOAD}.layerwise.initialize_online_processing",
+    f"{_RELOAD}.layerwise.finalize_layerwise_processing",
+    f"{_RELOAD}.meta.restore_layer_on_meta",
+    f"{_RELOAD}.utils.get_layer_params_buffers",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_encoder_cache",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_mm_cache",
+    "vllm.v1.executor.multiproc_executor.MultiprocExecutor.collective_rpc",
+)

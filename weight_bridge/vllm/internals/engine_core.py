@@ -1,0 +1,102 @@
+"""What the bridge reads and drives inside vLLM's engine core (sites 11 to 13 and 18 of the
+checklist in :mod:`weight_bridge.vllm.internals`): the prefix cache, the scheduler's pause
+state, the served weight version, how it waits for its workers."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "forget_prefixes",
+    "pause_scheduling",
+    "served_version",
+    "set_pause_state",
+    "waiting_without_spinning",
+]
+
+
+def served_version(core: Any) -> str | None:
+    """The weight version the engine core stamps on outputs (vLLM's own, set by
+    ``finish_weight_update(weight_version=...)``)."""
+    version = getattr(core, "_weight_version", None)
+    return None if version is None else str(version)
+
+
+def _salted(hasher: Any, salt: bytes) -> Any:
+    def salted_hasher(request: Any) -> list:
+        return [type(h)(hashlib.sha256(salt + h).digest()[: len(h)]) for h in hasher(request)]
+
+    salted_hasher.weight_bridge_salted = True  # type: ignore[attr-defined]
+    return salted_hasher
+
+
+def forget_prefixes(core: Any, salt: str) -> str:
+    """Make sure no request arriving from now on reuses KV computed before this call.
+
+    vLLM's own ``reset_prefix_cache`` does that only when no running request holds a block:
+    then ``"reset"``. Else ``"forgotten"``: every cached block (held ones too) loses its hash,
+    so no new request can hit it, and every running request's *future* blocks get hashes no
+    new request can compute (its block hasher is salted): they hold KV partly computed by the
+    old weights.
+    """
+    if core.reset_prefix_cache():
+        return "reset"
+    scheduler = core.scheduler
+    pools = {
+        id(m.block_pool): m.block_pool
+        for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+    }
+    for pool in pools.values():
+        extra = pool.cached_block_hashes_by_block
+        for block in pool.blocks:
+            if block.block_hash is not None or block.block_id in extra:
+                pool._maybe_evict_cached_block(block)
+    seed = salt.encode()
+    for request in scheduler.running:
+        hasher = getattr(request, "_block_hasher", None)
+        if hasher is not None:
+            request._block_hasher = _salted(hasher, seed)
+    return "forgotten"
+
+
+def pause_scheduling(core: Any) -> Any:
+    """Pause all scheduling (running requests preempted) and drop every cached KV; the pause
+    state before, for :func:`set_pause_state`."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    scheduler = core.scheduler
+    before = scheduler.pause_state
+    scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    scheduler.reset_prefix_cache(reset_running_requests=True)  # nothing keeps old KV
+    return before
+
+
+def set_pause_state(core: Any, state: Any) -> None:
+    core.scheduler.set_pause_state(state)
+
+
+def _reply_waits(core: Any) -> list[Any]:
+    """The spin conditions the engine core waits on for its workers' replies (none for an
+    executor without vLLM's shared-memory message queues)."""
+    queues = getattr(getattr(core, "model_executor", None), "response_mqs", None) or ()
+    conditions = [getattr(mq, "_spin_condition", None) for mq in queues]
+    return [c for c in conditions if c is not None and hasattr(c, "busy_loop_s")]
+
+
+@contextlib.contextmanager
+def waiting_without_spinning(core: Any) -> Iterator[int]:
+    """While inside, the engine core waits for its workers' replies asleep on the queue's
+    notification socket instead of spinning for up to a second after each reply, so a push's
+    helper threads can use its CPU; yields how many queues it changed."""
+    conditions = _reply_waits(core)
+    before = [c.busy_loop_s for c in conditions]
+    for condition in conditions:
+        condition.busy_loop_s = 0
+    try:
+        yield len(conditions)
+    finally:
+        for condition, value in zip(conditions, before, strict=True):
+            condition.busy_loop_s = value

@@ -1,0 +1,86 @@
+"""What the bridge reads and drives in vLLM's model layers and workers (sites 3, 15 and 16 of the
+checklist in :mod:`weight_bridge.vllm.internals`): which modules vLLM's layerwise reload
+re-processes, that reload's internals, the worker's backend, model and caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "is_input_embedding",
+    "layerwise_begin",
+    "layerwise_finish",
+    "layerwise_reprocesses",
+    "reset_runner_caches",
+    "transfer_engine",
+    "worker_model",
+]
+
+
+def layerwise_reprocesses(module: Any) -> bool:
+    """Whether vLLM's layerwise path re-runs this module's post-load processing."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase) or bool(
+        is_deferred_attention_layer(module)
+    )
+
+
+def is_input_embedding(layer: Any) -> bool:
+    """Whether ``layer`` is a vocabulary embedding that is not a logits head (site 9). On the
+    CPU backend vLLM packs such a layer's weight into a oneDNN handle too
+    (``UnquantizedEmbeddingMethod.process_weights_after_loading``), for ``apply``, which
+    computes logits; its own forward looks rows up in the weight. A tied model's logits come
+    from its ``ParallelLMHead`` (sharing the weight, packed on its own), so that handle is
+    used only by a model whose logits are computed with the embedding module itself."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    return isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+
+
+def layerwise_begin(model: Any, modules: Iterable[str]) -> None:
+    """Put ``modules`` of ``model`` back on the meta device for vLLM's layerwise processing,
+    their kernel tensors kept to be written in place by :func:`layerwise_finish`."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        get_layerwise_info,
+        initialize_online_processing,
+    )
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    for name in modules:
+        layer = model.get_submodule(name)
+        info = get_layerwise_info(layer)
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        initialize_online_processing(layer)
+
+
+def layerwise_finish(model: Any, model_config: Any) -> None:
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_processing
+
+    finalize_layerwise_processing(model, model_config)
+
+
+def transfer_engine(worker: Any) -> Any:
+    """The weight-transfer backend the worker built at ``load_model``, or None."""
+    return getattr(worker, "weight_transfer_engine", None)
+
+
+def worker_model(worker: Any) -> Any:
+    return worker.model_runner.get_model()
+
+
+def reset_runner_caches(worker: Any) -> None:
+    """Encoder and multi-modal caches hold outputs of the old weights."""
+    runner = worker.model_runner
+    for name in ("reset_encoder_cache", "reset_mm_cache"):
+        reset = getattr(runner, name, None)
+        if callable(reset):
+            reset()

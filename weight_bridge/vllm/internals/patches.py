@@ -1,0 +1,229 @@
+"""Every patch of vLLM (sites 1 to 10 of the checklist in :mod:`weight_bridge.vllm.internals`):
+the only code of the project that assigns onto a vLLM class, module or layer.
+
+Each ``patch_*`` takes wrapper factories (the original -> what replaces it) from the module that
+owns the logic, checks every site it patches before patching any (a ``RuntimeError`` names a
+missing one), and patches once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+__all__ = [
+    "PATCHED",
+    "TESTED_VLLM",
+    "check_vllm_version",
+    "cpu_linear_of",
+    "drop_cpu_linear",
+    "patch_cpu_linear",
+    "patch_cpu_moe",
+    "patch_default_loader",
+    "patch_engine_core",
+    "patch_rl_api",
+    "processing_watched",
+    "set_cpu_linear",
+]
+
+TESTED_VLLM = "0.32"
+CHECKLIST = "weight_bridge/vllm/internals/__init__.py"
+Wrap = Callable[[Any], Any]  # a wrapper factory: the original -> what replaces it
+
+_LOADER = "vllm.model_executor.model_loader"
+_DEFAULT_LOADER = f"{_LOADER}.default_loader.DefaultModelLoader"
+_CORE = "vllm.v1.engine.core"
+_OFFLINE = "vllm.entrypoints.rl.offline.RLOfflineMixin"
+_ASYNC = "vllm.v1.engine.async_llm.AsyncLLM"
+_GEMM = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
+_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
+_PROCESS = "process_weights_after_loading"
+_QUEUE_WAIT = "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait"
+
+#: Every vLLM module or class attribute replaced by a ``patch_*`` function.
+PATCHED = (
+    f"{_DEFAULT_LOADER}.get_all_weights",
+    f"{_DEFAULT_LOADER}.load_weights",
+    f"{_LOADER}.base_loader.{_PROCESS}",
+    f"{_CORE}.EngineCore.collective_rpc",
+    f"{_CORE}.EngineCore.resume_scheduler",
+    f"{_CORE}.DPEngineCoreProc.resume_scheduler",
+    f"{_OFFLINE}.update_weights",
+    f"{_OFFLINE}.start_weight_update",
+    f"{_ASYNC}.update_weights",
+    f"{_ASYNC}.start_weight_update",
+    _GEMM,
+    f"{_MOE}.{_PROCESS}",
+    _QUEUE_WAIT,
+)
+
+_logger = logging.getLogger(__name__)
+_patched: set[str] = set()
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM's version; one warning naming the checklist if it is not tested."""
+    import vllm
+
+    installed = str(getattr(vllm, "__version__", "unknown"))
+    if ".".join(installed.split(".")[:2]) != TESTED_VLLM:
+        _logger.warning(
+            "weight-bridge is tested with vLLM %s, this is vLLM %s: go through the upgrade "
+            "checklist in %s before relying on it",
+            TESTED_VLLM,
+            installed,
+            CHECKLIST,
+        )
+    return installed
+
+
+def _missing(path: str) -> RuntimeError:
+    return RuntimeError(
+        f"{path} is missing: weight-bridge supports vLLM {TESTED_VLLM} "
+        f"(see {CHECKLIST}'s checklist)"
+    )
+
+
+def _site(path: str) -> tuple[Any, str]:
+    """The owner (module or class) of the vLLM site ``path``, and the attribute's name."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            owner: Any = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as exc:  # a class, not a module, or a module vLLM lacks
+            if not exc.name or not f"{module}.".startswith(f"{exc.name}."):
+                raise
+    else:
+        raise _missing(path)
+    for part in parts[i:-1]:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise _missing(path)
+    if not hasattr(owner, parts[-1]):
+        raise _missing(path)
+    return owner, parts[-1]
+
+
+def _patch(name: str, wraps: dict[str, Wrap]) -> bool:
+    """Replace each site (dotted path) by its wrapper of the original, every site checked
+    first; once per process for ``name`` (False: done before)."""
+    sites = {path: _site(path) for path in wraps}
+    if name in _patched:
+        return False
+    _patched.add(name)
+    for path, (owner, attr) in sites.items():
+        setattr(owner, attr, wraps[path](getattr(owner, attr)))
+    return True
+
+
+def patch_default_loader(
+    get_all_weights: Wrap, load_weights: Wrap, process_weights_after_loading: Wrap
+) -> None:
+    """Sites 1 and 2: the default loader's streaming and loading, post-load processing."""
+    _patch(
+        "loader",
+        {
+            f"{_DEFAULT_LOADER}.get_all_weights": get_all_weights,
+            f"{_DEFAULT_LOADER}.load_weights": load_weights,
+            f"{_LOADER}.base_loader.{_PROCESS}": process_weights_after_loading,
+        },
+    )
+
+
+@contextlib.contextmanager
+def processing_watched(modules: Iterable[Any], after: Callable[[Any], None]) -> Iterator[None]:
+    """Within the block, each module's own processing step (site 3: its ``quant_method``'s,
+    else its own; wrapped on the instance) calls ``after(module)`` once it returned."""
+    undo: list = []
+    try:
+        for module in modules:
+            quant = getattr(module, "quant_method", None)
+            owner = quant if quant is not None else module
+            original = getattr(owner, _PROCESS, None)
+            if original is None or _PROCESS in vars(owner):
+                continue
+
+            def wrapped(*args, _original=original, _module=module, **kwargs):
+                out = _original(*args, **kwargs)
+                after(_module)
+                return out
+
+            setattr(owner, _PROCESS, wrapped)
+            undo.append(owner)
+        yield
+    finally:
+        for owner in undo:
+            delattr(owner, _PROCESS)
+
+
+def patch_engine_core(
+    collective_rpc: Wrap,
+    resume_scheduler: Wrap,
+    utilities: dict[str, Callable],
+    log_filter: Callable[[logging.LogRecord], bool],
+) -> None:
+    """Sites 4 to 7: ``collective_rpc``, ``resume_scheduler`` wherever it is defined, the
+    engine-core ``utilities`` (name -> function of the core), a filter on the core's log."""
+    _site(f"{_CORE}.EngineCore.resume_scheduler")
+    _site(f"{_CORE}.EngineCoreProc._handle_client_request")  # how utilities are found
+    if not _patch("engine core", {f"{_CORE}.EngineCore.collective_rpc": collective_rpc}):
+        return
+    core = importlib.import_module(_CORE)
+    for name, utility in utilities.items():
+        setattr(core.EngineCore, name, utility)
+    for cls in (core.EngineCore, core.EngineCoreProc, core.DPEngineCoreProc):
+        if "resume_scheduler" in vars(cls):
+            cls.resume_scheduler = resume_scheduler(vars(cls)["resume_scheduler"])
+    logging.getLogger(core.__name__).addFilter(log_filter)
+
+
+def patch_rl_api(
+    update_weights: Wrap,
+    update_weights_async: Wrap,
+    start_weight_update: Wrap,
+    start_weight_update_async: Wrap,
+) -> None:
+    """Site 8: the offline (``LLM``) and async (``AsyncLLM``) update calls."""
+    _patch(
+        "rl api",
+        {
+            f"{_OFFLINE}.update_weights": update_weights,
+            f"{_ASYNC}.update_weights": update_weights_async,
+            f"{_OFFLINE}.start_weight_update": start_weight_update,
+            f"{_ASYNC}.start_weight_update": start_weight_update_async,
+        },
+    )
+
+
+def patch_cpu_linear(dispatch: Wrap) -> None:
+    """Site 9: the CPU backend's dispatch of a linear layer's kernel."""
+    _patch("cpu linear", {_GEMM: dispatch})
+
+
+def patch_cpu_moe(process: Wrap) -> None:
+    """Site 10: the CPU unquantized experts' processing (their prepack)."""
+    _patch("cpu moe", {f"{_MOE}.{_PROCESS}": process})
+
+
+def patch_queue_waits(wait: Wrap) -> None:
+    """Site 18: how a reader of vLLM's shared-memory message queues waits for the next
+    message (spinning, then asleep)."""
+    _patch("queue waits", {_QUEUE_WAIT: wait})
+
+
+def cpu_linear_of(layer: Any) -> Any:
+    """The kernel vLLM's CPU backend computes ``layer`` with (site 9), or None."""
+    return getattr(layer, "cpu_linear", None)
+
+
+def set_cpu_linear(layer: Any, kernel: Callable) -> None:
+    setattr(layer, "cpu_linear", kernel)  # noqa: B010 (an nn.Module attribute)
+
+
+def drop_cpu_linear(layer: Any) -> None:
+    layer.__dict__.pop("cpu_linear", None)

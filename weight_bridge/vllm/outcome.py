@@ -1,0 +1,120 @@
+"""What crosses a process or HTTP boundary on an update: small dataclasses, built in one place.
+
+* :class:`UpdateRequest`: the ``update_info`` of vLLM's ``update_weights`` for the bridge's
+  backend (a checkpoint path and per-update choices), typed as the backend parses it.
+* :class:`UpdateInProgressError`: a second update refused while one is active (who holds the
+  engine's one update, since when, for which version), the same in every process and over HTTP.
+* :class:`PushResult`: one worker's outcome. Workers never raise for an expected outcome: a
+  refusal (nothing written), a failure after writing started (rolled back or not) and a success
+  are all results, turned into plain dicts here; the engine core merges every rank's result
+  into the error it raises (:func:`merged_error`) and :class:`~weight_bridge.vllm.ColocatedEngine`
+  into its report or into the same error, so a caller sees the same type, message and problems
+  in-process and multi-process, and over HTTP the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ..checkpoint import CheckpointError
+from ..direct import DirectReloadError, ReloadReport
+from ..direct.resolve import Relocation
+
+__all__ = ["PushError", "PushResult", "merged_error"]
+
+
+@dataclass
+class PushError:
+    """A refusal or failure of one worker: the error type's name, message, problems, phase.
+
+    For a ``CheckpointError``, ``message`` is its problem, ``path`` its file and ``problems``
+    names its tensor, if any.
+    """
+
+    type: str
+    message: str
+    problems: dict[str, str] = field(default_factory=dict)
+    phase: str = "refused"  # "refused" (nothing written) or "after-write"
+    path: str = ""
+
+
+@dataclass
+class PushResult:
+    """One worker's update in plain values: the core's report, or the error, and the state left.
+
+    ``written``: whether this worker started writing (its commit ran); a worker that only
+    prepared, or refused, wrote nothing and is never rolled back. ``rolled_back``: after a
+    failure past the first write, what the rollback did (it re-wrote the served version, or
+    failed too). ``served``: the checkpoints the worker's weights are made of afterwards (a
+    complete one, then partial ones on top of it).
+    """
+
+    rank: int = 0
+    checkpoint: str = ""
+    mode: str = "direct"
+    partial: bool = False
+    report: ReloadReport = field(default_factory=ReloadReport)
+    undefined: str | None = None
+    error: PushError | None = None
+    rolled_back: str | None = None
+    rollback_s: float | None = None
+    served: list[str] = field(default_factory=list)
+    version: str | None = None  # the checkpoint's own ``version`` metadata, if any
+    written: bool = False
+
+    @property
+    def wrote(self) -> bool:
+        """Whether this worker's weights changed (a success, or a failure after writing)."""
+        return self.written and (self.error is None or self.error.phase == "after-write")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def every_rank(cls, raw: Any) -> list[PushResult]:
+        """Every rank's result, from what crossed the boundary (the engine core's utility
+        ``weight_bridge_results``, its HTTP route, a ``collective_rpc``): a list of dicts."""
+        return [cls.from_dict(r) for r in raw]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PushResult:
+        known = {f.name for f in fields(cls)}
+        missing = known - set(data)
+        if missing:
+            raise ValueError(f"a worker's push result lacks {sorted(missing)}")
+        values = {k: v for k, v in data.items() if k in known}
+        report = dict(values["report"])
+        report["relocations"] = [Relocation(**r) for r in report["relocations"]]
+        values["report"] = ReloadReport(**report)
+        if values["error"] is not None:
+            values["error"] = PushError(**values["error"])
+        return cls(**values)
+
+
+def merged_error(results: list[PushResult]) -> DirectReloadError | CheckpointError | None:
+    """The project's own error for the workers' refusals and failures, every rank's problems
+    merged (each naming its tensor, and its shard file where the checkpoint has several), the
+    rollback's outcome appended; None if every worker succeeded."""
+    failed = [r for r in results if r.error is not None]
+    if not failed:
+        return None
+    first = failed[0]
+    error = first.error
+    assert error is not None
+    note = next((r.rolled_back for r in results if r.rolled_back), None)
+    if all(r.error is not None and r.error.type == "CheckpointError" for r in failed):
+        tensor = next(iter(error.problems), None)
+        return CheckpointError(error.path or first.checkpoint, _noted(error.message, note), tensor)
+    head = error.message.splitlines()[0] if error.message else "direct reload failed"
+    if first.checkpoint and not head.startswith(first.checkpoint):
+        head = f"{first.checkpoint}: {head}"
+    problems: dict[str, str] = {}
+    for r in failed:
+        assert r.error is not None
+        problems.update(r.error.problems)
+    return DirectReloadError(_noted(head, note), problems)
+
+
+def _noted(message: str, note: str | None) -> str:
+    return f"{message}; {note}" if note else message

@@ -1,0 +1,77 @@
+"""The bridge's two ``vllm serve`` middlewares (vLLM's ``--middleware``, HTTP functions).
+
+1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers every worker's result
+   of the last update (the engine core's ``weight_bridge_results``), from which
+   :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds the same report, and the same served
+   chain, as the in-process clients.
+2. :func:`require_api_key`: the API key on every route that can change what the server
+   serves.
+
+vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference`` and
+``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``, ``/update_weights``,
+``/finish_weight_update``...) and the development routes (``/collective_rpc``...) answer anyone
+who can reach the port (measured). Add this middleware to such a server::
+
+    python -m vllm.entrypoints.openai.api_server ... --api-key KEY \\
+        --middleware weight_bridge.vllm.server.middleware.require_api_key
+
+and every route but the health and version probes needs ``Authorization: Bearer KEY`` (the
+keys of ``--api-key``, else ``VLLM_API_KEY``); without a key configured it lets everything
+through, as vLLM does. :class:`~weight_bridge.vllm.clients.served.VLLMServer` adds it whenever it
+starts a server with an ``api_key``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["OPEN_ROUTES", "require_api_key", "update_results_route"]
+
+OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
+
+
+def _keys(request: Any) -> list[str]:
+    args = getattr(request.app.state, "args", None)
+    given = list(getattr(args, "api_key", None) or [])
+    return [k for k in (given or [os.environ.get("VLLM_API_KEY", "")]) if k]
+
+
+def _authorized(header: str | None, keys: list[str]) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode()).digest()
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+
+
+async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """vLLM ``--middleware`` (an HTTP function): 401 for any route but :data:`OPEN_ROUTES`
+    without the server's key."""
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    keys = _keys(request)
+    guarded = keys and path not in OPEN_ROUTES and request.method != "OPTIONS"
+    if guarded and not _authorized(request.headers.get("Authorization"), keys):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+    return await call_next(request)
+
+
+async def update_results_route(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """vLLM ``--middleware``: ``GET /weight_bridge/results``, every worker's
+    :class:`~weight_bridge.vllm.outcome.PushResult` of the last update as JSON (an empty list before
+    the first); every other request goes on. Give it before :func:`require_api_key`, which then
+    guards it."""
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    if path != "/weight_bridge/results" or request.method != "GET":
+        return await call_next(request)
+    from starlette.responses import JSONResponse
+
+    from ..internals import call_core_utility_async
+
+    core = request.app.state.engine_client.engine_core
+    return JSONResponse(list(await call_core_utility_async(core, "weight_bridge_results")))

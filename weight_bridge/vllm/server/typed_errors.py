@@ -1,0 +1,126 @@
+"""The caller side of vLLM's RL API for a bridged engine: typed errors in every process.
+
+The engine core raises a refused or failed update as the project's own error
+(:mod:`~weight_bridge.vllm.core.updates`), but vLLM carries an engine core's exception to another
+process as a plain ``Exception`` with its message. The plugin wraps ``LLM.update_weights`` and
+``AsyncLLM.update_weights`` with the wrappers here (inert unless the engine is bridged) so that
+the caller gets the typed error back, rebuilt from every rank's result (the engine-core utility
+``weight_bridge_results``): :class:`~weight_bridge.direct.DirectReloadError` or
+:class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems`` naming each tensor, in
+the caller's own process as in-process. Both are ``ValueError``\\s, which ``vllm serve``
+answers with 400 and the message (no traceback in its log).
+
+``start_weight_update`` is wrapped the same way: a start refused because another update is
+active raises :class:`~weight_bridge.vllm.core.updates.UpdateConflictError` (an
+:class:`~weight_bridge.vllm.outcome.UpdateInProgressError`, ``409 Conflict`` over HTTP), rebuilt
+from the engine core's ``weight_bridge_conflict`` utility.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...checkpoint import CheckpointError
+from ...direct import DirectReloadError
+from ..core.updates import UpdateConflictError
+from ..errors import UpdateInProgressError
+from ..internals import call_core_utility, call_core_utility_async
+from ..options import is_bridged
+from ..outcome import PushResult, merged_error
+
+__all__ = [
+    "typed_start_weight_update",
+    "typed_start_weight_update_async",
+    "typed_update_weights",
+    "typed_update_weights_async",
+    "update_results",
+    "update_results_async",
+]
+
+_UTILITY = "weight_bridge_results"
+_CONFLICT = "weight_bridge_conflict"
+
+
+def update_results(core_client: Any) -> list[PushResult]:
+    """Every rank's result of the last update, from an ``LLM``'s engine-core client."""
+    return PushResult.every_rank(call_core_utility(core_client, _UTILITY))
+
+
+async def update_results_async(core_client: Any) -> list[PushResult]:
+    """The same, from an ``AsyncLLM``'s engine-core client."""
+    raw = await call_core_utility_async(core_client, _UTILITY)
+    return PushResult.every_rank(raw)
+
+
+def _typed(error: Exception, results: list[PushResult]) -> Exception:
+    return merged_error(results) or error
+
+
+def _conflict(error: Exception, conflict: dict | None) -> Exception:
+    return error if conflict is None else UpdateConflictError.active(**conflict)
+
+
+def typed_start_weight_update(original: Any) -> Any:
+    """``LLM.start_weight_update``: a start refused by the engine core as the typed error."""
+
+    def start_weight_update(self):
+        try:
+            return original(self)
+        except UpdateInProgressError:
+            raise
+        except Exception as exc:
+            if not is_bridged(self.llm_engine.vllm_config):
+                raise
+            conflict = call_core_utility(self.llm_engine.engine_core, _CONFLICT)
+            raise _conflict(exc, conflict) from None
+
+    return start_weight_update
+
+
+def typed_start_weight_update_async(original: Any) -> Any:
+    """``AsyncLLM.start_weight_update``, the same."""
+
+    async def start_weight_update_async(self):
+        try:
+            return await original(self)
+        except UpdateInProgressError:
+            raise
+        except Exception as exc:
+            if not is_bridged(self.vllm_config):
+                raise
+            conflict = await call_core_utility_async(self.engine_core, _CONFLICT)
+            raise _conflict(exc, conflict) from None
+
+    return start_weight_update_async
+
+
+def typed_update_weights(original: Any) -> Any:
+    """``LLM.update_weights``: a refused or failed update as the typed error."""
+
+    def update_weights(self, request):
+        try:
+            return original(self, request)
+        except (DirectReloadError, CheckpointError):
+            raise
+        except Exception as exc:
+            if not is_bridged(self.llm_engine.vllm_config):
+                raise
+            raise _typed(exc, update_results(self.llm_engine.engine_core)) from None
+
+    return update_weights
+
+
+def typed_update_weights_async(original: Any) -> Any:
+    """``AsyncLLM.update_weights``, the same."""
+
+    async def update_weights_async(self, request):
+        try:
+            return await original(self, request)
+        except (DirectReloadError, CheckpointError):
+            raise
+        except Exception as exc:
+            if not is_bridged(self.vllm_config):
+                raise
+            raise _typed(exc, await update_results_async(self.engine_core)) from None
+
+    return update_weights_async

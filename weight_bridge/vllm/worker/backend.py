@@ -1,0 +1,150 @@
+"""The ``weight_bridge`` weight-transfer backend: vLLM's own RL update API, by direct reload.
+
+vLLM builds one backend per worker (each tensor-parallel rank) in ``Worker.load_model``, when the
+engine is started with ``weight_transfer_config={"backend": "weight_bridge"}``; the plugin
+registers it. A trainer then drives the engine with vLLM's own calls, from
+``LLM``, ``AsyncLLM`` or ``vllm serve``'s HTTP routes::
+
+    llm.init_weight_transfer_engine({"init_info": {}})           # optional: session options
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"checkpoint": "/ckpts/step-10.safetensors"}})
+    llm.finish_weight_update(weight_version="10")
+
+Each ``update_weights`` is one transaction (:mod:`~weight_bridge.vllm.worker.transaction`): every
+rank checks the whole checkpoint before any rank writes, then writes, reads back and refreshes; a
+failure past the first write rolls every rank back to the version served. The engine core
+(:mod:`~weight_bridge.vllm.core.updates`) drives the ranks through those phases with
+:func:`call_backend` and raises the refusal, naming each tensor, from ``update_weights``.
+
+:func:`call_backend` is the bridge's one channel into the workers: besides the phases, its
+read-only actions (:data:`QUERIES`, :mod:`~weight_bridge.vllm.worker.queries`) answer a plan, the
+weights' addresses and
+why the weights are undefined, one answer per worker::
+
+    llm.collective_rpc(BACKEND_RPC, timeout=60, args=("plan", "auto"))   # any engine
+    llm.collective_rpc(call_backend, timeout=60, args=("plan", "auto"))  # in-process engine
+
+(the engine core routes the method name :data:`BACKEND_RPC` to :func:`call_backend`; a
+function itself crosses from a multi-process engine's client to its core only with vLLM's
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from ..internals import reset_runner_caches, transfer_engine
+from ..options import BridgeOptions, bridge_options
+from .queries import worker_addresses, worker_plan, worker_undefined
+from .transaction import PushTransaction
+from .update_request import UpdateRequest
+
+__all__ = ["BACKEND_RPC", "QUERIES", "WeightBridgeEngine", "call_backend"]
+
+BACKEND_RPC = "weight_bridge.call_backend"  # the method name the engine core routes here
+_QUERIES: dict[str, Callable[..., Any]] = {
+    "plan": worker_plan,  # args: the mode (default: the one the worker pushes with)
+    "addresses": worker_addresses,
+    "undefined": worker_undefined,
+}
+QUERIES = tuple(_QUERIES)  # the read-only actions: answered by any worker, bridged or not
+
+
+def _rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # no distributed state: a single in-process worker
+        return 0
+
+
+class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ignore[type-var]
+    """One worker's backend: vLLM's four calls mapped onto a :class:`PushTransaction`.
+
+    ``init_info``: a trainer's session options, a dict of
+    :data:`~weight_bridge.vllm.options.SESSION_FIELDS` (None: keep the engine's), checked by
+    :meth:`~weight_bridge.vllm.options.BridgeOptions.with_session`."""
+
+    init_info_cls = dict
+    update_info_cls = UpdateRequest
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.options = bridge_options(vllm_config) or BridgeOptions()
+        self.transaction = PushTransaction(model, vllm_config.model_config, self.options, _rank())
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest:
+        return UpdateRequest.from_dict(dict(update_dict))
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> dict:
+        return dict(init_dict)
+
+    def init_transfer_engine(self, init_info: dict) -> None:
+        chosen = {k: v for k, v in init_info.items() if v is not None}
+        self.transaction.options = self.options.with_session(chosen)
+
+    def start_weight_update(self) -> None:
+        self.transaction.abandon()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # Phase 1 only (nothing written, nothing asynchronous to wait for): the engine core
+        # commits once every rank prepared (see weight_bridge.vllm.core.updates). A malformed
+        # request is a refusal too: a worker that raised would leave vLLM's multi-process
+        # executor with the other ranks' replies queued.
+        try:
+            request = self.parse_update_info(update_info)
+        except (TypeError, ValueError) as exc:
+            self.transaction.refuse(f"invalid update_info: {exc}")
+            return
+        self.receive_weights(request)
+
+    def receive_weights(self, update_info: UpdateRequest) -> None:
+        self.transaction.prepare(update_info)
+
+    def finish_weight_update(self) -> None:
+        # The update is over: no rank rolls back to the chain served before it any more.
+        self.transaction.settle()
+
+    def shutdown(self) -> None:
+        """A trainer disconnected: nothing to release (the served chain stays for rollback)."""
+
+
+def call_backend(worker: Any, action: str, *args: Any) -> Any:
+    """Run ``action`` in ``worker`` (sent with ``collective_rpc``, by the engine core or by a
+    client): a read-only one of :data:`QUERIES` returns its answer; a phase of the update
+    (``commit``, ``roll_back``, ``fail``, ``abandon``, ``result``: the engine core's) returns
+    this rank's :class:`~weight_bridge.vllm.outcome.PushResult` as a dict."""
+    from vllm.config import set_current_vllm_config
+
+    query = _QUERIES.get(action)
+    if query is not None:
+        return query(worker, *args)
+    engine = transfer_engine(worker)
+    if not isinstance(engine, WeightBridgeEngine):
+        raise RuntimeError("this worker does not run the weight_bridge weight-transfer backend")
+    transaction = engine.transaction
+    with set_current_vllm_config(worker.vllm_config):
+        if action == "commit":
+            result = transaction.commit(worker.reload_weights)
+            if result.error is None:
+                reset_runner_caches(worker)  # encoder and multi-modal caches: old outputs
+        elif action == "roll_back":
+            result = transaction.roll_back(worker.reload_weights, *args)
+        elif action == "fail":
+            result = transaction.fail(*args)
+        elif action == "abandon":
+            transaction.abandon()
+            result = transaction.result
+        elif action == "result":
+            result = transaction.result
+        else:
+            raise ValueError(f"unknown backend action {action!r}")
+    return result.to_dict()

@@ -1,0 +1,72 @@
+"""What a client may ask every worker besides an update, answered by
+:func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
+(:data:`~weight_bridge.vllm.worker.backend.QUERIES`): a dry-run plan, the addresses of the weights,
+why the weights are undefined.
+
+Each runs in a worker (each tensor-parallel rank); only small plain values cross the process
+boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from ...direct import plan_direct_reload
+from ...direct.proof import module_of
+from ...direct.snapshot import addresses
+from ...direct.state import bridge_state, undefined_reason
+from ..internals import transfer_engine, worker_model
+from ..options import bridge_options
+from .layerwise import auto_reprocessable
+
+__all__ = ["worker_addresses", "worker_plan", "worker_undefined"]
+
+
+def _pushes_with(worker: Any) -> str:
+    """The reload mode the worker's backend pushes with now (its session's, else the engine's
+    options'), ``direct`` if it runs none."""
+    transaction = getattr(transfer_engine(worker), "transaction", None)
+    options = getattr(transaction, "options", None) or bridge_options(worker.vllm_config)
+    return getattr(options, "reload_mode", None) or "direct"
+
+
+def worker_plan(worker: Any, mode: str | None = None) -> dict:
+    """A dry run of a push in ``mode`` (None: the mode the worker pushes with): per name, its
+    write target, refresh, re-processing or refusal."""
+    mode = mode or _pushes_with(worker)
+    model = worker_model(worker)
+    state = bridge_state(model)
+    if state.layout is None:
+        return {"error": "no checkpoint layout recorded: was the engine bridged?"}
+    reprocessable = auto_reprocessable(model) if mode == "auto" else set()
+    plan = plan_direct_reload(model, reprocessable)
+    relocated = {r.name: asdict(r) for r in plan.relocations}
+    proof = state.proof
+    options = bridge_options(worker.vllm_config)
+    return {
+        "targets": {
+            name: {
+                "shape": list(t.view.shape),
+                "relocation": relocated.get(name),
+                "refresh": plan.refresh.get(module_of(name)[0]),
+            }
+            for name, t in plan.targets.items()
+        },
+        "problems": dict(plan.problems),
+        "reprocess": dict(plan.reprocess),
+        "transformed": dict(proof.transformed) if proof else {},
+        "derived": dict(proof.derived) if proof else {},
+        "noted": dict(proof.noted) if proof else {},
+        "options": asdict(options) if options is not None else None,
+    }
+
+
+def worker_addresses(worker: Any) -> dict[str, tuple]:
+    """Every parameter/buffer name -> (data_ptr, shape, stride, dtype)."""
+    return addresses(worker_model(worker))
+
+
+def worker_undefined(worker: Any) -> str | None:
+    """Why this worker's weights are half-written, or None."""
+    return undefined_reason(worker_model(worker))

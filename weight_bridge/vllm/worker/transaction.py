@@ -1,0 +1,343 @@
+"""One worker's side of an update: a transaction with a served chain to roll back to.
+
+Each worker (each tensor-parallel rank) reads the checkpoint itself, memory-mapped, and its own
+weight loaders keep only its shard. An update runs in phases, so that the engine core
+(:mod:`weight_bridge.vllm.core.updates`) can make every rank agree before any rank writes, and
+roll back every rank that wrote if one failed:
+
+1. :meth:`PushTransaction.prepare`: the path is checked against the engine's checkpoint root
+   (:mod:`weight_bridge.checkpoint.trust`), the file's headers (and, if asked, its content
+   hash), a partial checkpoint's base version against the version served, the whole checkpoint
+   against the layout recorded at load (names, shapes, dtypes, NaN/Inf), and every weight is
+   resolved and proven. Nothing is written; a refusal is a result naming each tensor.
+2. :meth:`PushTransaction.commit`: write, read back, refresh derived state (or vLLM's
+   layerwise path, for what it must handle). A failure past the first write is a result too.
+3. :meth:`PushTransaction.roll_back`: re-write the version served before (its complete
+   checkpoint, then each partial one on top of it), re-read through the descriptors held since
+   each was pushed, each file's identity checked before any byte is re-written
+   (:mod:`~weight_bridge.vllm.worker.served_chain`): a file deleted or renamed over meanwhile still
+   rolls back, one whose bytes changed is refused by name. If that fails too, the model stays
+   *undefined*.
+
+Every file of the chain is held shared-locked, so no writer recycles it; the chain served
+before the last commit is released when the update ends (vLLM's ``finish_weight_update``:
+:meth:`PushTransaction.settle`), so the trainer's next save may recycle it.
+
+Nothing here raises for an expected outcome: every phase leaves a :class:`PushResult`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
+from ...checkpoint.trust import trusted_checkpoint
+from ...direct import (
+    DirectReloadError,
+    PreparedReload,
+    ReloadReport,
+    plan_direct_reload,
+    prepare_direct_reload,
+)
+from ...direct.record import require_layout
+from ...direct.session import refresh_derived_state
+from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
+from ...direct.validate import validate_checkpoint
+from ..options import BridgeOptions
+from ..outcome import PushError, PushResult
+from .layerwise import LayerwiseReprocessor, auto_reprocessable, layerwise_wrong
+from .served_chain import ServedCheckpoint, compact, hold
+from .update_request import UpdateRequest
+
+__all__ = ["PushTransaction"]
+
+
+@dataclass
+class _Pending:
+    """A prepared update: the open checkpoint and what will write it."""
+
+    reader: CheckpointReader
+    items: list[tuple[str, torch.Tensor]]
+    prepared: PreparedReload | None  # None: vLLM's whole-model layerwise reload
+    path: str
+    partial: bool
+    served_version: str | None
+
+
+class PushTransaction:
+    """The update transaction of one worker's model, and the chain of checkpoints it serves."""
+
+    def __init__(
+        self, model: torch.nn.Module, model_config: Any, options: BridgeOptions, rank: int
+    ):
+        self.model = model
+        self.model_config = model_config
+        self.options = options
+        self.rank = rank
+        self.result = PushResult(rank=rank)
+        self._pending: _Pending | None = None
+        start = str(getattr(model_config, "model", "") or "")
+        # what the served version is made of: a complete checkpoint, then partials on top of it
+        self.served: list[ServedCheckpoint] = (
+            [hold(os.path.abspath(start))] if os.path.isdir(start) else []
+        )
+        self._started_on = list(self.served)
+        # the chain served before the last commit, kept until no rank needs to roll back to it
+        self._before: list[ServedCheckpoint] | None = None
+
+    # -- phase 1 -----------------------------------------------------------------------------
+
+    def prepare(self, request: UpdateRequest) -> PushResult:
+        """Check everything about ``request``'s checkpoint; write nothing."""
+        self.settle()
+        result = self.result = PushResult(rank=self.rank, checkpoint=request.checkpoint)
+        reader = None
+        try:
+            path = str(trusted_checkpoint(request.checkpoint, self.options.checkpoint_root))
+            result.checkpoint = path
+            reader = CheckpointReader(path, hold=True)  # held from now: what is served is this
+            verify = _choose(request.verify_hash, self.options.verify_hash)
+            if verify:
+                reader.verify_hash()
+            base = reader.metadata.get(BASE_VERSION_KEY)
+            result.partial = base is not None
+            result.version = reader.metadata.get("version")
+            if base is not None:
+                self._check_base(path, base, request.served_version)
+            items = list(reader.tensors())
+            finite = _choose(request.check_finite, self.options.check_finite)
+            prepared = self._plan(items, finite, result.partial, result)
+            self._pending = _Pending(
+                reader, items, prepared, path, result.partial, request.served_version
+            )
+        except (DirectReloadError, CheckpointError) as exc:
+            if reader is not None:
+                reader.close()
+            result.error = _push_error(exc, "refused", reader)
+        return self._finished(result)
+
+    def _check_base(self, path: str, base: str, served: str | None) -> None:
+        """A partial checkpoint applies on top of exactly its base version, or not at all."""
+        undefined = undefined_reason(self.model)
+        if undefined is not None:
+            what = f"no version: its weights are undefined ({undefined})"
+        elif served is None or not self.served:
+            what = "an unknown version (nothing it can roll back to)"
+        elif served != base:
+            started = self.served == self._started_on
+            what = f"version {served!r}" + (" (the weights it started with)" if started else "")
+        else:
+            return
+        raise DirectReloadError(
+            f"partial checkpoint {path} applies on top of version {base!r}, but the engine serves "
+            f"{what}; push a complete checkpoint (nothing was written)"
+        )
+
+    def _plan(
+        self, items: list, finite: bool, partial: bool, result: PushResult
+    ) -> PreparedReload | None:
+        """What will write ``items``: a prepared direct reload, or None for vLLM's layerwise."""
+        mode = self.options.reload_mode
+        readback = self.options.readback
+        if mode == "direct":
+            return prepare_direct_reload(
+                self.model, items, check_finite=finite, readback=readback, partial=partial
+            )
+        if mode == "auto":
+            reprocessable = auto_reprocessable(self.model)
+            plan = plan_direct_reload(self.model, reprocessable)
+            if plan.targets or plan.problems:  # else nothing at all can be written directly
+                prepared = prepare_direct_reload(
+                    self.model,
+                    items,
+                    check_finite=finite,
+                    reprocessor=LayerwiseReprocessor(self.model, self.model_config),
+                    reprocessable=reprocessable,
+                    readback=readback,
+                    partial=partial,
+                )
+                result.mode = "auto" if prepared.plan.reprocess else "direct"
+                return prepared
+        if partial:
+            raise DirectReloadError(
+                "a partial checkpoint is written directly; vLLM's layerwise reload needs whole "
+                "layers: push a complete checkpoint (nothing was written)"
+            )
+        result.mode = "layerwise"  # asked for, or nothing at all can be written directly
+        wrong = layerwise_wrong(self.model)
+        if wrong:
+            raise DirectReloadError(
+                "vLLM's layerwise reload is wrong for this engine (nothing was written)", wrong
+            )
+        validate_checkpoint(require_layout(self.model), items, finite)
+        return None
+
+    # -- phase 2 -----------------------------------------------------------------------------
+
+    def commit(self, reload_weights: Any) -> PushResult:
+        """Write the prepared update (directly through the model's ``load_weights``, or with
+        ``reload_weights``, the worker's vLLM layerwise reload, where that was planned);
+        afterwards the engine serves it, or the result says what failed after writing
+        started."""
+        pending, result = self._pending, self.result
+        if pending is None:
+            return result  # refused in phase 1: nothing to write
+        self._pending = None
+        result.written = True  # from here on this worker's weights may have changed
+        try:
+            result.report = self._write(pending, reload_weights)
+            self._serve(pending)
+        except (DirectReloadError, CheckpointError) as exc:
+            result.error = _push_error(exc, "after-write", pending.reader)
+        finally:
+            pending.reader.close()
+        return self._finished(result)
+
+    def _write(self, pending: _Pending, reload_weights: Any) -> ReloadReport:
+        if pending.prepared is not None:
+            return pending.prepared.run()
+        return self._layerwise(pending.items, reload_weights)
+
+    def _layerwise(self, items: list, reload_weights: Any) -> ReloadReport:
+        """vLLM's own whole-model reload, behind the same checks as a direct one."""
+        mark_undefined(self.model, "a layerwise reload started writing and did not finish")
+        try:
+            reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        except Exception as exc:
+            mark_undefined(self.model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
+            raise DirectReloadError(str(undefined_reason(self.model))) from exc
+        report = ReloadReport(
+            tensors=len(items),
+            bytes=sum(t.numel() * t.element_size() for _, t in items),
+            refreshed=refresh_derived_state(self.model, bridge_state(self.model).refreshers),
+            reprocessed={"<all>": "whole-model layerwise reload"},
+        )
+        clear_undefined(self.model)
+        return report
+
+    def _serve(self, pending: _Pending) -> None:
+        """Record the written checkpoint as (the last part of) what this worker serves, its
+        files held since it was prepared; the chain it replaces is kept until the update ends,
+        in case another rank failed. Links every tensor of which the new one holds too go."""
+        self._before = list(self.served)
+        reader = pending.reader
+        link = ServedCheckpoint(
+            pending.path, None, reader.take_held(), frozenset(n for n, _ in pending.items)
+        )
+        chain = [*self.served, link] if pending.partial else [link]
+        self.served, _ = compact(chain)  # what is dropped stays held in _before until settle
+
+    def settle(self) -> None:
+        """The update ended (or a new one starts): release every file the served chain no
+        longer needs (the chain before the last commit, links compacted away)."""
+        self.abandon()
+        live = {id(link) for link in self.served}
+        for link in self._before or ():
+            if id(link) not in live:
+                link.release()
+        self._before = None
+
+    # -- phase 3 -----------------------------------------------------------------------------
+
+    def roll_back(self, reload_weights: Any, version: str | None) -> PushResult:
+        """After a failed update on any rank: re-write the version served before, if this
+        worker's weights changed (a success here, or a failure past the first write)."""
+        result = self.result
+        if not result.wrote:
+            return result
+        if not self.options.rollback:
+            mark_undefined(
+                self.model,
+                undefined_reason(self.model)
+                or "an update failed on another rank after this one wrote it (rollback is off)",
+            )
+            return self._finished(result)
+        if self._before is not None:  # this rank's commit succeeded: back to the old chain
+            kept = {id(link) for link in self._before}
+            dropped = [link for link in self.served if id(link) not in kept]
+            self.served, self._before = self._before, None
+            for link in dropped:
+                link.release()
+        started = time.perf_counter()
+        label = f"version {version!r}" if version is not None else "the version served before"
+        try:
+            self._rewrite(self.served, reload_weights)
+        except Exception as exc:
+            mark_undefined(
+                self.model,
+                f"{undefined_reason(self.model) or 'an update failed'}; rolling back to {label} "
+                f"failed too: {type(exc).__name__}: {exc}",
+            )
+            result.rolled_back = f"rolling back to {label} failed: {exc}"
+        else:
+            result.rollback_s = time.perf_counter() - started
+            result.rolled_back = (
+                f"the engine rolled back to {label} ({self.served[-1].path}) in "
+                f"{result.rollback_s:.2f} s and serves it"
+            )
+        return self._finished(result)
+
+    def _finished(self, result: PushResult) -> PushResult:
+        result.undefined = undefined_reason(self.model)
+        result.served = [link.path for link in self.served]
+        return result
+
+    def _rewrite(self, chain: list[ServedCheckpoint], reload_weights: Any) -> None:
+        """Write ``chain`` (a complete checkpoint, then partial ones) as it was served."""
+        if not chain:
+            raise DirectReloadError("the engine holds no checkpoint of it to re-read")
+        readers: list[CheckpointReader] = []
+        try:
+            for link in chain:  # every file opened as served, identity checked, before any write
+                readers.append(link.reader())
+            for i, (link, reader) in enumerate(zip(chain, readers, strict=True)):
+                items = list(reader.tensors())
+                prepared = self._plan(items, False, i > 0, PushResult())
+                pending = _Pending(reader, items, prepared, link.path, i > 0, None)
+                self._write(pending, reload_weights)
+        finally:
+            for reader in readers:
+                reader.close()
+
+    def refuse(self, why: str) -> PushResult:
+        """A request that cannot even be prepared (malformed): a refusal, nothing written."""
+        self.abandon()
+        self.result = PushResult(rank=self.rank)
+        self.result.error = PushError("DirectReloadError", why, {}, "refused")
+        return self._finished(self.result)
+
+    def fail(self, why: str) -> PushResult:
+        """The update written here failed in a later step outside this worker (the engine
+        core's cache reset): a failure after writing, to be rolled back."""
+        self.result.error = PushError("DirectReloadError", why, {}, "after-write")
+        return self._finished(self.result)
+
+    def abandon(self) -> None:
+        """Drop a prepared update that will not be committed."""
+        if self._pending is not None:
+            self._pending.reader.close()
+            self._pending = None
+
+
+def _choose(asked: bool | None, default: bool) -> bool:
+    return default if asked is None else bool(asked)
+
+
+def _push_error(
+    exc: DirectReloadError | CheckpointError, phase: str, reader: CheckpointReader | None
+) -> PushError:
+    if isinstance(exc, CheckpointError):
+        problems = {exc.tensor: exc.problem} if exc.tensor else {}
+        return PushError("CheckpointError", exc.problem, problems, phase, exc.path)
+    problems = dict(exc.problems)
+    if reader is not None and len(reader.files) > 1:  # name each problem's shard file
+        for name, why in problems.items():
+            where = reader.file_of(name)
+            if where is not None:
+                problems[name] = f"{why} (in {where})"
+    return PushError("DirectReloadError", exc.summary, problems, phase)
