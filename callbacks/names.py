@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from .changed import Item, SyncState, materialize, sync_state
+from .changed import Item, SyncState
 
 __all__ = ["CheckpointNames", "SyncEntry", "parse_dtype"]
 
@@ -76,13 +74,6 @@ class CheckpointNames:
                 source_dtype = source_dtype or str(dtype).removeprefix("torch.")
                 dtype = cast or dtype
             out.append(SyncEntry(new, tuple(first.shape), dtype, item))
-        return out, source_dtype
-
-    def checkpoint_tensors(self, state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], str]:
-        """The tensors of a plain (not sharded) state dict as they would be saved, in memory."""
-        entries, source_dtype = self.entries(sync_state(None, state, changing_only=False))
-        full = dict(materialize(SyncState((e.name, e.item) for e in entries)))
-        out = {e.name: full[e.name].detach().to(e.dtype).cpu() for e in entries}
         return out, source_dtype
 
 

@@ -39,7 +39,6 @@ import platform
 __all__ = [
     "ALLOCATOR_ENV",
     "KEPT",
-    "allocator_state",
     "default_glibc_allocator",
     "keep_freed_memory",
 ]
@@ -91,9 +90,4 @@ def default_glibc_allocator() -> str:
     global _state
     if _set(_DEFAULTS):
         _state = "default"
-    return _state
-
-
-def allocator_state() -> str:
-    """``"kept"``, ``"default"`` or ``"unavailable"``: what this process's allocator does."""
     return _state
