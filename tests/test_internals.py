@@ -9,6 +9,7 @@ import ast
 import importlib
 import logging
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -117,6 +118,99 @@ def test_only_vllm_internals_assigns_onto_vllm() -> None:
             f"{path.relative_to(ROOT)} {f}" for f in assignments_onto_vllm(path.read_text())
         ]
     assert not offenders, offenders
+
+
+# vLLM's own objects by the names the bridge gives them (a parameter of a wrapper, a loop
+# variable, a local): an attribute written on one of them is an instance write into vLLM.
+VLLM_OBJECTS = frozenset(
+    {"core", "engine_core", "llm", "worker", "scheduler", "request", "output", "out"}
+    | {"layer", "runner", "condition"}
+)
+# Attributes of vLLM objects that are vLLM's internals, not its API: read only in internals/.
+VLLM_INTERNAL_ATTRS = frozenset(
+    {"llm_engine", "engine_core", "engine_client", "model_runner", "model_executor"}
+    | {"scheduler", "busy_loop_s", "response_mqs", "vllm_config", "resources"}
+    | {"utility_results", "outputs_queue", "weight_transfer_engine", "kv_cache_manager"}
+)
+OWN_PRIVATE_ROOTS = frozenset({"self", "cls", "os", "sys"})  # os._exit: the standard library
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _vllm_self(name: ast.Name, parents: dict[ast.AST, ast.AST]) -> bool:
+    """``self`` of a function that is not a method of a class of this file: the vLLM object
+    whose method the function wraps."""
+    node: ast.AST | None = name
+    while node is not None and not (
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and any(a.arg == "self" for a in node.args.args)
+    ):
+        node = parents.get(node)  # a closure's ``self`` is the enclosing function's
+    return node is not None and not isinstance(parents.get(node), ast.ClassDef)
+
+
+def vllm_object_access(source: str) -> list[str]:
+    """Where ``source`` writes into a vLLM object's instance (an attribute of a vLLM object by
+    its name, of a wrapper's ``self``; its ``__dict__`` or ``vars()``) or reads vLLM's private
+    state (an underscore attribute of anything but ``self``, one of
+    :data:`VLLM_INTERNAL_ATTRS`, an underscore name imported from vLLM)."""
+    tree = ast.parse(source)
+    parents = _parents(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', 0)}: "
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm"):
+            found += [where + a.name for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "vars":
+                found.append(where + ast.unparse(node))
+        elif isinstance(node, ast.Attribute):
+            root = node.value
+            while isinstance(root, ast.Attribute | ast.Subscript | ast.Call):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            rooted = root.id if isinstance(root, ast.Name) else ""
+            private = node.attr.startswith("_") and not node.attr.endswith("__")
+            internal = node.attr == "__dict__" or node.attr in VLLM_INTERNAL_ATTRS
+            foreign = private and rooted not in OWN_PRIVATE_ROOTS and rooted != "super"
+            written = isinstance(node.ctx, ast.Store | ast.Del) and (
+                rooted in VLLM_OBJECTS
+                or (rooted == "self" and _vllm_self(cast(ast.Name, root), parents))
+            )
+            if internal or foreign or written:
+                found.append(where + ast.unparse(node))
+    return found
+
+
+def test_only_internals_touches_vllm_objects() -> None:
+    """Outside internals/, the vLLM layer neither writes into vLLM's instances nor reads its
+    private state (the assignment scan above covers classes and modules everywhere)."""
+    offenders = []
+    for path in sorted((ROOT / "weight_bridge" / "vllm").rglob("*.py")):
+        if not path.is_relative_to(INTERNALS):
+            found = vllm_object_access(path.read_text())
+            offenders += [f"{path.relative_to(ROOT)} {f}" for f in found]
+    assert not offenders, offenders
+
+
+def test_the_instance_scan_finds_each_kind() -> None:
+    """The instance scan can fail: a planted write or private read of each kind is found;
+    the project's own objects are not."""
+    planted = {
+        "def f(core):\n    core.__dict__['x'] = 1": 1,
+        "def f(out):\n    vars(out)['policy_version'] = 1": 1,
+        "def f(llm):\n    llm.policy_version = 1": 1,
+        "def wrap(original):\n    def g(self):\n        self.busy_loop_s = 0\n    return g": 1,
+        "def f(llm):\n    return llm.llm_engine": 1,
+        "def f(x):\n    return x._weight_version": 1,
+        "from vllm.v1.engine.core import _private": 1,
+        "class A:\n    def f(self, report):\n        self._x = report._y = 1": 1,
+        "class A:\n    def f(self, report):\n        self._x = 1\n        report.y = super()._z": 0,
+        "class A:\n    def f(self):\n        def g():\n            self.used = True": 0,
+    }
+    for source, count in planted.items():
+        assert len(vllm_object_access(source)) == count, (source, vllm_object_access(source))
 
 
 def test_the_assignment_scan_finds_each_kind() -> None:

@@ -109,6 +109,14 @@ from .model import (
     transfer_engine,
     worker_model,
 )
+from .objects import (
+    bridge_state_of,
+    config_of,
+    core_client_of,
+    server_core_client,
+    set_spin_window,
+    spin_window,
+)
 from .patches import (
     PATCHED,
     TESTED_VLLM,
@@ -130,6 +138,12 @@ __all__ = [
     "SITES",
     "TESTED_VLLM",
     "EngineCoreDeadError",
+    "bridge_state_of",
+    "config_of",
+    "core_client_of",
+    "server_core_client",
+    "set_spin_window",
+    "spin_window",
     "call_core_utility",
     "call_core_utility_async",
     "check_vllm_version",

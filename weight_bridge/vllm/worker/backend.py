@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from ..internals import reset_runner_caches, transfer_engine
+from ..internals import config_of, reset_runner_caches, transfer_engine
 from ..options import BridgeOptions, bridge_options
 from .queries import worker_addresses, worker_plan, worker_undefined
 from .transaction import PushTransaction
@@ -131,7 +131,7 @@ def call_backend(worker: Any, action: str, *args: Any) -> Any:
     if not isinstance(engine, WeightBridgeEngine):
         raise RuntimeError("this worker does not run the weight_bridge weight-transfer backend")
     transaction = engine.transaction
-    with set_current_vllm_config(worker.vllm_config):
+    with set_current_vllm_config(config_of(worker)):
         if action == "commit":
             result = transaction.commit(worker.reload_weights)
             if result.error is None:

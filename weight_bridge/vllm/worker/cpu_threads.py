@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...direct.parallel import helper_threads, set_helper_threads
+from ..internals import set_spin_window, spin_window
 
 __all__ = [
     "IDLE_AFTER_S",
@@ -73,9 +74,9 @@ def idle_wait(original: Callable[..., None]) -> Callable[..., None]:
     core's during a push) sleeps at most :data:`RECHECK_MS` before it re-checks the queue."""
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
-        if _sleeping and self.busy_loop_s > IDLE_AFTER_S:
-            self.busy_loop_s = IDLE_AFTER_S
-        if self.busy_loop_s <= IDLE_AFTER_S:
+        if _sleeping and spin_window(self) > IDLE_AFTER_S:
+            set_spin_window(self, IDLE_AFTER_S)
+        if spin_window(self) <= IDLE_AFTER_S:
             timeout_ms = RECHECK_MS if timeout_ms is None else min(timeout_ms, RECHECK_MS)
         return original(self, timeout_ms)
 
