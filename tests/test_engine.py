@@ -150,6 +150,9 @@ def test_auto_reprocesses_only_the_packed_cpu_linears(models, cold, engine_facto
     assert any("emptied" in why for why in plan["problems"].values())
     auto = engine.plan()[0]
     assert not auto["problems"] and auto["reprocess"] and auto["targets"]
+    assert auto["mode"] == "auto"
+    layerwise = engine.plan("layerwise")[0]  # the push's own plan: vLLM's reload writes all
+    assert layerwise["mode"] == "layerwise" and not layerwise["targets"], layerwise
     report = engine.push(b, version=1)
     assert report.mode == "auto" and "re-processed by vLLM" in report.reason
     assert set(report.reprocessed) == set(auto["reprocess"])
@@ -161,6 +164,9 @@ def test_layerwise_refuses_tied_packed_embedding(models, cold, engine_factory) -
     """vLLM's layerwise reload leaves the tied lm_head's packed copy stale on CPU: refuse."""
     a, b = models["qwen2_A"], models["qwen2_B"]
     engine = engine_factory(a, reload_mode="layerwise", cpu_linear="stock")
+    plan = engine.plan()[0]  # the dry run names what the push refuses, and no direct target
+    assert plan["mode"] == "layerwise" and not plan["targets"], plan
+    assert any("tied" in why for why in plan["problems"].values()), plan
     with pytest.raises(DirectReloadError, match="tied"):
         engine.push(b, version=1)
     assert_parity(greedy(engine), cold(a, cpu_linear="stock"))

@@ -15,18 +15,22 @@ by vLLM at model init (``record_metadata_for_reloading``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ...direct import ReloadPlan, plan_direct_reload
 from ...direct.state import bridge_state
 from ..internals import cpu_linear_of, layerwise_begin, layerwise_finish, layerwise_reprocesses
 from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
 
 __all__ = [
     "LayerwiseReprocessor",
+    "PushPlan",
     "auto_reprocessable",
     "layerwise_wrong",
+    "push_plan",
     "reprocessable_module",
 ]
 
@@ -91,3 +95,32 @@ def layerwise_wrong(model: torch.nn.Module) -> dict[str, str]:
                 "not re-derive (start the engine with cpu_linear='torch' or 'repack')"
             )
     return wrong
+
+
+@dataclass
+class PushPlan:
+    """How a complete push in a reload mode writes: ``mode`` (``direct``, ``auto`` or
+    ``layerwise``: what the report will say), ``plan`` (the direct writes, re-processing and
+    refusals; None for vLLM's whole-model layerwise reload), ``reprocessable`` (the modules
+    vLLM's per-layer processing may take; None: no re-processing asked) and ``wrong`` (the
+    weights whole-model layerwise would leave wrong: a layerwise push is refused naming them)."""
+
+    mode: str
+    plan: ReloadPlan | None
+    reprocessable: set[str] | None = None
+    wrong: dict[str, str] | None = None
+
+
+def push_plan(model: torch.nn.Module, mode: str) -> PushPlan:
+    """The one plan of a push in ``mode``, for the push itself and for its dry run: ``direct``
+    writes what is proven; ``auto`` does the same and re-processes what vLLM's per-layer
+    processing re-creates, and falls back to whole-model layerwise only when nothing at all
+    can be written directly; ``layerwise`` is vLLM's whole-model reload (no direct targets)."""
+    if mode == "direct":
+        return PushPlan("direct", plan_direct_reload(model))
+    if mode == "auto":
+        reprocessable = auto_reprocessable(model)
+        plan = plan_direct_reload(model, reprocessable)
+        if plan.targets or plan.problems:  # else nothing at all can be written directly
+            return PushPlan("auto" if plan.reprocess else "direct", plan, reprocessable)
+    return PushPlan("layerwise", None, wrong=layerwise_wrong(model))

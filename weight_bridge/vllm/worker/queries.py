@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from ...direct import plan_direct_reload
+from ...direct import ReloadPlan
 from ...direct.proof import module_of
 from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, undefined_reason
 from ..internals import transfer_engine, worker_model
 from ..options import bridge_options
-from .layerwise import auto_reprocessable
+from .layerwise import push_plan
 
 __all__ = ["worker_addresses", "worker_plan", "worker_undefined"]
 
@@ -32,33 +32,39 @@ def _pushes_with(worker: Any) -> str:
 
 
 def worker_plan(worker: Any, mode: str | None = None) -> dict:
-    """A dry run of a push in ``mode`` (None: the mode the worker pushes with): per name, its
-    write target, refresh, re-processing or refusal."""
-    mode = mode or _pushes_with(worker)
+    """A dry run of a push in ``mode`` (None: the mode the worker pushes with), from the push's
+    own plan (:func:`~weight_bridge.vllm.worker.layerwise.push_plan`): the mode it would run
+    in, per name its direct write target and refresh, the modules re-processed, the refusals
+    (in ``layerwise`` mode no direct target: vLLM's reload writes every weight)."""
     model = worker_model(worker)
     state = bridge_state(model)
     if state.layout is None:
         return {"error": "no checkpoint layout recorded: was the engine bridged?"}
-    reprocessable = auto_reprocessable(model) if mode == "auto" else set()
-    plan = plan_direct_reload(model, reprocessable)
-    relocated = {r.name: asdict(r) for r in plan.relocations}
+    chosen = push_plan(model, mode or _pushes_with(worker))
+    plan = chosen.plan
     proof = state.proof
     options = bridge_options(worker.vllm_config)
     return {
-        "targets": {
-            name: {
-                "shape": list(t.view.shape),
-                "relocation": relocated.get(name),
-                "refresh": plan.refresh.get(module_of(name)[0]),
-            }
-            for name, t in plan.targets.items()
-        },
-        "problems": dict(plan.problems),
-        "reprocess": dict(plan.reprocess),
+        "mode": chosen.mode,
+        "targets": _targets(plan) if plan is not None else {},
+        "problems": dict(plan.problems) if plan is not None else dict(chosen.wrong or {}),
+        "reprocess": dict(plan.reprocess) if plan is not None else {},
         "transformed": dict(proof.transformed) if proof else {},
         "derived": dict(proof.derived) if proof else {},
         "noted": dict(proof.noted) if proof else {},
         "options": asdict(options) if options is not None else None,
+    }
+
+
+def _targets(plan: ReloadPlan) -> dict[str, dict]:
+    relocated = {r.name: asdict(r) for r in plan.relocations}
+    return {
+        name: {
+            "shape": list(t.view.shape),
+            "relocation": relocated.get(name),
+            "refresh": plan.refresh.get(module_of(name)[0]),
+        }
+        for name, t in plan.targets.items()
     }
 
 

@@ -41,7 +41,6 @@ from ...direct import (
     DirectReloadError,
     PreparedReload,
     ReloadReport,
-    plan_direct_reload,
     prepare_direct_reload,
 )
 from ...direct.record import require_layout
@@ -50,7 +49,7 @@ from ...direct.state import bridge_state, clear_undefined, mark_undefined, undef
 from ...direct.validate import validate_checkpoint
 from ..options import BridgeOptions
 from ..outcome import PushError, PushResult
-from .layerwise import LayerwiseReprocessor, auto_reprocessable, layerwise_wrong
+from .layerwise import LayerwiseReprocessor, push_plan
 from .served_chain import ServedCheckpoint, compact, hold
 from .update_request import UpdateRequest
 
@@ -141,38 +140,36 @@ class PushTransaction:
     def _plan(
         self, items: list, finite: bool, partial: bool, result: PushResult
     ) -> PreparedReload | None:
-        """What will write ``items``: a prepared direct reload, or None for vLLM's layerwise."""
-        mode = self.options.reload_mode
-        readback = self.options.readback
-        if mode == "direct":
-            return prepare_direct_reload(
-                self.model, items, check_finite=finite, readback=readback, partial=partial
+        """What will write ``items``: a prepared direct reload, or None for vLLM's layerwise
+        (the one plan of :func:`~weight_bridge.vllm.worker.layerwise.push_plan`)."""
+        chosen = push_plan(self.model, self.options.reload_mode)
+        if chosen.plan is not None:
+            reprocessable = chosen.reprocessable
+            prepared = prepare_direct_reload(
+                self.model,
+                items,
+                check_finite=finite,
+                reprocessor=(
+                    LayerwiseReprocessor(self.model, self.model_config)
+                    if reprocessable is not None
+                    else None
+                ),
+                reprocessable=reprocessable or frozenset(),
+                readback=self.options.readback,
+                partial=partial,
             )
-        if mode == "auto":
-            reprocessable = auto_reprocessable(self.model)
-            plan = plan_direct_reload(self.model, reprocessable)
-            if plan.targets or plan.problems:  # else nothing at all can be written directly
-                prepared = prepare_direct_reload(
-                    self.model,
-                    items,
-                    check_finite=finite,
-                    reprocessor=LayerwiseReprocessor(self.model, self.model_config),
-                    reprocessable=reprocessable,
-                    readback=readback,
-                    partial=partial,
-                )
-                result.mode = "auto" if prepared.plan.reprocess else "direct"
-                return prepared
+            result.mode = "auto" if prepared.plan.reprocess else "direct"
+            return prepared
         if partial:
             raise DirectReloadError(
                 "a partial checkpoint is written directly; vLLM's layerwise reload needs whole "
                 "layers: push a complete checkpoint (nothing was written)"
             )
         result.mode = "layerwise"  # asked for, or nothing at all can be written directly
-        wrong = layerwise_wrong(self.model)
-        if wrong:
+        if chosen.wrong:
             raise DirectReloadError(
-                "vLLM's layerwise reload is wrong for this engine (nothing was written)", wrong
+                "vLLM's layerwise reload is wrong for this engine (nothing was written)",
+                chosen.wrong,
             )
         validate_checkpoint(require_layout(self.model), items, finite)
         return None
