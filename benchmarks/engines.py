@@ -59,9 +59,13 @@ class StockEngine:
         self.llm = LLM(model=str(model), worker_extension_cls=BENCH_EXTENSION, **ENGINE_KWARGS)
         self.startup_s = time.perf_counter() - started
 
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> list:
-        kwargs.setdefault("use_tqdm", False)
-        return self.llm.generate(prompts, sampling_params, **kwargs)
+    def generate(self, prompts: Any, sampling_params: Any = None) -> list:
+        """``vllm.LLM.generate``, read into the bridge's clients' result type."""
+        from weight_bridge.vllm.generation import Generation
+
+        outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False)
+        top = getattr(sampling_params, "logprobs", None)
+        return [Generation.from_request_output(o, top) for o in outputs]
 
     def close(self) -> None:
         from weight_bridge.vllm.internals import shutdown
@@ -95,7 +99,7 @@ def generation_rate(engine: Any, tokens: int) -> float:
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sp)
     dt = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    return sum(len(g.completions[0].token_ids) for g in outs) / dt
 
 
 def push(

@@ -55,13 +55,8 @@ def _http_push(client: Any, file: Path, version: str) -> dict[str, float]:
 
 def _http_tokens(client: Any) -> list[list[int]]:
     """Greedy tokens of the parity prompts, over HTTP."""
-    out = []
-    for ids in PARITY_PROMPTS:
-        sampling = {"max_tokens": PARITY_TOKENS, "temperature": 0.0, "ignore_eos": True}
-        choices = client.generate_tokens(ids, sampling)
-        choice = choices[0] if isinstance(choices, list) else choices
-        out.append(list(choice["token_ids"]))
-    return out
+    sampling = {"max_tokens": PARITY_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    return [g.completions[0].token_ids for g in client.generate(PARITY_PROMPTS, sampling)]
 
 
 def measure_http(

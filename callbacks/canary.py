@@ -37,13 +37,11 @@ class CanaryCheck:
 
     def gap(self, model: torch.nn.Module, engine: Any) -> float:
         """The logprob gap after a push; raises :class:`CanaryError` above the tolerance."""
-        from weight_bridge.vllm.clients.http import HTTPClient
-
-        if isinstance(engine, HTTPClient) or not callable(getattr(engine, "generate", None)):
+        if not callable(getattr(engine, "generate", None)):
             raise CanaryError(
-                "the canary scores a probe batch with prompt logprobs from vLLM's generate, "
-                f"which a {type(engine).__name__} does not offer: use an in-process engine or "
-                "no canary"
+                "the canary scores a probe batch with prompt logprobs from the engine's "
+                f"generate, which a {type(engine).__name__} does not offer: use a client of the "
+                "bridge (any: in process, async or over HTTP) or no canary"
             )
         probe = self.prompts
         if probe is None:
@@ -84,17 +82,14 @@ def trainer_logprobs(model: torch.nn.Module, probe: list[list[int]]) -> list[lis
 
 
 def engine_logprobs(engine: Any, probe: list[list[int]]) -> list[list[float]]:
-    """The same, from the engine's prompt logprobs."""
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
-    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outs = engine.generate(token_prompts(probe), sp)
+    """The same, from the engine's prompt logprobs (any client: the sampling is a dict)."""
+    sampling = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
     result = []
-    for ids, o in zip(probe, outs, strict=True):
-        steps = o.prompt_logprobs[1:]
-        result.append([step[t].logprob for t, step in zip(ids[1:], steps, strict=True)])
+    for ids, generation in zip(probe, engine.generate(probe, sampling), strict=True):
+        steps = generation.prompt_logprobs[1:]
+        if len(steps) != len(ids) - 1 or any(lp is None for lp in steps):
+            raise CanaryError(f"the engine gave no prompt logprobs for the probe {ids}")
+        result.append([float(lp) for lp in steps])
     return result
 
 

@@ -73,8 +73,8 @@ class VLLMWeightSync(Callback):
             header) before writing; off by default, see docs/sync.md for why that is sound.
 
     Either way :meth:`setup` exposes the engine as ``pl_module.vllm_engine``, so a rollout in
-    ``training_step`` reads ``self.vllm_engine.generate(prompts, sampling_params)``; each output's
-    ``policy_version`` is the global step whose weights produced it. Every sync, the ranks plan the
+    ``training_step`` reads ``self.vllm_engine.generate(prompts, sampling)``, any engine mode; each
+    ``Generation``'s ``policy_version`` is the step pushed, a string. Every sync, the ranks plan the
     checkpoint from metadata, the writer (global rank zero, or each node's local rank zero with
     ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every rank with an
     engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather one tensor at

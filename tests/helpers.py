@@ -354,13 +354,9 @@ def _tiny_lm_class() -> type:
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             if self.rollout:
-                from vllm import SamplingParams
-
-                from weight_bridge.vllm import token_prompts
-
                 assert self.vllm_engine is not None
                 outs = self.vllm_engine.generate(  # type: ignore[attr-defined]
-                    token_prompts([[1, 20, 21]]), SamplingParams(max_tokens=2)
+                    [[1, 20, 21]], {"max_tokens": 2}
                 )
                 self.rollout_versions.append(outs[0].policy_version)
             return self.model(input_ids=batch, labels=batch).loss

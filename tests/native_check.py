@@ -176,7 +176,6 @@ def run_labels(root: str, model_a: str, model_b: str) -> dict:
     import time
 
     from helpers import ENGINE_KWARGS, LABEL_PROMPTS, LABEL_TOKENS, pushes_under_load
-    from vllm import SamplingParams
 
     from weight_bridge.vllm.clients.async_colocated import AsyncColocatedEngine
 
@@ -184,11 +183,11 @@ def run_labels(root: str, model_a: str, model_b: str) -> dict:
     engine = AsyncColocatedEngine(
         model_a, inflight=None, checkpoint_root=root, update_timeout_s=UPDATE_TIMEOUT_S, **kwargs
     )
-    sp = SamplingParams(max_tokens=LABEL_TOKENS, temperature=0.0, ignore_eos=True)
+    sp = {"max_tokens": LABEL_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
     def generate(ids: list[int]) -> tuple[list[int], list]:
-        completion = engine.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0]
-        spans = [(s.version, s.start, s.end) for s in completion.weight_versions or ()]
+        completion = engine.generate([ids], sp)[0].completions[0]
+        spans = [(str(s.version), s.start, s.end) for s in completion.spans]
         return list(completion.token_ids), spans
 
     checkpoints = {"B": Path(model_b), "A": Path(model_a)}

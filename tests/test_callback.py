@@ -518,7 +518,7 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
     sync = sync_of(c)
     assert sync.enabled and sync.every_n_train_steps == 2 and sync.engine is None
     c.trainer.fit(c.model)
-    assert c.model.rollout_versions == [0, 0, 2]  # each step generated with the newest push
+    assert c.model.rollout_versions == ["0", "0", "2"]  # each step: the newest push's label
     assert [h["step"] for h in sync.history] == [0, 2, 3]
     assert sync.engine is None and c.model.vllm_engine is None  # built in setup, closed after
     assert not Path(sync.history[-1]["checkpoint"]).parent.exists()  # the RAM dir is gone
@@ -572,7 +572,7 @@ def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for report in ranks:
         assert report["version"] == 3 and report["pushed"] == [0, 2, 3]
-        assert report["rollouts"] == [0, 0, 2]
+        assert report["rollouts"] == ["0", "0", "2"]
     assert ranks[0]["checkpoint"] == ranks[1]["checkpoint"]
     assert Path(ranks[0]["checkpoint"]).name == "step-00000003.safetensors"
     assert not Path(ranks[0]["checkpoint"]).parent.exists()  # rank 0 removed its RAM dir

@@ -34,7 +34,7 @@ EXAMPLE_TIMEOUT_S = 900  # one example; the engine ones measured 73-129 s each a
 
 # What each ``print`` of the examples prints, as the comment beside it says: the print's line in
 # the example -> a pattern per line it prints (``re.fullmatch``; a loop's print, one per pass).
-_SPANS = r"\[\('default', 0, \d+\)(, \('1', \d+, 120\))?\]"  # from 'default', then maybe '1'
+_SPANS = r"\[\(None, 0, \d+\)(, \('1', \d+, 120\))?\]"  # from None (initial), then maybe '1'
 PRINTS: dict[str, list[str]] = {
     # [0, 1, 2, 3]: a push at start, then each step
     'print([record["step"] for record in sync.history])': [r"\[0, 1, 2, 3\]"],
@@ -44,13 +44,11 @@ PRINTS: dict[str, list[str]] = {
     "print(llm.get_weight_version(), out[0].outputs[0].weight_versions)": [
         r"1 \[WeightVersionSpan\(version='1', start=0, end=8\)\]"
     ],
-    # every token from version "1"
-    'print(choice["token_ids"], choice["weight_versions"])': [
-        r"\[\d+(, \d+){7}\] \[\{'version': '1', 'start': 0, 'end': 8\}\]"
-    ],
+    # the same Generation as in process: all "1"
+    "print(out.completions[0].versions)": [r"\['1'(, '1'){7}\]"],
     'print(f"generation paused {report.paused_s:.3f} s")': [r"generation paused \d+\.\d{3} s"],
-    # rollouts 0, 16 and 32 of 48: the first submitted starts on 'default' (before the push)
-    "print([(span.version, span.start, span.end) for span in out.outputs[0].weight_versions])": [
+    # rollouts 0, 16 and 32 of 48: the first submitted starts on None (before the push)
+    "print([(span.version, span.start, span.end) for span in out.completions[0].spans])": [
         _SPANS,
         rf"{_SPANS}|\[\('1', 0, 120\)\]",
         rf"{_SPANS}|\[\('1', 0, 120\)\]",

@@ -55,16 +55,12 @@ def test_push_matches_cold_start_and_keeps_addresses(arch, models, shared_engine
 
 
 def test_outputs_carry_the_policy_version(models, shared_engine) -> None:
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
     engine = shared_engine("llama_A")
-    sp = SamplingParams(max_tokens=2)
     for version in (7, 8, "step-9"):
         engine.push(models["llama_B" if version == 8 else "llama_A"], version=version)
-        outs = engine.generate(token_prompts([[1, 2, 3]] * 3), sp)
-        assert [o.policy_version for o in outs] == [version] * 3
+        outs = engine.generate([[1, 2, 3]] * 3, {"max_tokens": 2})
+        assert [o.policy_version for o in outs] == [str(version)] * 3  # the engine's label
+        assert [c.versions for o in outs for c in o.completions] == [[str(version)] * 2] * 3
         assert engine.version == version
 
 
@@ -73,17 +69,14 @@ def test_prefix_cache_is_reset_by_a_push(models, engine_factory) -> None:
     takes multiples of 32) and 75-token prompts: two full blocks of each prompt are cached by a
     run, and the next run of the same prompt reuses them (checked, so the test can fail); right
     after a push, it reuses none."""
-    from vllm import SamplingParams
-
     from weight_bridge.testing.parity import collect
-    from weight_bridge.vllm import token_prompts
 
     prompts = [[1, *range(20, 94)], [1, *range(200, 274)]]
     full_blocks = 2 * 32
-    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+    sp = {"max_tokens": 12, "temperature": 0.0, "logprobs": 3}
 
     def run() -> tuple[list, list[int]]:
-        outs = engine.generate(token_prompts(prompts), sp)
+        outs = engine.generate(prompts, sp)
         return collect(outs), [o.num_cached_tokens or 0 for o in outs]
 
     engine = engine_factory(models["llama_B"], enable_prefix_caching=True, block_size=32)

@@ -74,7 +74,7 @@ def test_every_engine_is_the_one_client(where: str) -> None:
     module, _, name = where.partition(":")
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, BridgeClient) and not cls.__abstractmethods__
-    for method in ("push", "push_async", "generate", "close"):
+    for method in ("push", "push_async", "generate", "submit", "close"):
         assert callable(getattr(cls, method)), method
     assert isinstance(cls.served_checkpoints, property)
 
@@ -112,3 +112,45 @@ def test_a_push_into_a_server_without_the_results_route_is_refused_naming_the_fl
         assert seen == ["GET /weight_bridge/results"]
     finally:
         server.shutdown()
+
+
+def test_one_function_makes_the_same_typed_error_of_an_outcome_on_either_side_of_a_boundary() -> (
+    None
+):
+    """The engine core's outcome, as built and after a JSON round trip (the results route):
+    :func:`typed_error` makes the same type, message and ``.problems`` of both, every rank's
+    problems merged, the outcome attached; a success makes none."""
+    import json
+
+    from weight_bridge.checkpoint import CheckpointError
+    from weight_bridge.direct import DirectReloadError
+    from weight_bridge.vllm.outcome import (
+        PushError,
+        PushOutcome,
+        PushResult,
+        outcome_of,
+        typed_error,
+    )
+
+    def refused(rank: int, kind: str, problems: dict[str, str], message: str) -> PushResult:
+        error = PushError(kind, message, problems, "refused", "/r/x")
+        return PushResult(rank=rank, checkpoint="/r/x", error=error)
+
+    cases = {
+        DirectReloadError: [
+            refused(0, "DirectReloadError", {"a.weight": "shape (3,), recorded (4,)"}, "refused"),
+            refused(1, "DirectReloadError", {"b.weight": "NaN"}, "refused"),
+        ],
+        CheckpointError: [refused(0, "CheckpointError", {"a.weight": "truncated"}, "truncated")],
+    }
+    for kind, results in cases.items():
+        outcome = PushOutcome(results, None, "refused", None)
+        here = typed_error(outcome)
+        there = typed_error(PushOutcome.from_dict(json.loads(json.dumps(outcome.to_dict()))))
+        assert type(here) is type(there) is kind and str(here) == str(there)
+        assert here.problems == there.problems  # type: ignore[union-attr]
+        merged = {k: v for r in results if r.error for k, v in r.error.problems.items()}
+        assert there.problems == merged  # type: ignore[union-attr]
+        assert outcome_of(there) is not None and outcome_of(there).failed == "refused"  # type: ignore[union-attr]
+    assert typed_error(PushOutcome([PushResult()], "v1")) is None
+    assert typed_error(None) is None

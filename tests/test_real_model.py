@@ -49,22 +49,24 @@ pytestmark = [
 
 def answers(engine: Any, model_dir: str | Path, max_tokens: int = 24) -> list[dict]:
     """Greedy answers to :data:`QUESTIONS`: text, tokens, top-3 logprobs of each generated token
-    and of each prompt token (as sorted ``[token, logprob]`` pairs)."""
-    from vllm import SamplingParams
+    (as sorted ``[token, logprob]`` pairs) and each prompt token's own logprob (``[[token,
+    logprob]]``)."""
+    from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = real_model.chat_prompts(model_dir, QUESTIONS)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, prompt_logprobs=3)
+    params = {"temperature": 0.0, "max_tokens": max_tokens, "logprobs": 3, "prompt_logprobs": 3}
     out = []
-    for o in engine.generate(prompts, params):
-        c = o.outputs[0]
+    for g in engine.generate(prompts, params):
+        c = g.completions[0]
         out.append(
             {
-                "text": c.text,
+                "text": tokenizer.decode(c.token_ids, skip_special_tokens=True),
                 "tokens": list(c.token_ids),
-                "logprobs": [sorted([k, v.logprob] for k, v in lp.items()) for lp in c.logprobs],
+                "logprobs": [sorted([k, v] for k, v in step.items()) for step in c.top_logprobs],
                 "prompt_logprobs": [
-                    None if lp is None else sorted([k, v.logprob] for k, v in lp.items())
-                    for lp in o.prompt_logprobs
+                    None if lp is None else [[t, lp]]
+                    for t, lp in zip(g.prompt_token_ids, g.prompt_logprobs, strict=True)
                 ],
             }
         )

@@ -152,12 +152,8 @@ def test_exception_mid_push_makes_engine_undefined_until_a_complete_push(
 
 
 def _tagged_greedy(engine, max_tokens: int = 12) -> tuple[object, list]:
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
-    outs = engine.generate(token_prompts(PROMPTS), sp)
+    sp = {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 3}
+    outs = engine.generate(PROMPTS, sp)
     versions = {o.policy_version for o in outs}
     assert len(versions) == 1, versions  # one generate call, one version
     return versions.pop(), collect(outs)
@@ -182,7 +178,7 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
     a, b = models["llama_A"], models["llama_B"]
     want = {"A": cold(a), "B": cold(b)}
     engine = shared_engine("llama_A")
-    engine.push(a, version=("A", -1))
+    engine.push(a, version="A:-1")  # labels are the engine's strings
     rounds = 6
     barrier = threading.Barrier(3)
     seen: list[tuple[object, list]] = []
@@ -213,8 +209,8 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
         try:
             barrier.wait()
             for i in range(rounds):
-                pushing.version = (label, i)
-                engine.push(path, version=(label, i))
+                pushing.version = f"{label}:{i}"
+                engine.push(path, version=f"{label}:{i}")
         except BaseException as exc:
             errors.append(exc)
 
@@ -242,8 +238,8 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
     for (_, end, kind, version), (start, _, next_kind, next_version) in pairwise(spans):
         assert end <= start, f"{kind} {version} overlaps {next_kind} {next_version}"
     pushed = {v for _, _, kind, v in spans if kind == "push"}  # each push seen in vLLM
-    assert pushed == {(label, i) for label in "AB" for i in range(rounds)}, push_calls
-    served: object = ("A", -1)
+    assert pushed == {f"{label}:{i}" for label in "AB" for i in range(rounds)}, push_calls
+    served: object = "A:-1"
     generates = iter(seen)
     for _, _, kind, version in spans:
         if kind == "push":
@@ -258,7 +254,7 @@ def test_concurrent_pushes_and_generates_never_mix_versions(
     # unfair lock let the pushers run several rounds past a waiting generate)
     versions = [version for version, _ in seen]
     print(f"\n{len(seen)} generate calls during 2x{rounds} pushes, versions seen: {versions}")
-    after = set(versions) - {("A", -1)}
+    after = set(versions) - {"A:-1"}
     assert after <= pushed and len(after) >= rounds - 1, versions
     engine.push(a, version="A")
 
@@ -328,18 +324,14 @@ def _engine_children() -> list[str]:
 
 def _core_killed_during_generate(engine, r: dict) -> None:
     """No fault injection: a thread generates in a loop and this process SIGKILLs the core."""
-    from vllm import SamplingParams
-
-    from weight_bridge.vllm import token_prompts
-
     core = engine.llm.llm_engine.engine_core.resources.engine_manager.processes[0]
     box: dict = {}
 
     def generate_forever() -> None:
-        sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        sp = {"max_tokens": 100, "temperature": 0.0, "ignore_eos": True}
         try:
             while True:
-                engine.generate(token_prompts(PROMPTS), sp)
+                engine.generate(PROMPTS, sp)
                 box["calls"] = box.get("calls", 0) + 1
         except Exception as exc:
             box["error"] = exc

@@ -37,10 +37,16 @@ from helpers import (
 )
 
 from weight_bridge import HTTPClient, RemoteUpdateError
-from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
+from weight_bridge.checkpoint import (
+    BASE_VERSION_KEY,
+    CheckpointError,
+    CheckpointReader,
+    save_checkpoint,
+)
+from weight_bridge.direct import DirectReloadError
 from weight_bridge.vllm.clients.served import VLLMServer
-from weight_bridge.vllm.options import BridgeOptions
 from weight_bridge.vllm.errors import UpdateInProgressError
+from weight_bridge.vllm.options import BridgeOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -166,9 +172,12 @@ def _tensors(model: Path) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in reader.tensors()}
 
 
-def _refused(client: HTTPClient, path: Path | str) -> RemoteUpdateError:
-    with pytest.raises(RemoteUpdateError) as info:
+def _refused(client: HTTPClient, path: Path | str) -> DirectReloadError | CheckpointError:
+    """The typed error of a refused push over HTTP (as in process), the server's answer its
+    cause."""
+    with pytest.raises((DirectReloadError, CheckpointError)) as info:
         client.push(path, version="never")
+    assert isinstance(info.value.__cause__, RemoteUpdateError), info.value
     return info.value
 
 
@@ -198,9 +207,34 @@ def test_http_push_equals_a_stock_cold_start_and_refusals_keep_the_served_versio
     save_checkpoint(shape, root / "shape.safetensors")
     for bad, words in (("nan.safetensors", "NaN"), ("shape.safetensors", "shape")):
         error = _refused(client, root / bad)
-        assert error.status == 400 and name in error.message and words in error.message
+        assert error.__cause__.status == 400 and words in error.problems[name], error
         assert client.weight_version() == "b1"
         assert_parity(http_greedy(client), served)
+
+
+def test_a_refusal_is_the_same_typed_error_in_process_and_over_http(dense, engine_factory) -> None:
+    """The same bad checkpoints pushed into the server and into an in-process engine on the
+    same model and root: the same type, message and ``.problems`` (one function rebuilds them
+    from the engine core's outcome), the server's HTTP answer the cause over HTTP."""
+    client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
+    tensors = _tensors(b)
+    name = sorted(tensors)[5]
+    save_checkpoint({**tensors, name: tensors[name][:-1].clone()}, root / "both-shape.safetensors")
+    raw = (b / "model.safetensors").read_bytes()
+    (root / "both-truncated.safetensors").write_bytes(raw[: len(raw) // 2])
+    bad = ("both-shape.safetensors", "both-truncated.safetensors")
+    over_http = [_refused(client, root / f) for f in bad]
+    engine = engine_factory(a, checkpoint_root=str(root))
+    in_process = []
+    for f in bad:
+        with pytest.raises((DirectReloadError, CheckpointError)) as info:
+            engine.push(root / f, version="never")
+        in_process.append(info.value)
+    assert [type(e) for e in over_http] == [DirectReloadError, CheckpointError]
+    assert "shape" in over_http[0].problems[name]
+    for here, there in zip(in_process, over_http, strict=True):
+        assert type(here) is type(there) and str(here) == str(there)
+        assert here.problems == there.problems
 
 
 def test_paths_the_engine_must_not_read_are_refused_by_name(dense, tmp_path_factory) -> None:
@@ -230,7 +264,7 @@ def test_paths_the_engine_must_not_read_are_refused_by_name(dense, tmp_path_fact
         pytest.fail("CI must run as root: the case of a file another user owns was left out")
     for path, words in cases:
         error = _refused(client, path)
-        assert words in error.message, (path, error.message)
+        assert words in str(error), (path, error)
     assert client.weight_version() == version
 
 
@@ -242,7 +276,7 @@ def test_a_partial_checkpoint_over_http_needs_its_exact_base(dense, stock_cold, 
     save_checkpoint(part, root / "part.safetensors", {BASE_VERSION_KEY: "base"})
     save_checkpoint(part, root / "wrong.safetensors", {BASE_VERSION_KEY: "elsewhere"})
     error = _refused(client, root / "wrong.safetensors")
-    assert "'elsewhere'" in error.message and "'base'" in error.message
+    assert "'elsewhere'" in str(error) and "'base'" in str(error)
     assert client.weight_version() == "base"
     client.push(root / "part.safetensors", version="part")
     assert client.served_checkpoints == [str(b.resolve()), str(root / "part.safetensors")]
@@ -281,8 +315,22 @@ def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, sto
         client=HTTPVLLMWeightSyncClient(client.url),
         source=ModuleSource(model),  # Hugging Face names; the tied lm_head is yielded once
     )
-    sender.send_weights(version="from-trainer-api")
+    sent = sender.send_weights(version="from-trainer-api")
     assert client.weight_version() == "from-trainer-api"
+    assert_parity(http_greedy(client), stock_cold(b))
+    # the one push routine's report, and the served chain as the engine answered it
+    report = sender.last_report
+    assert report is not None and report.version == "from-trainer-api" and report.paused_s is None
+    assert report.served == [str(sent)] and report.verified_writes > 0
+
+    norm = model.model.norm.weight  # a wrong-shaped tensor: refused, typed, naming it
+    model.model.norm.weight = torch.nn.Parameter(norm.detach()[:-1].clone())
+    with pytest.raises(DirectReloadError) as refused:
+        sender.send_weights(version="never")
+    assert "shape" in refused.value.problems["model.norm.weight"], refused.value
+    assert isinstance(refused.value.__cause__, RemoteUpdateError)
+    assert client.weight_version() == "from-trainer-api"
+    assert sender.last_version == "from-trainer-api" and sender.last_report is report
     assert_parity(http_greedy(client), stock_cold(b))
 
 
@@ -416,7 +464,7 @@ def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
     )
     streams = Streams(client, prompts)
     streams.wait_for(4)
-    with pytest.raises(RemoteUpdateError, match=name):
+    with pytest.raises(DirectReloadError, match=name):
         client.push(root / "inf.safetensors", version="r1", inflight="recompute")
     want = stock_cold(a, prompts, max_tokens=LONG, ignore_eos=True)
     for i, (tokens, spans) in streams.join().items():  # every sequence finished on r0

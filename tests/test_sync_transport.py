@@ -504,24 +504,25 @@ def test_a_kept_map_goes_with_its_file_and_an_unreserved_file_is_not_mapped(
 # -- vLLM's trainer API: the same writer's names, retention and default version ----------------
 
 
-class _FakeSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` calls, recorded; the engine it stands for serves the last
-    complete checkpoint and the partial ones sent on top of it."""
+class _FakeBridge:
+    """A client of the bridge (it has ``push``), recorded; the engine it stands for serves the
+    last complete checkpoint and the partial ones pushed on top of it, and answers that chain
+    and the label it stamped in the report, as the engine core does."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.served: list[str] = []
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.calls.append(("init", init_info))
+    def push(self, checkpoint, version=None, inflight="default"):
+        from weight_bridge.checkpoint import BASE_VERSION_KEY, version_of
+        from weight_bridge.vllm.report import PushReport
 
-    def start_weight_update(self) -> None:
-        self.calls.append(("start",))
-
-    def update_weights(self, update_info: dict) -> None:
-        self.calls.append(("update", update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls.append(("finish", weight_version))
+        self.calls.append(("push", str(checkpoint), version, inflight))
+        with CheckpointReader(checkpoint) as reader:
+            partial = BASE_VERSION_KEY in reader.metadata
+            label = version if version is not None else version_of(str(checkpoint), None)
+        self.served = [*self.served, str(checkpoint)] if partial else [str(checkpoint)]
+        return PushReport(checkpoint=str(checkpoint), version=label, served=list(self.served))
 
 
 def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Path) -> None:
@@ -533,7 +534,7 @@ def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Pat
         WeightBridgeTrainerInitInfo,
     )
 
-    client = _FakeSyncClient()
+    client = _FakeBridge()
     info = WeightBridgeTrainerInitInfo(directory=str(tmp_path), keep_last_k=1, rank=0)
     sender = WeightBridgeTrainer.trainer_init(
         info, client=client, source=ModuleSource(torch.nn.Linear(4, 2))
@@ -542,11 +543,8 @@ def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Pat
         path = sender.send_weights()
     assert path == tmp_path / "step-00000003.safetensors"
     assert _step_files(tmp_path) == ["step-00000003.safetensors"]  # keep_last_k=1
-    assert client.calls[-3:] == [
-        ("start",),
-        ("update", {"checkpoint": str(path.resolve())}),
-        ("finish", None),
-    ]
+    assert client.calls[-1] == ("push", str(path), None, None)  # the one push routine, no pause
+    assert sender.last_report is not None and sender.last_report.served == [str(path)]
     assert sender.last_version == "step-00000003"
     with CheckpointReader(path) as reader:
         assert VERSION_KEY not in reader.metadata
@@ -557,11 +555,34 @@ def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Pat
     # the complete file the engine serves under the partial one is kept, beyond keep_last_k
     assert _step_files(tmp_path) == ["step-00000003.safetensors", "step-00000004.safetensors"]
     named = sender.send_weights(version="v5")
-    assert client.calls[-2:] == [
-        ("update", {"checkpoint": str(named.resolve()), VERSION_KEY: "v5"}),
-        ("finish", "v5"),
-    ]
+    assert client.calls[-1] == ("push", str(named), "v5", None)
     with CheckpointReader(named) as reader:
         assert reader.metadata[VERSION_KEY] == "v5"
     assert sender.last_version == "v5"
     assert _step_files(tmp_path) == ["step-00000005.safetensors"]
+
+
+def test_the_trainer_api_refuses_by_name_a_client_it_cannot_push_through() -> None:
+    """vLLM's Ray client (or any four-method client) carries no outcome of the update: refused
+    at ``trainer_init``, naming it and what to pass instead; vLLM's HTTP client becomes the
+    bridge's HTTP client on its URL, with no pause."""
+    from vllm.distributed.weight_transfer.clients import (
+        HTTPVLLMWeightSyncClient,
+        RayVLLMWeightSyncClient,
+    )
+
+    from weight_bridge.vllm.clients.http import HTTPClient
+    from weight_bridge.vllm.clients.trainer_api import bridge_client_of
+
+    for client, name in (
+        (RayVLLMWeightSyncClient(object()), "RayVLLMWeightSyncClient"),
+        (object(), "object"),
+    ):
+        with pytest.raises(TypeError, match=name) as refused:
+            bridge_client_of(client)
+        assert "HTTPVLLMWeightSyncClient(url)" in str(refused.value)
+    bridge = bridge_client_of(HTTPVLLMWeightSyncClient("http://127.0.0.1:9/", timeout=7))
+    assert isinstance(bridge, HTTPClient) and bridge.url == "http://127.0.0.1:9"
+    assert bridge.inflight is None and bridge.timeout_s == 7
+    fake = _FakeBridge()
+    assert bridge_client_of(fake) is fake

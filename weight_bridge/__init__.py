@@ -6,7 +6,9 @@ What a user imports is here (the Lightning callback is ``callbacks.VLLMWeightSyn
   :class:`AsyncColocatedEngine`, :class:`ServedEngine` (an engine the library starts: the one
   client plus the engine it owns), :class:`LLMClient`, :class:`AsyncLLMClient`,
   :class:`HTTPClient` (for an engine you started), :func:`start_engine`, :func:`connect`,
-  their options (:class:`BridgeOptions`) and report (:class:`PushReport`);
+  their options (:class:`BridgeOptions`), report (:class:`PushReport`) and what ``generate``
+  returns, the same from every client (:class:`Generation`, :class:`Completion`,
+  :class:`VersionSpan`);
 * **checkpoints** (:mod:`weight_bridge.checkpoint`): :func:`save_checkpoint`,
   :class:`CheckpointReader`;
 * **errors**: every error a push or a save raises.
@@ -30,20 +32,22 @@ if TYPE_CHECKING:  # typed for mypy and IDEs; at run time imported from .vllm on
         AsyncLLMClient,
         BridgeOptions,
         ColocatedEngine,
+        Completion,
         EngineClient,
         EngineCoreDeadError,
         EngineUndefinedError,
+        Generation,
         HTTPClient,
         LLMClient,
         PushReport,
         RemoteUpdateError,
         ServedEngine,
         UpdateInProgressError,
+        VersionSpan,
         VLLMServer,
         connect,
         start_engine,
         token_prompts,
-        token_versions,
     )
 
 __all__ = [
@@ -61,7 +65,10 @@ __all__ = [
     "BridgeOptions",
     "PushReport",
     "token_prompts",
-    "token_versions",
+    # what generate returns
+    "Generation",
+    "Completion",
+    "VersionSpan",
     # checkpoints
     "save_checkpoint",
     "CheckpointReader",

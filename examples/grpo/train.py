@@ -78,12 +78,14 @@ import time  # noqa: E402
 from collections import deque  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, NamedTuple  # noqa: E402
+from typing import Any  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from weight_bridge import Generation  # noqa: E402
 
 MODEL_SOURCES = ("tiny", "smollm2-135m-instruct")
 
@@ -173,147 +175,50 @@ class ArithmeticChatTask:
         )
         return str(text)
 
+    def prompt_ids(self, a: int, b: int) -> list[int]:
+        """:meth:`prompt` as token ids (what every engine client takes)."""
+        return list(self.tokenizer(self.prompt(a, b))["input_ids"])
+
+    def text(self, token_ids: list[int]) -> str:
+        """A completion's text (without special tokens)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
     def reward(self, a: int, b: int, text: str, finished: bool) -> float:
         return 1.0 if finished and text.strip() == str(a + b) else 0.0
 
 
 # -- where rollouts come from -------------------------------------------------------------------
-# The engine the sync callback exposes is a ColocatedEngine (vllm.LLM in this process: a step's
-# batch is generated when the step asks for it), an AsyncColocatedEngine (batches generated up
-# to ``max_staleness`` steps ahead while the trainer trains, pushes landing in flight, so a
-# completion may hold tokens of two versions) or a ServedEngine (a vllm serve process, over its
-# token-in/token-out route). Each token carries the policy version (step) that sampled it, from
-# vLLM's ``weight_versions`` spans ("default", the weights the engine started with, is step 0).
+# One rollout source for every engine the sync callback exposes: a ColocatedEngine (vllm.LLM in
+# this process), an AsyncColocatedEngine (AsyncLLM on its own loop, pushes landing in flight) or
+# a ServedEngine (a vllm serve process, over HTTP). Each client's ``submit`` takes the same
+# token-id prompts and sampling dict and returns the same ``Generation``s; every token carries
+# the version label of the weights that sampled it (``Completion.versions``).
 
 
-class Completion(NamedTuple):
-    """One sampled completion: tokens, the engine's log-probability of each as sampled, and the
-    policy version that sampled each."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
+def step_of(version: str | None) -> int:
+    """A policy version as the step it was pushed at (the callback labels each push with its
+    global step); None, the weights the engine started with (``weight_bridge.vllm.generation``),
+    is step 0."""
+    return 0 if version is None else int(version)
 
 
-def version_of(label: Any) -> int:
-    """A version label as a step: ``"12"`` -> 12; ``"default"`` or None (the weights the engine
-    started with) -> 0."""
-    text = str(label)
-    return int(text) if text.lstrip("-").isdigit() else 0  # "default": the initial policy
+class Rollouts:
+    """Each step's batch, submitted ``ahead`` steps before the step trains on it (0: when the
+    step asks for it): at step k, batches up to k + ``ahead`` are being generated while step k
+    trains on its own."""
 
-
-def _versions(spans: Any, n: int, fallback: Any) -> list[int]:
-    out: list[int] = []
-    for span in spans or ():
-        start, end, label = (
-            (span["start"], span["end"], span["version"])
-            if isinstance(span, dict)
-            else (span.start, span.end, span.version)
-        )
-        out += [version_of(label)] * (end - start)
-    return out if len(out) == n else [version_of(fallback)] * n
-
-
-def _from_outputs(outputs: list[Any]) -> list[list[Completion]]:
-    groups = []
-    for out in outputs:
-        group = []
-        for c in out.outputs:
-            tokens = list(c.token_ids)
-            logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens, strict=True)]
-            fallback = getattr(out, "policy_version", None)
-            group.append(
-                Completion(tokens, logprobs, _versions(c.weight_versions, len(tokens), fallback))
-            )
-        groups.append(group)
-    return groups
-
-
-class SyncRollouts:
-    """Generated when asked, by an engine with a blocking ``generate``."""
-
-    def __init__(self, engine: Any, sampling: Callable[[], Any]):
-        self.engine, self.sampling = engine, sampling
-
-    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
-        from weight_bridge import token_prompts
-
-        return _from_outputs(self.engine.generate(token_prompts(prompts(step)), self.sampling()))
-
-
-class AsyncRollouts:
-    """Generated ahead by an engine with ``submit``: at step k, batches up to k + ``ahead``
-    are being generated while step k trains on its own."""
-
-    def __init__(self, engine: Any, sampling: Callable[[], Any], ahead: int = 1):
+    def __init__(self, engine: Any, sampling: dict[str, Any], ahead: int = 0):
         self.engine, self.sampling, self.ahead = engine, sampling, max(0, ahead)
         self.pending: deque[tuple[int, concurrent.futures.Future]] = deque()
 
-    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
-        from weight_bridge import token_prompts
-
+    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[Generation]:
         while self.pending and self.pending[0][0] < step:
             self.pending.popleft()[1].cancel()  # a step that will never train (resumed past it)
         requested = self.pending[-1][0] if self.pending else step - 1
         for k in range(requested + 1, step + self.ahead + 1):
-            self.pending.append((k, self.engine.submit(token_prompts(prompts(k)), self.sampling())))
+            self.pending.append((k, self.engine.submit(prompts(k), self.sampling)))
         _, future = self.pending.popleft()
-        return _from_outputs(future.result())
-
-
-class HTTPRollouts:
-    """From a ``vllm serve`` process: one request per prompt (``n`` completions), concurrent."""
-
-    def __init__(self, client: Any, sampling: dict[str, Any], threads: int = 16):
-        self.client, self.sampling = client, sampling
-        self.pool = concurrent.futures.ThreadPoolExecutor(threads)
-
-    def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[list[Completion]]:
-        futures = [
-            self.pool.submit(self.client.generate_tokens, p, self.sampling) for p in prompts(step)
-        ]
-        groups = []
-        for future in futures:
-            group = []
-            for choice in future.result():
-                tokens = list(choice["token_ids"])
-                logprobs = [step_["logprob"] for step_ in choice["logprobs"]["content"]]
-                versions = _versions(choice.get("weight_versions"), len(tokens), "default")
-                group.append(Completion(tokens, logprobs, versions))
-            groups.append(group)
-        return groups
-
-
-def rollouts_for(engine: Any, group_size: int, max_new_tokens: int, ahead: int) -> Any:
-    """The rollout source for ``engine`` (see the module docstring): ``group_size`` completions
-    of ``max_new_tokens`` tokens per prompt, at temperature 1, with the sampled tokens'
-    log-probabilities; ``ahead`` steps generated ahead where the engine allows it."""
-    if hasattr(engine, "generate_tokens"):
-        sampling = {
-            "n": group_size,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "max_tokens": max_new_tokens,
-            "ignore_eos": True,
-            "logprobs": 0,
-        }
-        return HTTPRollouts(engine, sampling)
-
-    def params() -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            n=group_size,
-            temperature=1.0,
-            top_p=1.0,
-            max_tokens=max_new_tokens,
-            ignore_eos=True,
-            logprobs=0,  # the sampled token's own log-probability
-        )
-
-    if hasattr(engine, "submit"):
-        return AsyncRollouts(engine, params, ahead)
-    return SyncRollouts(engine, params)
+        return list(future.result())
 
 
 class PromptBatches(Dataset):
@@ -358,10 +263,11 @@ class GRPO(pl.LightningModule):
             ``lora_targets`` (the base stays frozen; the sync callback pushes only the merged
             adapted weights after its first, complete push).
         lora_alpha, lora_targets: the adapters' scale numerator and target module names.
-        max_staleness: with an asynchronous engine (the callback's ``engine_mode: async`` or
-            ``serve``), how many steps ahead rollouts are generated while the trainer trains,
-            and the most steps a token's policy may lag behind the step it trains (checked when
-            ``strict_on_policy``).
+        max_staleness: with an engine that generates while it is pushed (the callback's
+            ``engine_mode: async`` or ``serve``), how many steps ahead rollouts are generated
+            while the trainer trains, and the most steps a token's policy may lag behind the
+            step it trains (checked when ``strict_on_policy``); 0: generated when the step asks,
+            on policy, as with a colocated engine.
         torch_threads: the trainer's compute threads (``torch.set_num_threads``); with an
             asynchronous engine bound to its own cores, the trainer keeps to the others.
         run_dir: where ``reward.png`` and ``summary.json`` go.
@@ -524,19 +430,35 @@ class GRPO(pl.LightningModule):
         return cb, synced, version, staleness
 
     def _step_prompts(self, step: int) -> list[list[int]]:
-        """The prompts of ``step`` (any step: asynchronous rollouts generate ahead)."""
-        return [self.task.prompt(int(d)) for d in self._data[step].tolist()]
+        """The prompts of ``step`` as token ids (any step: asynchronous rollouts generate
+        ahead)."""
+        rows = self._data[step].tolist()
+        if isinstance(self.task, ArithmeticChatTask):
+            return [self.task.prompt_ids(int(a), int(b)) for a, b in rows]
+        return [self.task.prompt(int(d)) for d in rows]
 
     def _asynchronous(self) -> bool:
-        return hasattr(self._engine(), "submit") or hasattr(self._engine(), "generate_tokens")
+        """Whether rollouts are generated ahead: the engine generates while it is pushed (an
+        ``AsyncColocatedEngine``, a ``ServedEngine``) and ``max_staleness`` allows it."""
+        return bool(getattr(self._engine(), "pauses", False)) and self.hparams.max_staleness > 0
 
-    def _rollouts(self) -> Any:
-        """The rollout source for the engine (see ``rollouts.py``), built on first use."""
+    def _rollouts(self) -> Rollouts:
+        """The one rollout source, built on first use: ``group_size`` completions of up to
+        ``max_new_tokens`` tokens per prompt at temperature 1, with each sampled token's
+        log-probability (``logprobs=0``); the digit tasks never stop early."""
         if self._source is None:
             hp = self.hparams
-            self._source = rollouts_for(
-                self._engine(), hp.group_size, hp.max_new_tokens, hp.max_staleness
-            )
+            sampling: dict[str, Any] = {
+                "n": hp.group_size,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "max_tokens": hp.max_new_tokens,
+                "logprobs": 0,
+            }
+            if not isinstance(self.task, ArithmeticChatTask):
+                sampling["ignore_eos"] = True
+            ahead = hp.max_staleness if self._asynchronous() else 0
+            self._source = Rollouts(self._engine(), sampling, ahead)
         return self._source
 
     def _token_logprobs(
@@ -563,17 +485,17 @@ class GRPO(pl.LightningModule):
         started = time.perf_counter()
         groups = self._rollouts().get(step, self._step_prompts)
         gen_s = time.perf_counter() - started
-        versions = [v for group in groups for c in group for v in c.versions]
+        versions = [step_of(v) for g in groups for c in g.completions for v in c.versions]
         cb, synced, version, staleness = self._check_policy(set(versions), step)
         for v in versions:
             self.staleness_counts[step - v] = self.staleness_counts.get(step - v, 0) + 1
 
         seqs, old_lp, rewards = [], [], []
-        for group, d, prompt in zip(groups, digits, prompts, strict=True):
-            for c in group:
-                seqs.append(prompt + c.tokens)
+        for g, d, prompt in zip(groups, digits, prompts, strict=True):
+            for c in g.completions:
+                seqs.append(prompt + c.token_ids)
                 old_lp.append(c.logprobs)
-                rewards.append(self.task.reward(d, c.tokens))
+                rewards.append(self.task.reward(d, c.token_ids))
         ids = torch.tensor(seqs, device=self.device)
         old = torch.tensor(old_lp, dtype=torch.float32, device=self.device)
         r = torch.tensor(rewards, dtype=torch.float32, device=self.device)
@@ -656,8 +578,6 @@ class GRPO(pl.LightningModule):
     def _chat_step(self, batch: torch.Tensor) -> torch.Tensor:
         """GRPO on text prompts: completions of varying length (up to EOS), padded and masked;
         otherwise the same loss, checks and metrics as the digit tasks."""
-        from vllm import SamplingParams
-
         hp = self.hparams
         task: ArithmeticChatTask = self.task
         step = self.global_step
@@ -665,27 +585,20 @@ class GRPO(pl.LightningModule):
         step_s = now - self._last_step_at if self._last_step_at is not None else 0.0
         self._last_step_at = now
         pairs = [(int(a), int(b)) for a, b in batch.tolist()]
-        params = SamplingParams(
-            n=hp.group_size,
-            temperature=1.0,
-            top_p=1.0,
-            max_tokens=hp.max_new_tokens,
-            logprobs=0,  # the sampled token's own log-probability
-        )
         started = time.perf_counter()
-        outputs = self._engine().generate([task.prompt(a, b) for a, b in pairs], params)
+        outputs = self._rollouts().get(step, self._step_prompts)
         gen_s = time.perf_counter() - started
-        labels = {o.policy_version for o in outputs}
-        cb, synced, version, staleness = self._check_policy({version_of(v) for v in labels}, step)
+        versions = [step_of(v) for g in outputs for c in g.completions for v in c.versions]
+        cb, synced, version, staleness = self._check_policy(set(versions), step)
 
         tokens, old_lp, rewards, answers = [], [], [], []
         for out, (a, b) in zip(outputs, pairs, strict=True):
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                tokens.append(ids)
-                old_lp.append([lp[t].logprob for lp, t in zip(c.logprobs, ids, strict=True)])
-                rewards.append(task.reward(a, b, c.text, c.finish_reason == "stop"))
-                answers.append(c.text)
+            for c in out.completions:
+                text = task.text(c.token_ids)
+                tokens.append(list(c.token_ids))
+                old_lp.append(c.logprobs)
+                rewards.append(task.reward(a, b, text, c.finish_reason == "stop"))
+                answers.append(text)
         width = max(len(t) for t in tokens)
         ids_t = torch.full((len(tokens), width), task.pad, dtype=torch.long)
         old = torch.zeros(len(tokens), width)

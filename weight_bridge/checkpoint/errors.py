@@ -17,6 +17,12 @@ class CheckpointError(ValueError):
         where = f"{self.path}: tensor {tensor!r}: " if tensor is not None else f"{self.path}: "
         super().__init__(where + problem)
 
+    @property
+    def problems(self) -> dict[str, str]:
+        """The tensor it names -> the problem (empty for a problem of the whole file): the
+        same shape as :attr:`~weight_bridge.direct.DirectReloadError.problems`."""
+        return {self.tensor: self.problem} if self.tensor is not None else {}
+
 
 class CheckpointWriteError(OSError):
     """Saving a checkpoint failed (disk full, file too large, I/O error).

@@ -13,6 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weight_bridge.vllm.clients.bridge_client import BridgeClient
+from weight_bridge.vllm.generation import Generation
+
 __all__ = [
     "LOGPROB_TOL",
     "PROMPTS",
@@ -32,15 +35,17 @@ PROMPTS: list[list[int]] = [
 LOGPROB_TOL = 1e-4
 
 
-def collect(outs: Iterable[Any]) -> list:
-    """``[(tokens, [[(id, logprob), ...] sorted by id, per step]), ...]`` of vLLM outputs."""
-    return [
-        (
-            list(o.outputs[0].token_ids),
-            [sorted((k, v.logprob) for k, v in lp.items()) for lp in o.outputs[0].logprobs],
-        )
-        for o in outs
-    ]
+def collect(generations: Iterable[Any]) -> list:
+    """``[(tokens, [[(id, logprob), ...] sorted by id, per step]), ...]`` of the first completion
+    of each :class:`~weight_bridge.vllm.generation.Generation` (what every client's ``generate``
+    returns; a plain vLLM ``RequestOutput`` is read as one)."""
+    out = []
+    for g in generations:
+        if not isinstance(g, Generation):
+            g = Generation.from_request_output(g)
+        c = g.completions[0]
+        out.append((list(c.token_ids), [sorted(step.items()) for step in c.top_logprobs or ()]))
+    return out
 
 
 def greedy(
@@ -50,16 +55,19 @@ def greedy(
     logprobs: int = 3,
     **sampling: Any,
 ) -> list:
-    """Greedy tokens and top-k logprobs per prompt (see :func:`collect`).
+    """Greedy tokens and top-k logprobs per prompt (see :func:`collect`), from any client of
+    the bridge (or a plain ``vllm.LLM``).
 
-    ``sampling`` goes to ``SamplingParams`` as well (``ignore_eos=True``, say).
+    ``sampling``: more of vLLM's sampling parameters (``ignore_eos=True``, say).
     """
+    params = dict(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, **sampling)
+    if isinstance(engine, BridgeClient):
+        return collect(engine.generate([list(p) for p in prompts], params))
     from vllm import SamplingParams
 
     from weight_bridge.vllm import token_prompts
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, **sampling)
-    return collect(engine.generate(token_prompts(prompts), sp))
+    return collect(engine.generate(token_prompts(prompts), SamplingParams(**params)))
 
 
 @dataclass(frozen=True)

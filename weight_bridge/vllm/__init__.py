@@ -4,7 +4,8 @@ An engine started with ``weight_transfer_config={"backend": "weight_bridge"}`` (
 ``AsyncLLM`` or ``vllm serve``) takes updates through vLLM's own RL API, each a proven,
 transactional direct reload (:mod:`~weight_bridge.vllm.worker.backend`). One client protocol
 (:mod:`~weight_bridge.vllm.clients.bridge_client`) pushes into each way of running it
-(:class:`LLMClient`, :class:`AsyncLLMClient`, :class:`HTTPClient`); :class:`ColocatedEngine`,
+(:class:`LLMClient`, :class:`AsyncLLMClient`, :class:`HTTPClient`), and each generates the same
+results (:class:`Generation`, :mod:`~weight_bridge.vllm.generation`); :class:`ColocatedEngine`,
 :class:`AsyncColocatedEngine` and :class:`ServedEngine` are those clients plus an engine they start
 and own (:func:`start_engine` picks one by name). Every use of vLLM's private internals, and every
 patch of vLLM, is in :mod:`~weight_bridge.vllm.internals`. Names are imported on first use:
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on first use
     from .clients.async_colocated import AsyncColocatedEngine
-    from .clients.async_llm import AsyncLLMClient, token_versions
+    from .clients.async_llm import AsyncLLMClient
     from .clients.bridge_client import EngineClient
     from .clients.by_name import connect, start_engine
     from .clients.colocated import ColocatedEngine
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on 
     from .clients.llm import LLMClient, token_prompts
     from .clients.served import ServedEngine, VLLMServer
     from .errors import EngineUndefinedError, UpdateInProgressError
+    from .generation import Completion, Generation, VersionSpan
     from .internals import EngineCoreDeadError
     from .options import BACKEND, BridgeOptions
     from .report import PushReport
@@ -53,9 +55,11 @@ __all__ = [
     "BACKEND",
     "BridgeOptions",
     "ColocatedEngine",
+    "Completion",
     "EngineClient",
     "EngineCoreDeadError",
     "EngineUndefinedError",
+    "Generation",
     "HTTPClient",
     "LLMClient",
     "PushReport",
@@ -63,10 +67,10 @@ __all__ = [
     "ServedEngine",
     "UpdateInProgressError",
     "VLLMServer",
+    "VersionSpan",
     "connect",
     "start_engine",
     "token_prompts",
-    "token_versions",
 ]
 
 _WHERE = {
@@ -74,11 +78,13 @@ _WHERE = {
     "BridgeOptions": "options",
     "AsyncColocatedEngine": "clients.async_colocated",
     "AsyncLLMClient": "clients.async_llm",
-    "token_versions": "clients.async_llm",
     "ColocatedEngine": "clients.colocated",
     "EngineClient": "clients.bridge_client",
     "EngineCoreDeadError": "internals",
     "EngineUndefinedError": "errors",
+    "Completion": "generation",
+    "Generation": "generation",
+    "VersionSpan": "generation",
     "LLMClient": "clients.llm",
     "token_prompts": "clients.llm",
     "HTTPClient": "clients.http",

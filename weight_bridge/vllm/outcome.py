@@ -6,10 +6,15 @@
   engine's one update, since when, for which version), the same in every process and over HTTP.
 * :class:`PushResult`: one worker's outcome. Workers never raise for an expected outcome: a
   refusal (nothing written), a failure after writing started (rolled back or not) and a success
-  are all results, turned into plain dicts here; the engine core merges every rank's result
-  into the error it raises (:func:`merged_error`) and :class:`~weight_bridge.vllm.ColocatedEngine`
-  into its report or into the same error, so a caller sees the same type, message and problems
-  in-process and multi-process, and over HTTP the same message.
+  are all results, turned into plain dicts here.
+* :class:`PushOutcome`: the push's outcome, built once, by the engine core
+  (:mod:`~weight_bridge.vllm.core.updates`): every rank's final result, the label it stamped,
+  why the weights are undefined. It crosses each boundary once (the engine-core utility
+  ``weight_bridge_results`` to the ``LLM``/``AsyncLLM`` process; the ``/weight_bridge/results``
+  route over HTTP), and :func:`typed_error` is the one function that turns it into the error a
+  caller sees, so the type, message and ``.problems`` are the same in process, multi-process
+  and over HTTP. The error carries the outcome (:func:`outcome_of`): a client never fetches it
+  again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,14 @@ from ..checkpoint import CheckpointError
 from ..direct import DirectReloadError, ReloadReport
 from ..direct.resolve import Relocation
 
-__all__ = ["PushError", "PushResult", "merged_error"]
+__all__ = [
+    "PushError",
+    "PushOutcome",
+    "PushResult",
+    "merged_error",
+    "outcome_of",
+    "typed_error",
+]
 
 
 @dataclass
@@ -118,3 +130,57 @@ def merged_error(results: list[PushResult]) -> DirectReloadError | CheckpointErr
 
 def _noted(message: str, note: str | None) -> str:
     return f"{message}; {note}" if note else message
+
+
+@dataclass
+class PushOutcome:
+    """One push's outcome, as the engine core built it: every rank's final result, the label
+    stamped with the write (None: nothing was stamped), ``failed`` (the error's message when
+    the update was refused or failed) and ``undefined`` (why a rank's weights are
+    half-written, if one's are)."""
+
+    results: list[PushResult] = field(default_factory=list)
+    label: str | None = None
+    failed: str | None = None
+    undefined: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "results": [r.to_dict() for r in self.results],
+            "label": self.label,
+            "failed": self.failed,
+            "undefined": self.undefined,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> PushOutcome | None:
+        """The outcome from what crossed the boundary (None: no update yet)."""
+        if data is None:
+            return None
+        return cls(
+            PushResult.every_rank(data["results"]),
+            data.get("label"),
+            data.get("failed"),
+            data.get("undefined"),
+        )
+
+
+def typed_error(outcome: PushOutcome | None) -> DirectReloadError | CheckpointError | None:
+    """THE error of a refused or failed push, rebuilt from its outcome wherever the caller is
+    (the engine core raising it, the ``LLM``/``AsyncLLM`` process, an HTTP client): every
+    rank's problems merged (:func:`merged_error`), the outcome attached (:func:`outcome_of`).
+    None for a successful push, or no outcome."""
+    if outcome is None:
+        return None
+    error = merged_error(outcome.results)
+    if error is None and outcome.failed is not None:
+        error = DirectReloadError(outcome.failed)
+    if error is not None:
+        error.outcome = outcome  # type: ignore[union-attr]
+    return error
+
+
+def outcome_of(error: BaseException) -> PushOutcome | None:
+    """The outcome a refusal or failure raised by :func:`typed_error` carries, else None."""
+    outcome = getattr(error, "outcome", None)
+    return outcome if isinstance(outcome, PushOutcome) else None

@@ -8,7 +8,7 @@ returns a future), and a push lands *in flight*: inside ``pause_generation`` ...
 weights (``inflight="recompute"``, the default), kept on their old KV (``"keep"``) or finished
 first (``"drain"``); see :mod:`~weight_bridge.vllm.clients.bridge_client`. Every finished output
 carries vLLM's ``weight_versions`` spans
-(:func:`~weight_bridge.vllm.clients.async_llm.token_versions` gives each token's version).
+(:attr:`~weight_bridge.vllm.generation.Completion.versions` gives each token's version).
 
 It is the one client of an ``AsyncLLM``
 (:class:`~weight_bridge.vllm.clients.async_llm.AsyncLLMClient`) plus the engine it owns, started

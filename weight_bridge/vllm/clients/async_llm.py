@@ -15,9 +15,10 @@ import itertools
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from ..outcome import PushResult
+from ..internals import core_client_of
+from ..outcome import PushOutcome
 from ..report import PushReport
-from ..server.typed_errors import update_results_async
+from ..server.typed_errors import update_outcome_async
 from .bridge_client import BridgeClient, InflightMode
 
 __all__ = ["AsyncLLMClient", "token_versions"]
@@ -85,8 +86,8 @@ class AsyncLLMClient(BridgeClient):
     async def _resume(self) -> None:
         await self.engine.resume_generation()
 
-    async def _results(self) -> list[PushResult]:
-        return await update_results_async(self.engine.engine_core)
+    async def _outcome(self) -> PushOutcome | None:
+        return await update_outcome_async(core_client_of(self.engine))
 
     async def _version(self) -> str:
         return str(await self.engine.get_weight_version())

@@ -25,10 +25,12 @@ One update at a time: a push that meets another update in progress raises
 pauses anything, so it never resumes generation another update paused: each push takes the engine's
 update (``start_weight_update``) *before* it pauses, and resumes only what it paused.
 
-The report (:class:`~weight_bridge.vllm.outcome.PushReport`) and the served chain come from the
-engine's own answer: every worker's result of the update (the engine-core utility
-``weight_bridge_results``; over HTTP the bridge's ``/weight_bridge/results`` route), the same in
-every client.
+The report (:class:`~weight_bridge.vllm.report.PushReport`), the served chain and the errors come
+from the engine's own answer: the push's outcome as the engine core built it, once
+(:class:`~weight_bridge.vllm.outcome.PushOutcome`: every worker's result, the label stamped; the
+engine-core utility ``weight_bridge_results``, over HTTP the bridge's ``/weight_bridge/results``
+route), the same in every client. A refusal or failure is the same typed error everywhere
+(:func:`~weight_bridge.vllm.outcome.typed_error`), with ``.problems`` naming each tensor.
 
 This module imports no vLLM: a trainer that only pushes into a server needs none.
 """
@@ -43,7 +45,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from ..outcome import PushResult
+from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
 
 __all__ = ["INFLIGHT_MODES", "BridgeClient", "EngineClient", "InflightMode"]
@@ -95,8 +97,10 @@ def run_blocking(coroutine: Coroutine[Any, Any, Any]) -> Any:
 
 class BridgeClient(abc.ABC):
     """The one push routine (:meth:`push_async`) over the engine's own calls, which each client
-    provides (``_start``, ``_pause``, ``_update``, ``_finish``, ``_resume``, ``_results``,
-    ``_version``), and the served chain from the engine's answer.
+    provides (``_start``, ``_pause``, ``_update``, ``_finish``, ``_resume``, ``_outcome``,
+    ``_version``), and the served chain from the engine's answer: the push's outcome as the
+    engine core built it, fetched once (after a refusal or failure, the typed error carries
+    it: :func:`~weight_bridge.vllm.outcome.outcome_of`).
 
     ``inflight``: the default in-flight mode (None: push without pausing generation; the update
     then lands between two steps, with ``"keep"``'s semantics for requests running then).
@@ -185,9 +189,11 @@ class BridgeClient(abc.ABC):
             if paused is not None:
                 await self._resume()
                 paused = time.perf_counter() - paused
-        results = await self._results()
-        label = version if version is not None else await self._version()
-        report = PushReport.merged(results, label)
+        outcome = await self._outcome()
+        if outcome is None or not outcome.results:
+            raise RuntimeError("the engine answered no outcome for the update it acknowledged")
+        label = version if version is not None else outcome.label
+        report = PushReport.merged(outcome.results, label)
         report.elapsed_s = time.perf_counter() - started
         report.paused_s, report.inflight = paused, mode
         self._pushed(report)
@@ -198,13 +204,19 @@ class BridgeClient(abc.ABC):
         self._served, self.version, self.last_report = list(report.served), report.version, report
 
     async def _failed(self, error: BaseException) -> None:
-        """After a refused or failed update: what the workers answered about it."""
-        with contextlib.suppress(Exception):
-            self._note_results(await self._results())
+        """After a refused or failed update: what the engine answered about it (the outcome
+        the typed error carries; else, for an error that is no outcome of the update, fetched)."""
+        outcome = outcome_of(error)
+        if outcome is None:
+            with contextlib.suppress(Exception):
+                outcome = await self._outcome()
+        if outcome is not None:
+            self._note_outcome(outcome)
 
-    def _note_results(self, results: list[PushResult]) -> None:
+    def _note_outcome(self, outcome: PushOutcome) -> None:
         """The served chain and the rollback's time after a refused or failed update (a client
         that can tell more about the engine's state adds to this)."""
+        results = outcome.results
         if results:
             self._served = list(results[0].served)
         self.last_rollback_s = max(
@@ -234,7 +246,8 @@ class BridgeClient(abc.ABC):
     async def _finish(self, version: str | None) -> None: ...
 
     @abc.abstractmethod
-    async def _results(self) -> list[PushResult]: ...
+    async def _outcome(self) -> PushOutcome | None:
+        """The last update's outcome, as the engine core built it (None: none yet)."""
 
     @abc.abstractmethod
     async def _version(self) -> str: ...

@@ -21,7 +21,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ..errors import UpdateInProgressError
-from ..outcome import PushResult
+from ..outcome import PushOutcome, typed_error
 from ..report import PushReport
 from .bridge_client import BridgeClient, InflightMode, run_blocking
 
@@ -31,8 +31,12 @@ RESULTS_ROUTE = "weight_bridge/results"
 
 
 class RemoteUpdateError(RuntimeError):
-    """A ``vllm serve`` engine refused or failed an update: the HTTP status and the server's
-    message, which names each tensor and says what the engine serves now."""
+    """A non-2xx answer of a server that is no outcome of a bridged update (a route missing, a
+    request unauthorized, a server that is not bridged...): the HTTP status and the server's
+    message. A bridged engine's refusal or failure of an update is raised as the same typed
+    error as in process (:class:`~weight_bridge.direct.DirectReloadError`,
+    :class:`~weight_bridge.checkpoint.CheckpointError`, with ``.problems``), this error its
+    ``__cause__``."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
@@ -113,7 +117,24 @@ class HTTPClient(BridgeClient):
         self.call("start_weight_update")
 
     async def _update(self, info: dict) -> None:
-        self.call("update_weights", {"update_info": info})
+        try:
+            self.call("update_weights", {"update_info": info})
+        except RemoteUpdateError as answer:
+            error = self._refusal(answer)
+            if error is None:
+                raise
+            raise error from answer
+
+    def _refusal(self, answer: RemoteUpdateError) -> BaseException | None:
+        """A bridged server's refusal or failure of the update: the typed error the engine
+        core's outcome makes (fetched once, from the results route), as in process."""
+        if not self._has_results_route or answer.status == HTTPStatus.UNAUTHORIZED:
+            return None
+        try:
+            outcome = PushOutcome.from_dict(self.call(RESULTS_ROUTE, method="GET"))
+        except Exception:
+            return None
+        return typed_error(outcome)
 
     async def _finish(self, version: str | None) -> None:
         self.call("finish_weight_update", {"weight_version": version} if version else {})
@@ -121,8 +142,8 @@ class HTTPClient(BridgeClient):
     async def _resume(self) -> None:
         self.call("resume")
 
-    async def _results(self) -> list[PushResult]:
-        return PushResult.every_rank(self.call(RESULTS_ROUTE, method="GET"))
+    async def _outcome(self) -> PushOutcome | None:
+        return PushOutcome.from_dict(self.call(RESULTS_ROUTE, method="GET"))
 
     async def _version(self) -> str:
         return self.weight_version()

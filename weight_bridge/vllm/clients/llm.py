@@ -34,19 +34,18 @@ from __future__ import annotations
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from ...checkpoint import CheckpointError
-from ...direct import DirectReloadError
 from ..errors import EngineUndefinedError
 from ..internals import (
     EngineCoreDeadError,
+    core_client_of,
     core_dead,
     dead_message,
     engine_resources,
     watched_call,
 )
-from ..outcome import PushResult
+from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
-from ..server.typed_errors import update_results
+from ..server.typed_errors import update_outcome
 from ..worker.backend import BACKEND_RPC
 from .bridge_client import BridgeClient, run_blocking
 from .fair_lock import FairLock
@@ -100,19 +99,16 @@ class LLMClient(BridgeClient):
             lambda llm: llm.finish_weight_update(weight_version=version), "finish_weight_update"
         )
 
-    async def _results(self) -> list[PushResult]:
-        return list(
-            self._call(
-                lambda llm: update_results(llm.llm_engine.engine_core), "weight_bridge_results"
-            )
-        )
+    async def _outcome(self) -> PushOutcome | None:
+        return self._call(lambda llm: update_outcome(core_client_of(llm)), "weight_bridge_results")
 
     async def _version(self) -> str:
         return str(self._call(lambda llm: llm.get_weight_version(), "get_weight_version"))
 
     async def _failed(self, error: BaseException) -> None:
-        if isinstance(error, (DirectReloadError, CheckpointError)):
-            self._note_results(await self._results())  # a refusal, or a failure rolled back
+        outcome = outcome_of(error)  # a refusal, or a failure rolled back: the engine's answer
+        if outcome is not None:
+            self._note_outcome(outcome)
             return
         if isinstance(error, (EngineCoreDeadError, TimeoutError)):
             return  # _call noted what it means for the weights
@@ -120,9 +116,9 @@ class LLMClient(BridgeClient):
         if self._core_dead():
             raise EngineCoreDeadError(self._undefined or str(error)) from error
 
-    def _note_results(self, results: list[PushResult]) -> None:
-        super()._note_results(results)
-        self._undefined = next((r.undefined for r in results if r.undefined), None)
+    def _note_outcome(self, outcome: PushOutcome) -> None:
+        super()._note_outcome(outcome)
+        self._undefined = outcome.undefined
 
     def _after_failure(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, (EngineCoreDeadError, TimeoutError)):

@@ -232,4 +232,5 @@ class ServedEngine(HTTPClient):
         super().__init__(self.server.url, api_key=api_key, inflight=inflight)
 
     def close(self) -> None:
+        super().close()
         self.server.stop()

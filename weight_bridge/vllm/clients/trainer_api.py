@@ -24,15 +24,28 @@ rank iterates the source (a ``DTensor`` is gathered collectively); only the send
 writes and calls the engine. ``send_weights(names=...)`` sends a *partial* checkpoint holding
 only those tensors, on top of ``base_version`` (default: the version sent last).
 
+Sending is the one push routine every client of the bridge runs
+(:meth:`~weight_bridge.vllm.clients.bridge_client.BridgeClient.push_async`), on the bridge client
+that reaches the engine vLLM's client talks to (:func:`bridge_client_of`: an
+``HTTPVLLMWeightSyncClient`` becomes an :class:`~weight_bridge.vllm.clients.http.HTTPClient` on
+its ``base_url``, a ``vllm.LLM`` its :class:`~weight_bridge.vllm.clients.llm.LLMClient`, a client
+of the bridge is used as it is; anything else, a ``RayVLLMWeightSyncClient`` included, is refused
+by name). So it is the same push as everywhere: no pause by default (``inflight`` of the init
+info), the same typed errors (:class:`~weight_bridge.direct.DirectReloadError`,
+:class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems``,
+:class:`~weight_bridge.vllm.errors.UpdateInProgressError`) and the same
+:class:`~weight_bridge.vllm.report.PushReport` (``last_report``).
+
 The files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
 writes ``step-{n:08d}.safetensors`` (:func:`~weight_bridge.checkpoint.step_file`; a trainer
 started on a directory that holds step files already counts on from the last of them, so it
 never reuses a name a long-lived engine's chain carries), fsynced, and
 after each send :func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k``
-step files of ``directory`` besides every one the engine serves (the last complete checkpoint
-and the partial ones sent on top of it). With no ``version`` the file carries none and none is
-sent: the engine labels the weights by its one rule, which
-:func:`~weight_bridge.checkpoint.version_of` predicts here (the file name, ``step-00000001``).
+step files of ``directory`` besides every one the engine serves, as the engine answered
+(``PushReport.served``: the last complete checkpoint and the partial ones sent on top of it).
+With no ``version`` the file carries none and none is sent: the engine labels the weights by
+its one rule (:func:`~weight_bridge.checkpoint.version_of`: the file name, ``step-00000001``),
+and the label it stamped is the base of the next partial send.
 """
 
 from __future__ import annotations
@@ -49,46 +62,55 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from ...checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file, version_of
+from ...checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file
 from ...checkpoint.retention import prune, unused_step
 from ...checkpoint.write import CheckpointWriter
 from ..options import BACKEND
+from ..report import PushReport
+from .bridge_client import check_inflight
 
-__all__ = ["WeightBridgeTrainer", "WeightBridgeTrainerInitInfo"]
+__all__ = ["WeightBridgeTrainer", "WeightBridgeTrainerInitInfo", "bridge_client_of"]
 
 
 @dataclass
 class WeightBridgeTrainerInitInfo(TrainerInitInfo):
     """Where the trainer saves checkpoints (under the engine's checkpoint root), how many it
-    keeps, and the session options sent to the engine (see
-    :data:`~weight_bridge.vllm.options.SESSION_FIELDS`)."""
+    keeps, the session options sent to the engine (see
+    :data:`~weight_bridge.vllm.options.SESSION_FIELDS`) and the pushes' in-flight mode (None:
+    no pause, as vLLM's trainer API; see :mod:`~weight_bridge.vllm.clients.bridge_client`)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = "."
     keep_last_k: int = 2
     session: dict[str, Any] = field(default_factory=dict)
+    inflight: str | None = None
 
 
 class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInfo]):
-    """Save, then send the path: vLLM's trainer engine for the ``weight_bridge`` backend."""
+    """Save, then push the path with the one push routine: vLLM's trainer engine for the
+    ``weight_bridge`` backend. ``bridge``: the bridge client the sender pushes with (None on
+    the other ranks); ``last_report``: the report of the last send."""
 
     init_info_cls = WeightBridgeTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = WeightBridgeTrainerInitInfo(rank=0 if is_sender else 1)
-        self.served: list[Path] = []  # what the engine serves: the last complete send and after
-        self.last_version: str | None = None
+        self.bridge: Any = bridge_client_of(client) if is_sender else None
+        self._owns_bridge = self.bridge is not None and self.bridge is not client
+        self.last_version: str | None = None  # the label the engine stamped on the last send
+        self.last_report: PushReport | None = None
         self.rounds = 0  # sends so far: the step of the next file
 
     @classmethod
     def trainer_init(
         cls, init_info: WeightBridgeTrainerInitInfo, *, client: Any, source: Any = None
     ) -> WeightBridgeTrainer:
+        check_inflight(init_info.inflight)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         if engine.is_sender:
-            client.init_weight_transfer_engine(dict(init_info.session))
+            _open_session(client, engine.bridge, dict(init_info.session))
         return engine
 
     def send_weights(  # type: ignore[override]
@@ -98,8 +120,9 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         base_version: str | None = None,
     ) -> Path | None:
         """One update: the source saved as a checkpoint (only ``names``: a partial one on top
-        of ``base_version``), its path sent; the path on the sender, None elsewhere. With no
-        ``version`` the engine labels the weights by the file's name (see the module)."""
+        of ``base_version``), pushed; the path on the sender, None elsewhere. With no
+        ``version`` the engine labels the weights by the file's name (see the module). A
+        refusal or failure raises the bridge's typed error (the engine keeps its version)."""
         if self.source is None:
             raise ValueError("WeightBridgeTrainer needs a WeightSource (source=...)")
         # never a name a chain of an earlier trainer may still carry (a restart starts past it)
@@ -114,15 +137,12 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         path = step_file(Path(self.info.directory), self.rounds)
         if not self._write(path, wanted, metadata):
             return None
-        info = {"checkpoint": str(path.resolve())}
-        if version is not None:
-            info[VERSION_KEY] = str(version)
-        self.client.start_weight_update()
-        self.client.update_weights(info)
-        self.client.finish_weight_update(str(version) if version is not None else None)
-        self.last_version = version_of(str(path), metadata.get(VERSION_KEY))
-        self.served = [*self.served, path] if wanted is not None else [path]
-        prune(path.parent, path, max(self.info.keep_last_k, 1), self.served)
+        sent = None if version is None else str(version)
+        report = self.bridge.push(path, sent, inflight=self.info.inflight)
+        self.last_report = report
+        self.last_version = None if report.version is None else str(report.version)
+        # what the engine serves, as it answered, is never deleted
+        prune(path.parent, path, max(self.info.keep_last_k, 1), report.served)
         return path
 
     def _write(self, path: Path, wanted: set[str] | None, metadata: dict[str, str]) -> bool:
@@ -151,6 +171,68 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                 writer.abort()
             raise
         return True
+
+    def shutdown(self) -> None:
+        """Close the bridge client this trainer built (never one it was given)."""
+        if self._owns_bridge:
+            self.bridge.close()
+
+
+def bridge_client_of(client: Any) -> Any:
+    """The bridge client that reaches the engine behind vLLM's weight-sync ``client``: a client
+    of the bridge (anything with ``push``) as it is; vLLM's ``HTTPVLLMWeightSyncClient`` as an
+    :class:`~weight_bridge.vllm.clients.http.HTTPClient` on its ``base_url`` (no pause by
+    default); a ``vllm.LLM`` as its :class:`~weight_bridge.vllm.clients.llm.LLMClient`.
+    Anything else is refused by name: a push needs the engine's own answer (its outcome), which
+    vLLM's four calls do not carry."""
+    if hasattr(client, "push"):
+        return client
+    from vllm.distributed.weight_transfer.clients import (
+        HTTPVLLMWeightSyncClient,
+        RayVLLMWeightSyncClient,
+    )
+
+    if isinstance(client, HTTPVLLMWeightSyncClient):
+        from .http import HTTPClient
+
+        return HTTPClient(client.base_url, timeout_s=client.timeout, inflight=None)
+    how = (
+        "pass weight_bridge.connect(url) or HTTPVLLMWeightSyncClient(url) for a server, a "
+        "vllm.LLM, or a client of the bridge (LLMClient, AsyncLLMClient(engine, loop=...))"
+    )
+    if isinstance(client, RayVLLMWeightSyncClient):
+        raise TypeError(
+            "WeightBridgeTrainer cannot push through a RayVLLMWeightSyncClient: Ray actor "
+            "handles carry vLLM's four calls only, not the engine's outcome the bridge reports "
+            f"and raises typed errors from; {how}"
+        )
+    from .by_name import client_for
+
+    try:
+        return client_for(client)
+    except TypeError as exc:
+        raise TypeError(
+            f"WeightBridgeTrainer cannot push through a {type(client).__name__} ({exc}); {how}"
+        ) from None
+
+
+def _open_session(client: Any, bridge: Any, session: dict[str, Any]) -> None:
+    """vLLM's init handshake: the trainer's session options
+    (:data:`~weight_bridge.vllm.options.SESSION_FIELDS`) sent to the engine."""
+    if bridge is client:  # a client of the bridge, as given: only options asked for
+        if not session:
+            return
+        configure = getattr(bridge, "configure", None)
+        if configure is None:
+            raise TypeError(
+                f"{type(bridge).__name__} cannot set session options {sorted(session)}: give "
+                "them when the engine starts"
+            )
+        configure(**session)
+    elif hasattr(bridge, "llm"):  # a vllm.LLM
+        bridge.llm.init_weight_transfer_engine({"init_info": session})
+    else:  # vLLM's HTTP client: its own call
+        client.init_weight_transfer_engine(session)
 
 
 def _register() -> None:

@@ -10,10 +10,14 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    (kept here, by vLLM) is passed along, for a partial checkpoint's base;
 2. only if every rank prepared does every rank *commit*; if any rank then failed past its first
    write, every rank that wrote *rolls back* to the version served;
-3. a refusal or failure is raised from ``update_weights`` as the project's own error, every
-   rank's problems merged, each naming its tensor (a plain ``Exception`` with the same message
-   across vLLM's process boundary; over HTTP a non-2xx answer whose body carries it), logged on
-   one line without a traceback. The workers' update session is closed, so the next
+3. the push's outcome (:class:`~weight_bridge.vllm.outcome.PushOutcome`: every rank's final
+   result, the label stamped, why a rank is undefined) is built here, once, and kept for the
+   engine-core utility ``weight_bridge_results``; a refusal or failure is raised from
+   ``update_weights`` as the error :func:`~weight_bridge.vllm.outcome.typed_error` makes of it,
+   every rank's problems merged, each naming its tensor (a plain ``Exception`` with the same
+   message across vLLM's process boundary, where the caller's side rebuilds it from the
+   outcome with the same function; over HTTP a non-2xx answer, from which the client does
+   too), logged on one line without a traceback. The workers' update session is closed, so the next
    ``start_weight_update`` works, and a ``finish_weight_update`` for the failed update is
    refused, so vLLM does not stamp the version that was not written;
 4. after a successful update no request that arrives later reuses KV computed by the old
@@ -56,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -66,6 +70,8 @@ from ...checkpoint import CheckpointError, version_of
 from ...direct import DirectReloadError
 from ..errors import UpdateInProgressError
 from ..internals import (
+    bridge_state_of,
+    config_of,
     forget_prefixes,
     pause_scheduling,
     served_version,
@@ -73,7 +79,7 @@ from ..internals import (
     waiting_without_spinning,
 )
 from ..options import BridgeOptions, bridge_options, is_bridged
-from ..outcome import PushResult, merged_error
+from ..outcome import PushOutcome, PushResult, merged_error, typed_error
 from ..worker.backend import BACKEND_RPC, QUERIES, call_backend
 
 __all__ = [
@@ -113,28 +119,24 @@ class BridgeCoreState:
     undefined: str | None = None  # a rank's weights are half-written: nothing is scheduled
     paused_before: Any = None  # the scheduler's pause state before the bridge paused it
     updates: int = 0
-    results: list[dict] = field(default_factory=list)  # every rank's result of the last update
+    outcome: dict | None = None  # the last update's PushOutcome, as a dict (None: none yet)
     active: ActiveUpdate | None = None
     conflict: dict | None = None  # the last refused start's UpdateInProgressError, as a dict
 
 
 def _state(core: Any) -> BridgeCoreState:
-    state = core.__dict__.get("_weight_bridge")
-    if state is None:
-        state = core.__dict__["_weight_bridge"] = BridgeCoreState()
-    return state
+    return bridge_state_of(core, BridgeCoreState)
 
 
 def _phase(rpc: Any, core: Any, timeout: float | None, action: str, *args: Any) -> list:
-    raw = rpc(core, call_backend, timeout, (action, *args), None)
-    _state(core).results = list(raw)
-    return PushResult.every_rank(raw)
+    return PushResult.every_rank(rpc(core, call_backend, timeout, (action, *args), None))
 
 
-def weight_bridge_results(self: Any) -> list[dict]:
-    """Engine-core utility: every rank's :class:`~weight_bridge.vllm.outcome.PushResult` of the last
-    update, as dicts (a caller in another process rebuilds the typed report or error from them)."""
-    return list(_state(self).results)
+def weight_bridge_results(self: Any) -> dict | None:
+    """Engine-core utility: the last update's :class:`~weight_bridge.vllm.outcome.PushOutcome`,
+    as a dict (None before the first, or while one runs): the caller rebuilds the report or
+    the typed error from it (:func:`~weight_bridge.vllm.outcome.typed_error`)."""
+    return _state(self).outcome
 
 
 def weight_bridge_conflict(self: Any) -> dict | None:
@@ -150,7 +152,7 @@ def _claim(rpc: Any, core: Any, timeout: float | None) -> None:
     state = _state(core)
     active = state.active
     if active is not None:
-        limit = (bridge_options(core.vllm_config) or BridgeOptions()).update_timeout_s
+        limit = (bridge_options(config_of(core)) or BridgeOptions()).update_timeout_s
         idle = time.monotonic() - active.last_call
         if idle < limit:
             error = UpdateConflictError.active(active.since, active.version, limit - idle)
@@ -167,6 +169,7 @@ def _claim(rpc: Any, core: Any, timeout: float | None) -> None:
         with contextlib.suppress(Exception):
             rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
     state.conflict = None
+    state.outcome = None  # an answer about this update is never an earlier one's
     state.active = ActiveUpdate(time.time(), time.monotonic())
 
 
@@ -194,7 +197,7 @@ def _with_served(info: Any, served: str | None) -> Any:
 
 def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
     state = _state(core)
-    state.results = []  # nothing of an earlier update may stand for this one
+    state.outcome = None  # nothing of an earlier update may stand for this one
     info = (kwargs or {}).get("update_info", args[0] if args else None)
     asked = _asked_version(info)
     if state.active is not None:
@@ -221,7 +224,9 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
             error = merged_error(results)
     if error is None:
         # The label changes in this same engine-core call: no step runs in between.
-        core.set_weight_version(_label(asked, results))
+        label = _label(asked, results)
+        core.set_weight_version(label)
+        state.outcome = PushOutcome(results, label).to_dict()
         state.failed = None
         _resume_if_paused_by_bridge(core, state)
         if state.active is not None:
@@ -231,12 +236,14 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
         results = _phase(rpc, core, timeout, "roll_back", served)
         error = merged_error(results) or error
     rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
+    undefined = next((r.undefined for r in results if r.undefined), None)
+    outcome = PushOutcome(results, None, str(error), undefined)
+    state.outcome = outcome.to_dict()
     state.active = None
     state.failed = str(error)
-    undefined = next((r.undefined for r in results if r.undefined), None)
     if undefined is not None:
         _stop_scheduling(core, state, undefined)
-    raise error
+    raise typed_error(outcome) or error
 
 
 def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
@@ -274,7 +281,7 @@ def bridged_collective_rpc(original: Any) -> Any:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if isinstance(method, str) and method == BACKEND_RPC:
             return _query(original, self, timeout, args, kwargs)
-        if not (isinstance(method, str) and method in _HOOKED and is_bridged(self.vllm_config)):
+        if not (isinstance(method, str) and method in _HOOKED and is_bridged(config_of(self))):
             return original(self, method, timeout, args, kwargs)
         state = _state(self)
         if method == "start_weight_update":
@@ -317,7 +324,7 @@ def refusing_resume(resume: Any) -> Any:
     """``resume_scheduler``, refused while a rank's weights are undefined."""
 
     def resume_scheduler(self, *args, **kwargs):
-        undefined = _state(self).undefined if is_bridged(self.vllm_config) else None
+        undefined = _state(self).undefined if is_bridged(config_of(self)) else None
         if undefined is not None:
             raise RuntimeError(
                 f"the engine's weights are undefined ({undefined}): push a complete checkpoint "

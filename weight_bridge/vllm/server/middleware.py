@@ -1,9 +1,9 @@
 """The bridge's two ``vllm serve`` middlewares (vLLM's ``--middleware``, HTTP functions).
 
-1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers every worker's result
-   of the last update (the engine core's ``weight_bridge_results``), from which
-   :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds the same report, and the same served
-   chain, as the in-process clients.
+1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers the last update's
+   outcome as the engine core built it (its ``weight_bridge_results``: every worker's result,
+   the label stamped), from which :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds
+   the same report, served chain and typed errors as the in-process clients.
 2. :func:`require_api_key`: the API key on every route that can change what the server
    serves.
 
@@ -62,16 +62,16 @@ async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any
 
 
 async def update_results_route(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-    """vLLM ``--middleware``: ``GET /weight_bridge/results``, every worker's
-    :class:`~weight_bridge.vllm.outcome.PushResult` of the last update as JSON (an empty list before
-    the first); every other request goes on. Give it before :func:`require_api_key`, which then
+    """vLLM ``--middleware``: ``GET /weight_bridge/results``, the last update's
+    :class:`~weight_bridge.vllm.outcome.PushOutcome` as JSON (``null`` before the first); every
+    other request goes on. Give it before :func:`require_api_key`, which then
     guards it."""
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))
     if path != "/weight_bridge/results" or request.method != "GET":
         return await call_next(request)
     from starlette.responses import JSONResponse
 
-    from ..internals import call_core_utility_async
+    from ..internals import call_core_utility_async, server_core_client
 
-    core = request.app.state.engine_client.engine_core
-    return JSONResponse(list(await call_core_utility_async(core, "weight_bridge_results")))
+    core = server_core_client(request)
+    return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))

@@ -4,11 +4,13 @@ The engine core raises a refused or failed update as the project's own error
 (:mod:`~weight_bridge.vllm.core.updates`), but vLLM carries an engine core's exception to another
 process as a plain ``Exception`` with its message. The plugin wraps ``LLM.update_weights`` and
 ``AsyncLLM.update_weights`` with the wrappers here (inert unless the engine is bridged) so that
-the caller gets the typed error back, rebuilt from every rank's result (the engine-core utility
-``weight_bridge_results``): :class:`~weight_bridge.direct.DirectReloadError` or
-:class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems`` naming each tensor, in
-the caller's own process as in-process. Both are ``ValueError``\\s, which ``vllm serve``
-answers with 400 and the message (no traceback in its log).
+the caller gets the typed error back: the push's outcome, fetched once (the engine-core utility
+``weight_bridge_results``), made into the error by the one function that does it
+(:func:`~weight_bridge.vllm.outcome.typed_error`): :class:`~weight_bridge.direct.DirectReloadError`
+or :class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems`` naming each tensor, in
+the caller's own process as in-process, carrying the outcome (no client fetches it again).
+Both are ``ValueError``\\s, which ``vllm serve`` answers with 400
+and the message (no traceback in its log).
 
 ``start_weight_update`` is wrapped the same way: a start refused because another update is
 active raises :class:`~weight_bridge.vllm.core.updates.UpdateConflictError` (an
@@ -24,36 +26,35 @@ from ...checkpoint import CheckpointError
 from ...direct import DirectReloadError
 from ..core.updates import UpdateConflictError
 from ..errors import UpdateInProgressError
-from ..internals import call_core_utility, call_core_utility_async
+from ..internals import call_core_utility, call_core_utility_async, config_of, core_client_of
 from ..options import is_bridged
-from ..outcome import PushResult, merged_error
+from ..outcome import PushOutcome, typed_error
 
 __all__ = [
     "typed_start_weight_update",
     "typed_start_weight_update_async",
     "typed_update_weights",
     "typed_update_weights_async",
-    "update_results",
-    "update_results_async",
+    "update_outcome",
+    "update_outcome_async",
 ]
 
 _UTILITY = "weight_bridge_results"
 _CONFLICT = "weight_bridge_conflict"
 
 
-def update_results(core_client: Any) -> list[PushResult]:
-    """Every rank's result of the last update, from an ``LLM``'s engine-core client."""
-    return PushResult.every_rank(call_core_utility(core_client, _UTILITY))
+def update_outcome(core_client: Any) -> PushOutcome | None:
+    """The last update's outcome, from an ``LLM``'s engine-core client (None: none yet)."""
+    return PushOutcome.from_dict(call_core_utility(core_client, _UTILITY))
 
 
-async def update_results_async(core_client: Any) -> list[PushResult]:
+async def update_outcome_async(core_client: Any) -> PushOutcome | None:
     """The same, from an ``AsyncLLM``'s engine-core client."""
-    raw = await call_core_utility_async(core_client, _UTILITY)
-    return PushResult.every_rank(raw)
+    return PushOutcome.from_dict(await call_core_utility_async(core_client, _UTILITY))
 
 
-def _typed(error: Exception, results: list[PushResult]) -> Exception:
-    return merged_error(results) or error
+def _typed(error: Exception, outcome: PushOutcome | None) -> Exception:
+    return typed_error(outcome) or error
 
 
 def _conflict(error: Exception, conflict: dict | None) -> Exception:
@@ -69,9 +70,9 @@ def typed_start_weight_update(original: Any) -> Any:
         except UpdateInProgressError:
             raise
         except Exception as exc:
-            if not is_bridged(self.llm_engine.vllm_config):
+            if not is_bridged(config_of(self)):
                 raise
-            conflict = call_core_utility(self.llm_engine.engine_core, _CONFLICT)
+            conflict = call_core_utility(core_client_of(self), _CONFLICT)
             raise _conflict(exc, conflict) from None
 
     return start_weight_update
@@ -86,9 +87,9 @@ def typed_start_weight_update_async(original: Any) -> Any:
         except UpdateInProgressError:
             raise
         except Exception as exc:
-            if not is_bridged(self.vllm_config):
+            if not is_bridged(config_of(self)):
                 raise
-            conflict = await call_core_utility_async(self.engine_core, _CONFLICT)
+            conflict = await call_core_utility_async(core_client_of(self), _CONFLICT)
             raise _conflict(exc, conflict) from None
 
     return start_weight_update_async
@@ -103,9 +104,9 @@ def typed_update_weights(original: Any) -> Any:
         except (DirectReloadError, CheckpointError):
             raise
         except Exception as exc:
-            if not is_bridged(self.llm_engine.vllm_config):
+            if not is_bridged(config_of(self)):
                 raise
-            raise _typed(exc, update_results(self.llm_engine.engine_core)) from None
+            raise _typed(exc, update_outcome(core_client_of(self))) from None
 
     return update_weights
 
@@ -119,8 +120,8 @@ def typed_update_weights_async(original: Any) -> Any:
         except (DirectReloadError, CheckpointError):
             raise
         except Exception as exc:
-            if not is_bridged(self.vllm_config):
+            if not is_bridged(config_of(self)):
                 raise
-            raise _typed(exc, await update_results_async(self.engine_core)) from None
+            raise _typed(exc, await update_outcome_async(core_client_of(self))) from None
 
     return update_weights_async

@@ -16,7 +16,7 @@ from ...direct import ReloadPlan
 from ...direct.proof import module_of
 from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, undefined_reason
-from ..internals import transfer_engine, worker_model
+from ..internals import config_of, transfer_engine, worker_model
 from ..options import bridge_options
 from .layerwise import push_plan
 
@@ -27,7 +27,7 @@ def _pushes_with(worker: Any) -> str:
     """The reload mode the worker's backend pushes with now (its session's, else the engine's
     options'), ``direct`` if it runs none."""
     transaction = getattr(transfer_engine(worker), "transaction", None)
-    options = getattr(transaction, "options", None) or bridge_options(worker.vllm_config)
+    options = getattr(transaction, "options", None) or bridge_options(config_of(worker))
     return getattr(options, "reload_mode", None) or "direct"
 
 
@@ -43,7 +43,7 @@ def worker_plan(worker: Any, mode: str | None = None) -> dict:
     chosen = push_plan(model, mode or _pushes_with(worker))
     plan = chosen.plan
     proof = state.proof
-    options = bridge_options(worker.vllm_config)
+    options = bridge_options(config_of(worker))
     return {
         "mode": chosen.mode,
         "targets": _targets(plan) if plan is not None else {},
