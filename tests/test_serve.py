@@ -44,6 +44,7 @@ from weight_bridge.checkpoint import (
     save_checkpoint,
 )
 from weight_bridge.direct import DirectReloadError
+from weight_bridge.testing import parity
 from weight_bridge.vllm.clients.served import VLLMServer
 from weight_bridge.vllm.errors import UpdateInProgressError
 from weight_bridge.vllm.options import BridgeOptions
@@ -68,17 +69,9 @@ UPDATE_TIMEOUT_S = 4.0  # the servers' update_timeout_s: a dead trainer's update
 
 
 def http_greedy(client: HTTPClient, prompts=PROMPTS, max_tokens: int = 12, **extra) -> list:
-    """:func:`helpers.greedy` over HTTP: greedy tokens and top-3 logprobs per prompt."""
-    out = []
-    for ids in prompts:
-        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 3, **extra}
-        choice = client.generate_tokens(ids, sampling)[0]
-        steps = [
-            sorted((t["token_id"], t["logprob"]) for t in step["top_logprobs"])
-            for step in choice["logprobs"]["content"]
-        ]
-        out.append((choice["token_ids"], steps))
-    return out
+    """:func:`helpers.greedy` over HTTP: greedy tokens and top-3 logprobs per prompt (the
+    same :func:`weight_bridge.testing.parity.greedy` as in process)."""
+    return parity.greedy(client, prompts, max_tokens=max_tokens, logprobs=3, **extra)
 
 
 class Streams:
@@ -479,9 +472,9 @@ def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
 def _http_labelled(client: HTTPClient):
     def generate(ids: list[int]) -> tuple[list[int], list[tuple[str, int, int]]]:
         sampling = {"max_tokens": LABEL_TOKENS, "temperature": 0.0, "ignore_eos": True}
-        choice = client.generate_tokens(ids, sampling)[0]
-        spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
-        return choice["token_ids"], spans
+        completion = client.generate([ids], sampling)[0].completions[0]
+        spans = [(str(s.version), s.start, s.end) for s in completion.spans]
+        return completion.token_ids, spans
 
     return generate
 

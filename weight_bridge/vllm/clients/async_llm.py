@@ -15,22 +15,15 @@ import itertools
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from ..generation import Generation, engine_prompt
 from ..internals import core_client_of
 from ..outcome import PushOutcome
 from ..report import PushReport
 from ..server.typed_errors import update_outcome_async
 from .bridge_client import BridgeClient, InflightMode
+from .llm import sampling_params
 
-__all__ = ["AsyncLLMClient", "token_versions"]
-
-
-def token_versions(completion: Any) -> list[str]:
-    """The weight version that sampled each output token of a finished ``CompletionOutput``
-    (from its ``weight_versions`` spans)."""
-    versions: list[str] = []
-    for span in completion.weight_versions or ():
-        versions += [span.version] * (span.end - span.start)
-    return versions
+__all__ = ["AsyncLLMClient"]
 
 
 class AsyncLLMClient(BridgeClient):
@@ -89,9 +82,6 @@ class AsyncLLMClient(BridgeClient):
     async def _outcome(self) -> PushOutcome | None:
         return await update_outcome_async(core_client_of(self.engine))
 
-    async def _version(self) -> str:
-        return str(await self.engine.get_weight_version())
-
     # -- generation --------------------------------------------------------------------------
 
     async def _generate_one(self, prompt: Any, sampling_params: Any) -> Any:
@@ -101,23 +91,21 @@ class AsyncLLMClient(BridgeClient):
             last = output
         return last
 
-    async def _generate(self, prompts: Sequence[Any], sampling_params: Any) -> list[Any]:
-        return list(
-            await asyncio.gather(*(self._generate_one(p, sampling_params) for p in prompts))
-        )
+    async def _generate(self, prompts: Sequence[Any], sampling_params: Any) -> list[Generation]:
+        outputs = await asyncio.gather(*(self._generate_one(p, sampling_params) for p in prompts))
+        top = sampling_params.logprobs
+        return [Generation.from_request_output(o, top, self.version) for o in outputs]
 
     def submit(
-        self, prompts: Sequence[Any], sampling_params: Any
-    ) -> concurrent.futures.Future[list[Any]]:
-        """Start generating ``prompts`` in the background; the future's result is their final
-        ``RequestOutput``\\s, in order, each with all its ``n`` completions. Pushes meanwhile
-        land in flight."""
+        self, prompts: Sequence[Any], sampling: Any = None
+    ) -> concurrent.futures.Future[list[Generation]]:
+        """Start generating ``prompts`` (token ids, ``{"prompt_token_ids": ...}`` or text) with
+        ``sampling`` (a dict of vLLM's sampling parameters, or a ``SamplingParams``) in the
+        background; the future's result is one
+        :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order. Pushes
+        meanwhile land in flight."""
         from vllm.sampling_params import RequestOutputKind
 
-        final = sampling_params.clone()
+        final = sampling_params(sampling).clone()
         final.output_kind = RequestOutputKind.FINAL_ONLY  # one output, every completion in it
-        return self._on_loop(self._generate(list(prompts), final))
-
-    def generate(self, prompts: Sequence[Any], sampling_params: Any = None, **_: Any) -> list[Any]:
-        """:meth:`submit` and wait (what the callback's canary and a synchronous caller use)."""
-        return self.submit(prompts, sampling_params).result()
+        return self._on_loop(self._generate([engine_prompt(p) for p in prompts], final))

@@ -38,13 +38,15 @@ This module imports no vLLM: a trainer that only pushes into a server needs none
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ..generation import Generation
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
 
@@ -68,7 +70,11 @@ class EngineClient(Protocol):
         self, checkpoint: str | os.PathLike, version: Any = None, verify_hash: bool | None = None
     ) -> PushReport: ...
 
-    def generate(self, prompts: Any, sampling_params: Any = None) -> list[Any]: ...
+    def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]: ...
+
+    def submit(
+        self, prompts: Sequence[Any], sampling: Any = None
+    ) -> concurrent.futures.Future[list[Generation]]: ...
 
     @property
     def version(self) -> Any: ...
@@ -97,10 +103,10 @@ def run_blocking(coroutine: Coroutine[Any, Any, Any]) -> Any:
 
 class BridgeClient(abc.ABC):
     """The one push routine (:meth:`push_async`) over the engine's own calls, which each client
-    provides (``_start``, ``_pause``, ``_update``, ``_finish``, ``_resume``, ``_outcome``,
-    ``_version``), and the served chain from the engine's answer: the push's outcome as the
-    engine core built it, fetched once (after a refusal or failure, the typed error carries
-    it: :func:`~weight_bridge.vllm.outcome.outcome_of`).
+    provides (``_start``, ``_pause``, ``_update``, ``_finish``, ``_resume``, ``_outcome``),
+    and the report, the label and the served chain from the engine's answer: the push's
+    outcome as the engine core built it, fetched once (after a refusal or failure, the typed
+    error carries it: :func:`~weight_bridge.vllm.outcome.outcome_of`).
 
     ``inflight``: the default in-flight mode (None: push without pausing generation; the update
     then lands between two steps, with ``"keep"``'s semantics for requests running then).
@@ -250,11 +256,19 @@ class BridgeClient(abc.ABC):
         """The last update's outcome, as the engine core built it (None: none yet)."""
 
     @abc.abstractmethod
-    async def _version(self) -> str: ...
+    def submit(
+        self, prompts: Sequence[Any], sampling: Any = None
+    ) -> concurrent.futures.Future[list[Generation]]:
+        """Start generating ``prompts`` (each a list of token ids, ``{"prompt_token_ids":
+        [...]}``, or text where the client tokenizes) with ``sampling`` (a dict of vLLM's
+        sampling parameters; in process also a ``vllm.SamplingParams``); the future's result
+        is one :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order."""
 
-    @abc.abstractmethod
-    def generate(self, prompts: Any, sampling_params: Any = None) -> list[Any]:
-        """Generate with the engine's current weights (each client's own form)."""
+    def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]:
+        """:meth:`submit` and wait: one
+        :class:`~weight_bridge.vllm.generation.Generation` per prompt, the same from every
+        client."""
+        return self.submit(prompts, sampling).result()
 
     def close(self) -> None:  # noqa: B027 (a default, not an abstract method)
         """A client of an engine it did not start closes nothing (an engine it owns does)."""

@@ -12,15 +12,18 @@ without it is refused before it starts, naming that flag).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from http import HTTPStatus
 from typing import Any
 
 from ..errors import UpdateInProgressError
+from ..generation import Generation, prompt_token_ids
 from ..outcome import PushOutcome, typed_error
 from ..report import PushReport
 from .bridge_client import BridgeClient, InflightMode, run_blocking
@@ -28,6 +31,8 @@ from .bridge_client import BridgeClient, InflightMode, run_blocking
 __all__ = ["RESULTS_ROUTE", "HTTPClient", "RemoteUpdateError"]
 
 RESULTS_ROUTE = "weight_bridge/results"
+_GENERATE_THREADS = 16  # concurrent generate requests of one client (the engine batches them)
+_DEFAULT_MAX_TOKENS = 16  # vllm.SamplingParams' default: the server would fill to the model length
 
 
 class RemoteUpdateError(RuntimeError):
@@ -65,6 +70,8 @@ class HTTPClient(BridgeClient):
         self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         self.timeout_s = timeout_s
         self._has_results_route = False
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def call(self, route: str, body: Any = None, method: str = "POST") -> Any:
         """One request to the server; its JSON answer, or :class:`RemoteUpdateError`."""
@@ -145,28 +152,69 @@ class HTTPClient(BridgeClient):
     async def _outcome(self) -> PushOutcome | None:
         return PushOutcome.from_dict(self.call(RESULTS_ROUTE, method="GET"))
 
-    async def _version(self) -> str:
-        return self.weight_version()
+    # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: Any, sampling_params: Any = None) -> list[list[dict]]:
-        """Completions of each prompt, given as token ids (a list of ints, or vLLM's
-        ``{"prompt_token_ids": [...]}``), with ``sampling_params`` a dict of vLLM's sampling
-        parameters (``POST /inference/v1/generate``; the server needs ``--enable-scale-out``):
-        per prompt its JSON choices (``sampling_params["n"]`` of them), each with
-        ``token_ids``, ``logprobs`` and ``weight_versions``."""
-        params = dict(sampling_params or {})
-        return [self.generate_tokens(_token_ids(p), params) for p in prompts]
+    def submit(
+        self, prompts: Sequence[Any], sampling: Any = None
+    ) -> concurrent.futures.Future[list[Generation]]:
+        """Start generating ``prompts`` (token ids: a list of ints, or vLLM's
+        ``{"prompt_token_ids": [...]}``) with ``sampling`` (a dict of vLLM's sampling
+        parameters; ``max_tokens`` defaults to 16, as in process), one request per prompt to
+        ``POST /inference/v1/generate`` (the server needs ``--enable-scale-out``) on a small
+        thread pool; the future's result is one
+        :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order."""
+        if sampling is not None and not isinstance(sampling, dict):
+            raise TypeError(
+                f"{type(self).__name__} takes sampling as a dict of vLLM's sampling parameters, "
+                f"not {type(sampling).__name__}"
+            )
+        params = {"max_tokens": _DEFAULT_MAX_TOKENS, **(sampling or {})}
+        ids = [prompt_token_ids(p) for p in prompts]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    _GENERATE_THREADS, "weight-bridge-http"
+                )
+            futures = [self._pool.submit(self._generate_one, p, params) for p in ids]
+        return _gathered(futures)
 
-    def generate_tokens(self, token_ids: list[int], sampling_params: dict) -> list[dict]:
-        """The choices of one prompt given as token ids (see :meth:`generate`)."""
-        body = {"token_ids": list(token_ids), "sampling_params": dict(sampling_params)}
-        return list(self.call("inference/v1/generate", body)["choices"])
+    def _generate_one(self, token_ids: list[int], sampling: dict) -> Generation:
+        body = {"token_ids": token_ids, "sampling_params": sampling}
+        answer = self.call("inference/v1/generate", body)
+        return Generation.from_json(answer, token_ids, self.version)
+
+    def close(self) -> None:
+        """Stop this client's generation threads (the server keeps running)."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _token_ids(prompt: Any) -> list[int]:
-    if isinstance(prompt, dict):
-        return list(prompt["prompt_token_ids"])
-    return list(prompt)
+def _gathered(
+    futures: list[concurrent.futures.Future[Generation]],
+) -> concurrent.futures.Future[list[Generation]]:
+    """One future of every result of ``futures``, in order (the first error, if any)."""
+    out: concurrent.futures.Future[list[Generation]] = concurrent.futures.Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] > 0:
+                return
+        if not out.set_running_or_notify_cancel():
+            return
+        try:
+            out.set_result([f.result() for f in futures])
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    if not futures:
+        out.set_result([])
+    for future in futures:
+        future.add_done_callback(done)
+    return out
 
 
 def _message(raw: bytes) -> str:

@@ -31,10 +31,12 @@ bridge does not offer, never concurrently with a push.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from ..errors import EngineUndefinedError
+from ..generation import Generation, engine_prompt
 from ..internals import (
     EngineCoreDeadError,
     core_client_of,
@@ -50,11 +52,10 @@ from ..worker.backend import BACKEND_RPC
 from .bridge_client import BridgeClient, run_blocking
 from .fair_lock import FairLock
 
-__all__ = ["LLMClient", "token_prompts"]
+__all__ = ["LLMClient", "sampling_params", "token_prompts"]
 
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
-_LABELS_KEPT = 64  # version labels remembered to map outputs' weight_versions back
 
 
 class LLMClient(BridgeClient):
@@ -70,8 +71,8 @@ class LLMClient(BridgeClient):
         self.llm = llm
         self.rpc_timeout_s = rpc_timeout_s
         self._undefined: str | None = None
-        self._labels: dict[str, Any] = {}
         self._lock = FairLock()
+        self._submitted: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -84,9 +85,6 @@ class LLMClient(BridgeClient):
     def _pushed(self, report: PushReport) -> None:
         super()._pushed(report)
         self._undefined = None
-        self._labels[str(report.version)] = report.version
-        while len(self._labels) > _LABELS_KEPT:
-            del self._labels[next(iter(self._labels))]
 
     async def _start(self) -> None:
         self._call(lambda llm: llm.start_weight_update(), "start_weight_update")
@@ -101,9 +99,6 @@ class LLMClient(BridgeClient):
 
     async def _outcome(self) -> PushOutcome | None:
         return self._call(lambda llm: update_outcome(core_client_of(llm)), "weight_bridge_results")
-
-    async def _version(self) -> str:
-        return str(self._call(lambda llm: llm.get_weight_version(), "get_weight_version"))
 
     async def _failed(self, error: BaseException) -> None:
         outcome = outcome_of(error)  # a refusal, or a failure rolled back: the engine's answer
@@ -189,29 +184,47 @@ class LLMClient(BridgeClient):
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
-        """``vllm.LLM.generate``; each output's ``policy_version`` is the version its tokens were
-        sampled with (derived from vLLM's own ``weight_versions`` spans)."""
+    def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]:
+        """``vllm.LLM.generate`` of ``prompts`` (token ids, ``{"prompt_token_ids": ...}`` or
+        text) with ``sampling`` (a dict of vLLM's sampling parameters, or a ``SamplingParams``):
+        one :class:`~weight_bridge.vllm.generation.Generation` per prompt, each token labelled
+        with the version that sampled it (vLLM's own ``weight_versions`` spans)."""
+        params = sampling_params(sampling)
+        engine_prompts = [engine_prompt(p) for p in prompts]
         with self._lock:
             if self._undefined is not None:
                 raise EngineUndefinedError(
                     f"engine weights are undefined ({self._undefined}); push a complete "
                     "checkpoint before generating"
                 )
-            kwargs.setdefault("use_tqdm", False)
             outputs = self._call(
-                lambda llm: llm.generate(prompts, sampling_params, **kwargs), "generate", None
+                lambda llm: llm.generate(engine_prompts, params, use_tqdm=False), "generate", None
             )
-            for out in outputs:
-                vars(out)["policy_version"] = self._policy_version(out)
-            return outputs
+            return [
+                Generation.from_request_output(o, params.logprobs, self.version) for o in outputs
+            ]
 
-    def _policy_version(self, output: Any) -> Any:
-        spans = [s for c in output.outputs for s in (c.weight_versions or ())]
-        if not spans:
-            return self.version
-        label = spans[-1].version
-        return self._labels.get(label, None if label == "default" else label)
+    def submit(
+        self, prompts: Sequence[Any], sampling: Any = None
+    ) -> concurrent.futures.Future[list[Generation]]:
+        """:meth:`generate` on a thread of this client's (a ``vllm.LLM`` generates one call at a
+        time: a push waits for it, in the order asked)."""
+        if self._submitted is None:
+            self._submitted = concurrent.futures.ThreadPoolExecutor(1, "weight-bridge-generate")
+        return self._submitted.submit(self.generate, list(prompts), sampling)
+
+
+def sampling_params(sampling: Any) -> Any:
+    """A ``vllm.SamplingParams`` from a dict of its fields (None: the defaults), or as given."""
+    from vllm import SamplingParams
+
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    if isinstance(sampling, dict):
+        return SamplingParams(**sampling)
+    raise TypeError(f"sampling must be a dict or a SamplingParams, not {type(sampling).__name__}")
 
 
 def token_prompts(token_ids: Sequence[Sequence[int]]) -> list[dict]:
