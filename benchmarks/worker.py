@@ -30,7 +30,7 @@ class BenchWorkerExtension:
         """Switch this worker process's allocator: ``"kept"`` (what a bridged CPU engine
         runs with, :mod:`weight_bridge.vllm.worker.allocator`) or ``"default"`` (glibc's default
         parameters, fixed); the state it is in afterwards."""
-        from weight_bridge.vllm import allocator
+        from weight_bridge.vllm.worker import allocator
 
         if state == "kept":
             return allocator.keep_freed_memory()

@@ -290,7 +290,7 @@ def test_a_shortened_wait_rechecks_its_queue_soon(tmp_path, monkeypatch, busy_lo
     import zmq
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    from weight_bridge.vllm import cpu_threads
+    from weight_bridge.vllm.worker import cpu_threads
     from weight_bridge.vllm.worker.cpu_threads import RECHECK_MS, idle_wait
 
     # this process is not a bridged worker (an in-process engine earlier in the session made

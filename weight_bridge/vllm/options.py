@@ -53,7 +53,7 @@ class BridgeOptions:
     undefined and refuses to generate). ``update_timeout_s``: an update that makes no call
     for this long (a trainer that died between ``start_weight_update`` and
     ``finish_weight_update``) is abandoned by the next ``start_weight_update``; until then a
-    second start is refused (:class:`~weight_bridge.vllm.outcome.UpdateInProgressError`).
+    second start is refused (:class:`~weight_bridge.vllm.errors.UpdateInProgressError`).
     """
 
     checkpoint_root: str | None = None

@@ -1,9 +1,5 @@
 """What crosses a process or HTTP boundary on an update: small dataclasses, built in one place.
 
-* :class:`UpdateRequest`: the ``update_info`` of vLLM's ``update_weights`` for the bridge's
-  backend (a checkpoint path and per-update choices), typed as the backend parses it.
-* :class:`UpdateInProgressError`: a second update refused while one is active (who holds the
-  engine's one update, since when, for which version), the same in every process and over HTTP.
 * :class:`PushResult`: one worker's outcome. Workers never raise for an expected outcome: a
   refusal (nothing written), a failure after writing started (rolled back or not) and a success
   are all results, turned into plain dicts here.

@@ -21,7 +21,7 @@ push's version defaults to the engine's one rule (:func:`weight_bridge.checkpoin
 checkpoint's ``version`` metadata, else its file name), applied by the engine.
 
 One update at a time: a push that meets another update in progress raises
-:class:`~weight_bridge.vllm.outcome.UpdateInProgressError` (``409 Conflict`` over HTTP) before it
+:class:`~weight_bridge.vllm.errors.UpdateInProgressError` (``409 Conflict`` over HTTP) before it
 pauses anything, so it never resumes generation another update paused: each push takes the engine's
 update (``start_weight_update``) *before* it pauses, and resumes only what it paused.
 

@@ -32,7 +32,7 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    relabels from then on (the same weights under a second name);
 6. **one update at a time**: a ``start_weight_update`` while another update is active is
    refused with :class:`UpdateConflictError` (an
-   :class:`~weight_bridge.vllm.outcome.UpdateInProgressError` that ``vllm serve`` answers with ``409
+   :class:`~weight_bridge.vllm.errors.UpdateInProgressError` that ``vllm serve`` answers with ``409
    Conflict``) before it reaches a worker, naming since when and for which version; an update that
    makes no call for ``update_timeout_s`` (its trainer died) is abandoned by the next start, and
    vLLM's own ``finish_weight_update`` ends it at once;
@@ -96,7 +96,7 @@ _HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")
 
 
 class UpdateConflictError(UpdateInProgressError, GracefulHTTPError):
-    """:class:`~weight_bridge.vllm.outcome.UpdateInProgressError` as vLLM's API server answers it:
+    """:class:`~weight_bridge.vllm.errors.UpdateInProgressError` as vLLM's API server answers it:
     ``409 Conflict`` with the message (vLLM's ``GracefulHTTPError``), no traceback."""
 
     http_status = HTTPStatus.CONFLICT

@@ -14,7 +14,7 @@ and the message (no traceback in its log).
 
 ``start_weight_update`` is wrapped the same way: a start refused because another update is
 active raises :class:`~weight_bridge.vllm.core.updates.UpdateConflictError` (an
-:class:`~weight_bridge.vllm.outcome.UpdateInProgressError`, ``409 Conflict`` over HTTP), rebuilt
+:class:`~weight_bridge.vllm.errors.UpdateInProgressError`, ``409 Conflict`` over HTTP), rebuilt
 from the engine core's ``weight_bridge_conflict`` utility.
 """
 
