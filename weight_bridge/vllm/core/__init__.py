@@ -1,0 +1,1 @@
+"""Runs in vLLM's engine-core process: each update a transaction over every rank."""
