@@ -24,6 +24,15 @@ rank iterates the source (a ``DTensor`` is gathered collectively); only the send
 writes and calls the engine. ``send_weights(names=...)`` sends a *partial* checkpoint holding
 only those tensors, on top of ``base_version`` (default: the version sent last).
 
+The source is vLLM 0.32's (``metadata()``, iterated) or 0.33+'s (``metadata`` property,
+``iter_full()``), read through :mod:`~weight_bridge.vllm.internals.sources`: the checkpoint holds
+complete tensors, so the trainer takes ``iter_full()`` (``iter_local()`` only where every tensor
+is replicated). A partial checkpoint is only ever sent on purpose (``names``): before anything
+is gathered or written, a tensor rank 0 would not get whole (0.33+: ``ParamMeta.owners``
+without rank 0, or only a shard and no ``iter_full``; 0.32: not in the sender's
+``held_names()``) is refused by name with :class:`IncompleteSourceError`, on every rank alike
+(0.33+ metadata, ownership included, is the same on every rank).
+
 Sending is the one push routine every client of the bridge runs
 (:meth:`~weight_bridge.vllm.clients.bridge_client.BridgeClient.push_async`), on the bridge client
 that reaches the engine vLLM's client talks to (:func:`bridge_client_of`: an
@@ -65,11 +74,48 @@ from vllm.distributed.weight_transfer.base import (
 from ...checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file
 from ...checkpoint.retention import prune, unused_step
 from ...checkpoint.write import CheckpointWriter
+from ..internals import full_tensors, sender_gaps, source_metadata
 from ..options import BACKEND
 from ..report import PushReport
 from .bridge_client import check_inflight
 
-__all__ = ["WeightBridgeTrainer", "WeightBridgeTrainerInitInfo", "bridge_client_of"]
+__all__ = [
+    "IncompleteSourceError",
+    "WeightBridgeTrainer",
+    "WeightBridgeTrainerInitInfo",
+    "bridge_client_of",
+]
+
+_HOW = (
+    "make rank 0 own every tensor it sends (put it in each parameter's device mesh, e.g. shard "
+    "over every trainer rank), give the source an iter_full() that yields full tensors on rank "
+    "0, or send only the tensors rank 0 has, on purpose, with send_weights(names=...) on top of "
+    "a complete checkpoint"
+)
+
+
+class IncompleteSourceError(ValueError):
+    """Rank 0 would write a partial checkpoint it was not asked for: the source does not give
+    it these tensors whole. Raised before anything is written or sent (the engine keeps its
+    version): from metadata before any gather, or for a tensor a source yields in part. ``problems``: tensor name -> why, the same shape as
+    :attr:`~weight_bridge.direct.DirectReloadError.problems`."""
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        self.problems = dict(problems)
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.problems.items():
+            by_reason.setdefault(why, []).append(name)
+        listed = "; ".join(
+            ", ".join(map(repr, names[:8]))
+            + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            + f": {why}"
+            for why, names in by_reason.items()
+        )
+        super().__init__(
+            f"the WeightSource does not give rank 0 (the sender) {len(self.problems)} "
+            f"tensor(s) whole, so its checkpoint would be partial: {listed}. Nothing was "
+            f"written or sent: {_HOW}"
+        )
 
 
 @dataclass
@@ -125,9 +171,13 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         refusal or failure raises the bridge's typed error (the engine keeps its version)."""
         if self.source is None:
             raise ValueError("WeightBridgeTrainer needs a WeightSource (source=...)")
+        wanted = set(names) if names is not None else None
+        metas = [m for m in source_metadata(self.source) if wanted is None or m.name in wanted]
+        gaps = sender_gaps(self.source, metas, self.is_sender)
+        if gaps:  # before any gather or write: every rank (0.33+) refuses alike
+            raise IncompleteSourceError(gaps)
         # never a name a chain of an earlier trainer may still carry (a restart starts past it)
         self.rounds = max(self.rounds + 1, unused_step(Path(self.info.directory)))
-        wanted = set(names) if names is not None else None
         metadata = {VERSION_KEY: str(version)} if version is not None else {}
         if wanted is not None:
             base = base_version if base_version is not None else self.last_version
@@ -135,7 +185,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                 raise ValueError("a partial send needs a base_version (no version was sent yet)")
             metadata[BASE_VERSION_KEY] = str(base)
         path = step_file(Path(self.info.directory), self.rounds)
-        if not self._write(path, wanted, metadata):
+        if not self._write(path, metas, wanted, metadata):
             return None
         sent = None if version is None else str(version)
         report = self.bridge.push(path, sent, inflight=self.info.inflight)
@@ -145,22 +195,35 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         prune(path.parent, path, max(self.info.keep_last_k, 1), report.served)
         return path
 
-    def _write(self, path: Path, wanted: set[str] | None, metadata: dict[str, str]) -> bool:
-        """Stream the source (every rank: a ``DTensor`` is gathered collectively) into ``path``
-        (the sender only); whether this rank wrote it."""
+    def _write(
+        self, path: Path, metas: list[Any], wanted: set[str] | None, metadata: dict[str, str]
+    ) -> bool:
+        """Stream the source's full tensors (every rank: a ``DTensor`` is gathered
+        collectively) into ``path`` (the sender only); whether this rank wrote it. A tensor
+        that comes other than whole (a source whose ``iter_full`` yields a piece, or whose
+        cached metadata no longer describes the model) is refused by name; the writer then
+        leaves no file."""
         assert self.source is not None
-        metas = [m for m in self.source.metadata() if wanted is None or m.name in wanted]
+        shapes = {m.name: tuple(m.shape) for m in metas}
+        stream = full_tensors(self.source)
         writer = (
             CheckpointWriter(path, [(m.name, m) for m in metas], metadata)
             if self.is_sender
             else None
         )
         try:
-            for name, tensor in self.source:
+            for name, tensor in stream:
                 if wanted is not None and name not in wanted:
                     continue
                 full = materialize_full_tensor(tensor)  # collective for a DTensor: every rank
-                if writer is not None:
+                if writer is not None and full is not None:  # None: 0.32, a name not held here
+                    if tuple(full.shape) != shapes.get(name, tuple(full.shape)):
+                        raise IncompleteSourceError(
+                            {
+                                name: f"yielded with shape {tuple(full.shape)}, not its full "
+                                f"shape {shapes[name]} (ParamMeta.shape)"
+                            }
+                        )
                     writer.write(name, full.detach().cpu())
                 del full
             if writer is None:

@@ -132,6 +132,7 @@ from .patches import (
     processing_watched,
     set_cpu_linear,
 )
+from .sources import full_tensors, sender_gaps, source_metadata
 
 __all__ = [
     "PATCHED",
@@ -153,6 +154,7 @@ __all__ = [
     "drop_cpu_linear",
     "engine_resources",
     "forget_prefixes",
+    "full_tensors",
     "is_input_embedding",
     "layerwise_begin",
     "layerwise_finish",
@@ -166,10 +168,12 @@ __all__ = [
     "pause_scheduling",
     "processing_watched",
     "reset_runner_caches",
+    "sender_gaps",
     "served_version",
     "set_cpu_linear",
     "set_pause_state",
     "shutdown",
+    "source_metadata",
     "transfer_engine",
     "waiting_without_spinning",
     "watched_call",
