@@ -97,7 +97,8 @@ _HOW = (
 class IncompleteSourceError(ValueError):
     """Rank 0 would write a partial checkpoint it was not asked for: the source does not give
     it these tensors whole. Raised before anything is written or sent (the engine keeps its
-    version): from metadata before any gather, or for a tensor a source yields in part. ``problems``: tensor name -> why, the same shape as
+    version): from metadata before any gather, or for a tensor a source yields in part.
+    ``problems``: tensor name -> why, the same shape as
     :attr:`~weight_bridge.direct.DirectReloadError.problems`."""
 
     def __init__(self, problems: dict[str, str]) -> None:
@@ -221,7 +222,8 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                         raise IncompleteSourceError(
                             {
                                 name: f"yielded with shape {tuple(full.shape)}, not its full "
-                                f"shape {shapes[name]} (ParamMeta.shape)"
+                                f"shape {shapes[name]} (ParamMeta.shape; vLLM 0.33+ caches "
+                                "metadata: a module changed after its first read lands here)"
                             }
                         )
                     writer.write(name, full.detach().cpu())
