@@ -3,8 +3,10 @@
 ``generate(prompts, sampling)`` on any client returns one :class:`Generation` per prompt: its
 :class:`Completion`\\s (tokens, each sampled token's logprob, the top-k per step, which weights
 sampled each token), the prompt's logprobs when asked, and the ``policy_version``. The builders
-read a vLLM ``RequestOutput`` (:meth:`Generation.from_request_output`, duck-typed) or the JSON of
-vLLM's token-in/token-out route ``POST /inference/v1/generate`` (:meth:`Generation.from_json`).
+read a vLLM ``RequestOutput`` (:meth:`Generation.from_request_output`, duck-typed), the JSON of
+vLLM's token-in/token-out route ``POST /inference/v1/generate`` (:meth:`Generation.from_json`) or
+that of ``POST /v1/completions`` asked for token ids and weight versions (vLLM 0.33+,
+:meth:`Generation.from_completion_json`).
 
 Version labels are the engine's strings (what a push was labelled: ``"12"``, ``"step-12"``).
 The one rule: vLLM's label ``"default"``, the weights the engine started with, becomes ``None``
@@ -146,14 +148,61 @@ class Generation:
                 _completion(choice["token_ids"], top, spans, choice.get("finish_reason"), fallback)
             )
         ids = list(body.get("prompt_token_ids") or prompt)
-        prompt_lp = None
-        if body.get("prompt_logprobs") is not None:
-            prompt_lp = [
-                None if step is None else float(step[str(t)]["logprob"])
-                for t, step in zip(ids, body["prompt_logprobs"], strict=False)
-            ]
+        prompt_lp = _prompt_logprobs(ids, body.get("prompt_logprobs"))
         details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
         return _generation(ids, completions, prompt_lp, details.get("cached_tokens"), fallback)
+
+    @classmethod
+    def from_completion_json(
+        cls, body: Mapping[str, Any], prompt: Sequence[int], top: int | None, fallback: Any = None
+    ) -> Generation:
+        """From the answer of ``POST /v1/completions`` to one ``prompt`` (its token ids) asked
+        with ``return_token_ids``, ``return_tokens_as_token_ids`` and
+        ``return_weight_versions``. ``top``: the ``logprobs`` asked; OpenAI's completions give
+        ``top + 1`` per step (the sampled token first), the builder keeps ``max(top, 1)`` as
+        the other routes give."""
+        choices = sorted(body["choices"], key=lambda c: c.get("index", 0))
+        keep = None if top is None else max(top, 1)
+        completions = []
+        for choice in choices:
+            logprobs = choice.get("logprobs")
+            steps = None
+            if logprobs is not None:
+                steps = [
+                    (lp, {_token_id(t): float(v) for t, v in list((step or {}).items())[:keep]})
+                    for lp, step in zip(
+                        logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+                    )
+                ]
+            versions = choice.get("weight_versions") or ()
+            spans = [(s["start"], s["end"], s["version"]) for s in versions]
+            completions.append(
+                _completion(
+                    choice["token_ids"], steps, spans, choice.get("finish_reason"), fallback
+                )
+            )
+        first = choices[0] if choices else {}
+        ids = list(first.get("prompt_token_ids") or prompt)
+        prompt_lp = _prompt_logprobs(ids, first.get("prompt_logprobs"))
+        details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+        return _generation(ids, completions, prompt_lp, details.get("cached_tokens"), fallback)
+
+
+def _token_id(key: str) -> int:
+    """A token of OpenAI's completions logprobs, asked with ``return_tokens_as_token_ids``."""
+    return int(key.removeprefix("token_id:"))
+
+
+def _prompt_logprobs(
+    ids: Sequence[int], steps: Sequence[Mapping[str, Any] | None] | None
+) -> list[float | None] | None:
+    """Each prompt token's logprob from a server's JSON (a step per token, keyed by its id)."""
+    if steps is None:
+        return None
+    return [
+        None if step is None else float(step[str(t)]["logprob"])
+        for t, step in zip(ids, steps, strict=False)
+    ]
 
 
 def _top_from_output(

@@ -16,7 +16,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from ..generation import Generation, engine_prompt
-from ..internals import core_client_of
+from ..internals import core_client_of, pause_queueing
 from ..outcome import PushOutcome
 from ..report import PushReport
 from ..server.typed_errors import update_outcome_async
@@ -63,6 +63,12 @@ class AsyncLLMClient(BridgeClient):
         return self._on_loop(push).result()
 
     async def _pause(self, mode: str, clear_cache: bool) -> None:
+        """``drain`` (``mode="wait"``) pauses the scheduler itself: vLLM 0.33+'s
+        ``pause_generation(mode="wait")`` rejects the requests that arrive meanwhile, which
+        ``drain`` promises to queue (:func:`~weight_bridge.vllm.internals.pause_queueing`)."""
+        if mode == "wait":
+            await pause_queueing(self.engine, mode, clear_cache)
+            return
         await self.engine.pause_generation(mode=mode, clear_cache=clear_cache)
 
     async def _start(self) -> None:

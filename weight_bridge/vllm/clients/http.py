@@ -8,6 +8,14 @@ the bridge's ``GET /weight_bridge/results`` route
 :class:`~weight_bridge.vllm.clients.served.VLLMServer` has; a server started by hand needs
 ``--middleware weight_bridge.vllm.server.middleware.update_results_route``, and a push into one
 without it is refused before it starts, naming that flag).
+
+Generation asks vLLM 0.33+ (read once from ``GET /version``) through OpenAI's ``/v1/completions``
+with ``return_weight_versions``, which labels every token without ``--enable-scale-out``; an older
+server through the token-in/token-out route ``/inference/v1/generate``, which needs that flag. Both
+give the same :class:`~weight_bridge.vllm.generation.Generation`. A generate request the server
+answers ``503`` (vLLM 0.33+ rejects requests while another client's pause holds generation; a
+``drain`` push of this client's is one) is sent again until generation resumes, for at most
+``timeout_s``: a request submitted during a push waits for it, as in process, and never fails.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Coroutine, Sequence
@@ -33,6 +43,8 @@ __all__ = ["RESULTS_ROUTE", "HTTPClient", "RemoteUpdateError"]
 RESULTS_ROUTE = "weight_bridge/results"
 _GENERATE_THREADS = 16  # concurrent generate requests of one client (the engine batches them)
 _DEFAULT_MAX_TOKENS = 16  # vllm.SamplingParams' default: the server would fill to the model length
+_WEIGHT_VERSIONS_SINCE = (0, 33)  # the first vLLM whose /v1/completions returns weight_versions
+_RETRY_FIRST_S, _RETRY_MOST_S = 0.02, 0.5  # a rejected generate request is sent again this often
 
 
 class RemoteUpdateError(RuntimeError):
@@ -70,6 +82,7 @@ class HTTPClient(BridgeClient):
         self.api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         self.timeout_s = timeout_s
         self._has_results_route = False
+        self._completions: bool | None = None  # generate through /v1/completions (None: unknown)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -159,9 +172,9 @@ class HTTPClient(BridgeClient):
     ) -> concurrent.futures.Future[list[Generation]]:
         """Start generating ``prompts`` (token ids: a list of ints, or vLLM's
         ``{"prompt_token_ids": [...]}``) with ``sampling`` (a dict of vLLM's sampling
-        parameters; ``max_tokens`` defaults to 16, as in process), one request per prompt to
-        ``POST /inference/v1/generate`` (the server needs ``--enable-scale-out``) on a small
-        thread pool; the future's result is one
+        parameters; ``max_tokens`` defaults to 16, as in process), one request per prompt
+        (``/v1/completions`` on vLLM 0.33+, else ``/inference/v1/generate``, which needs
+        ``--enable-scale-out``) on a small thread pool; the future's result is one
         :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order."""
         if sampling is not None and not isinstance(sampling, dict):
             raise TypeError(
@@ -179,15 +192,59 @@ class HTTPClient(BridgeClient):
         return _gathered(futures)
 
     def _generate_one(self, token_ids: list[int], sampling: dict) -> Generation:
+        if self._completions is None:
+            self._completions = self._labels_completions()
+        if self._completions:
+            body = {"prompt": token_ids, **sampling, **_LABELLED}
+            answer = self._until_served("v1/completions", body)
+            return Generation.from_completion_json(
+                answer, token_ids, sampling.get("logprobs"), self.version
+            )
         body = {"token_ids": token_ids, "sampling_params": sampling}
-        answer = self.call("inference/v1/generate", body)
+        answer = self._until_served("inference/v1/generate", body)
         return Generation.from_json(answer, token_ids, self.version)
+
+    def _labels_completions(self) -> bool:
+        """Whether the server's ``/v1/completions`` takes ``return_weight_versions`` (vLLM
+        0.33+): then generation needs no ``--enable-scale-out``."""
+        version = str(self.call("version", method="GET").get("version", ""))
+        found = re.match(r"(\d+)\.(\d+)", version)
+        return found is not None and tuple(map(int, found.groups())) >= _WEIGHT_VERSIONS_SINCE
+
+    def _until_served(self, route: str, body: dict) -> Any:
+        """One generate request, sent again while the server answers 503 (paused, or
+        overloaded: it did not take the request), for at most ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        wait = _RETRY_FIRST_S
+        while True:
+            try:
+                return self.call(route, body)
+            except RemoteUpdateError as exc:
+                if exc.status != HTTPStatus.SERVICE_UNAVAILABLE:
+                    raise
+                if time.monotonic() + wait > deadline:
+                    raise RemoteUpdateError(
+                        exc.status,
+                        f"{self.url} rejected a generate request for timeout_s={self.timeout_s} "
+                        f"s (generation never resumed; a push that paused it and died?): "
+                        f"{exc.message}",
+                    ) from None
+            time.sleep(wait)
+            wait = min(2 * wait, _RETRY_MOST_S)
 
     def close(self) -> None:
         """Stop this client's generation threads (the server keeps running)."""
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+# what /v1/completions must return for a Generation: token ids and the weights behind each token
+_LABELLED = {
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+    "return_weight_versions": True,
+}
 
 
 def _gathered(

@@ -81,6 +81,10 @@ checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
     :func:`waiting_without_spinning`: ``EngineCore.model_executor.response_mqs``
     (``MultiprocExecutor``), each queue's ``_spin_condition.busy_loop_s``, set to 0 during a
     bridged update, restored after.
+19. The ``drain`` pause (:func:`pause_queueing`): ``AsyncLLM.engine_core
+    .pause_scheduler_async(mode, clear_cache)`` still reaching the engine core's
+    ``pause_scheduler``, which queues requests that arrive while paused (0.33+'s
+    ``pause_generation`` rejects them, HTTP 503); ``resume_generation`` still releases them.
 """
 
 from .engine_client import (
@@ -132,6 +136,7 @@ from .patches import (
     processing_watched,
     set_cpu_linear,
 )
+from .pause import pause_queueing
 from .sources import full_tensors, sender_gaps, source_metadata
 
 __all__ = [
@@ -165,6 +170,7 @@ __all__ = [
     "patch_engine_core",
     "patch_queue_waits",
     "patch_rl_api",
+    "pause_queueing",
     "pause_scheduling",
     "processing_watched",
     "reset_runner_caches",
@@ -215,4 +221,6 @@ SITES = (
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_encoder_cache",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_mm_cache",
     "vllm.v1.executor.multiproc_executor.MultiprocExecutor.collective_rpc",
+    f"{_CLIENT}.AsyncMPClient.pause_scheduler_async",
+    f"{_CORE}.EngineCore.pause_scheduler",
 )
