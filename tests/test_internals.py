@@ -1,7 +1,7 @@
 """The one place that touches vLLM's internals (``weight_bridge/vllm/internals/``), without
 an engine: every site it names exists in the installed vLLM, a missing one is named before
-anything is patched, a vLLM other than the tested one is warned about, and no other module of
-the library assigns onto a vLLM object."""
+anything is patched, a vLLM other than the tested ones is refused (or let through by the opt-in),
+and no other module of the library assigns onto a vLLM object."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import cast
 import pytest
 
 from weight_bridge.vllm import internals as vllm_internals
+
+pytestmark = pytest.mark.every_vllm  # each vLLM's own sites, checked on it
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERNALS = ROOT / "weight_bridge" / "vllm" / "internals"
@@ -34,9 +36,19 @@ def _resolve(path: str) -> object:
     raise ModuleNotFoundError(path)
 
 
-@pytest.mark.parametrize("site", vllm_internals.SITES)
+@pytest.mark.parametrize("site", vllm_internals.sites())
 def test_every_site_exists_in_the_installed_vllm(site: str) -> None:
+    """The sites of the installed vLLM's minor version: the shared ones and its own."""
     _resolve(site)
+
+
+def test_every_tested_version_has_its_checklist() -> None:
+    """Each tested minor version lists its own sites, and the installed vLLM is one of them."""
+    assert set(vllm_internals.SITES_BY_VERSION) == set(vllm_internals.TESTED_VLLM)
+    major, minor = vllm_internals.vllm_minor()
+    assert f"{major}.{minor}" in vllm_internals.TESTED_VLLM
+    other = [v for v in vllm_internals.TESTED_VLLM if v != f"{major}.{minor}"]
+    assert set(vllm_internals.sites()) != set(vllm_internals.sites(f"{other[0]}.0"))
 
 
 def test_every_patched_site_is_a_site() -> None:
@@ -54,22 +66,51 @@ def test_a_missing_site_is_named_and_nothing_is_patched(monkeypatch) -> None:
         vllm_internals.patch_rl_api(*[lambda original: original] * 4)
     assert str(raised.value) == (
         "vllm.entrypoints.rl.offline.RLOfflineMixin.start_weight_update is missing: weight-bridge "
-        "supports vLLM 0.32 (see weight_bridge/vllm/internals/__init__.py's checklist)"
+        "supports vLLM 0.32 and 0.34 (see weight_bridge/vllm/internals/__init__.py's checklist)"
     )
     assert AsyncLLM.update_weights is before
 
 
-@pytest.mark.parametrize(("version", "warned"), [("0.32.0", False), ("0.33.1", True)])
-def test_an_untested_vllm_is_warned_about(monkeypatch, caplog, version, warned) -> None:
+@pytest.mark.parametrize("version", ["0.32.0", "0.34.0", "0.34.2"])
+def test_a_tested_vllm_passes_silently(monkeypatch, caplog, version) -> None:
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.delenv(vllm_internals.ALLOW_UNTESTED_ENV, raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert vllm_internals.check_vllm_version() == version
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("version", ["0.33.1", "0.35.0", "1.0.0"])
+def test_an_untested_vllm_is_refused_unless_opted_in(monkeypatch, caplog, version) -> None:
+    """Refused naming the checklist and the opt-in; with the opt-in, one warning."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.delenv(vllm_internals.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(vllm_internals.UntestedVLLMError) as raised:
+        vllm_internals.check_vllm_version()
+    message = str(raised.value)
+    assert f"vLLM {version}" in message and "internals/__init__.py" in message
+    assert f"{vllm_internals.ALLOW_UNTESTED_ENV}=1" in message
+    monkeypatch.setenv(vllm_internals.ALLOW_UNTESTED_ENV, "1")
     with caplog.at_level(logging.WARNING):
         assert vllm_internals.check_vllm_version() == version
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == int(warned)
-    if warned:
-        assert "vLLM 0.33.1" in warnings[0] and "internals/__init__.py" in warnings[0]
+    assert len(warnings) == 1 and f"vLLM {version}" in warnings[0]
+
+
+def test_a_bridged_engine_is_not_started_on_an_untested_vllm(monkeypatch, tmp_path) -> None:
+    """The refusal comes before any engine starts (the worker's backend refuses too)."""
+    import vllm
+
+    from weight_bridge.vllm import ColocatedEngine
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.delenv(vllm_internals.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(vllm_internals.UntestedVLLMError, match="vLLM 0.35.0"):
+        ColocatedEngine(tmp_path, checkpoint_root=str(tmp_path))
 
 
 def assignments_onto_vllm(source: str) -> list[str]:

@@ -34,8 +34,8 @@ ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # the default checkpoint root of the
 # what init_weight_transfer_engine's init_info may change for a running engine
 SESSION_FIELDS = ("reload_mode", "readback", "check_finite", "verify_hash", "rollback")
 CPU_LINEAR_MODES = ("torch", "repack", "stock")
-RELOAD_MODES = ("direct", "layerwise", "auto")
-ReloadMode = Literal["direct", "layerwise", "auto"]
+RELOAD_MODES = ("direct", "layerwise", "auto", "vllm-direct")
+ReloadMode = Literal["direct", "layerwise", "auto", "vllm-direct"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,9 @@ class BridgeOptions:
     ``checkpoint_root``: the only directory updates may read checkpoints from (see
     :mod:`weight_bridge.checkpoint.trust`); unset, every update is refused with how to set it.
     ``reload_mode``: ``direct`` (refuse what cannot be proven), ``auto`` (hand unprovable
-    modules to vLLM's layerwise processing) or ``layerwise`` (always vLLM's own reload).
+    modules to vLLM's layerwise processing), ``layerwise`` (always vLLM's own reload) or
+    ``vllm-direct`` (vLLM 0.34+: vLLM's own direct reload writes, the bridge checks, reads back
+    and rolls back; :mod:`~weight_bridge.vllm.worker.vllm_direct`).
     ``cpu_linear`` (CPU backend): see :mod:`weight_bridge.vllm.worker.refresh`. ``readback``:
     ``sampled``, ``full`` or ``off``. ``check_finite``: refuse NaN/Inf. ``verify_hash``: check
     the content hash :func:`~weight_bridge.checkpoint.save_checkpoint` writes. ``rollback``:

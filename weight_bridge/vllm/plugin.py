@@ -3,9 +3,9 @@
 vLLM runs ``register`` in every process it starts (entry point group ``vllm.general_plugins``):
 the API server or ``LLM`` process, the engine core, every worker. It registers the
 ``weight_bridge`` weight-transfer backend (:mod:`~weight_bridge.vllm.worker.backend`) and its
-trainer side in vLLM's factories (vLLM's own API), warns if vLLM is not the version tested, and
-installs, through :mod:`~weight_bridge.vllm.internals` (the one place that patches vLLM), the
-project's wrappers:
+trainer side in vLLM's factories (vLLM's own API) and, on a tested vLLM
+(:mod:`~weight_bridge.vllm.internals.versions`), installs, through
+:mod:`~weight_bridge.vllm.internals` (the one place that patches vLLM), the project's wrappers:
 
 * the default model loader's: the layout and its proof recorded at load
   (:mod:`~weight_bridge.vllm.worker.load_recording`);
@@ -16,6 +16,9 @@ project's wrappers:
 * on the CPU backend, its processing: the refreshers of derived state
   (:mod:`~weight_bridge.vllm.worker.refresh`).
 
+On an untested vLLM nothing is patched (vLLM runs as it is for every engine that is not bridged)
+and a bridged engine is refused when its backend is built, naming the checklist and the opt-in.
+
 Every wrapper is inert unless the engine is bridged (:func:`~weight_bridge.vllm.options.is_bridged`:
 started with ``weight_transfer_config={"backend": "weight_bridge"}``). Then the engine plugins
 listed in :data:`PLUGINS_ENV` run.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 
 from . import internals
@@ -112,6 +116,10 @@ def register() -> None:
     _registered = True
     follow_parent()
     _register_backend()
-    internals.check_vllm_version()
+    try:
+        internals.check_vllm_version()
+    except internals.UntestedVLLMError as exc:
+        logging.getLogger(__name__).warning("%s; weight-bridge patches nothing here", exc)
+        return
     _install_patches()
     run_engine_plugins()

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..internals import check_vllm_version
 from ..lifeline import FRONTEND_ENV
 from ..options import BACKEND, BridgeOptions
 from ..plugin import PLUGINS_ENV, run_engine_plugins
@@ -53,6 +54,7 @@ def bridged_engine_args(
     extension."""
     from .memory import colocated_llm_kwargs
 
+    check_vllm_version()  # refused here, before an engine starts, on an untested vLLM
     kwargs = dict(engine_kwargs)
     extra = dict(kwargs.pop("additional_config", None) or {})
     extra.update(options.as_config())

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from .versions import CHECKLIST, TESTED_VLLM
+
 __all__ = [
     "PATCHED",
-    "TESTED_VLLM",
-    "check_vllm_version",
     "cpu_linear_of",
     "drop_cpu_linear",
     "patch_cpu_linear",
@@ -29,8 +29,6 @@ __all__ = [
     "set_cpu_linear",
 ]
 
-TESTED_VLLM = "0.32"
-CHECKLIST = "weight_bridge/vllm/internals/__init__.py"
 Wrap = Callable[[Any], Any]  # a wrapper factory: the original -> what replaces it
 
 _LOADER = "vllm.model_executor.model_loader"
@@ -60,29 +58,12 @@ PATCHED = (
     _QUEUE_WAIT,
 )
 
-_logger = logging.getLogger(__name__)
 _patched: set[str] = set()
-
-
-def check_vllm_version() -> str:
-    """The installed vLLM's version; one warning naming the checklist if it is not tested."""
-    import vllm
-
-    installed = str(getattr(vllm, "__version__", "unknown"))
-    if ".".join(installed.split(".")[:2]) != TESTED_VLLM:
-        _logger.warning(
-            "weight-bridge is tested with vLLM %s, this is vLLM %s: go through the upgrade "
-            "checklist in %s before relying on it",
-            TESTED_VLLM,
-            installed,
-            CHECKLIST,
-        )
-    return installed
 
 
 def _missing(path: str) -> RuntimeError:
     return RuntimeError(
-        f"{path} is missing: weight-bridge supports vLLM {TESTED_VLLM} "
+        f"{path} is missing: weight-bridge supports vLLM {' and '.join(TESTED_VLLM)} "
         f"(see {CHECKLIST}'s checklist)"
     )
 

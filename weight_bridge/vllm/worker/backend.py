@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from ..internals import config_of, reset_runner_caches, transfer_engine
+from ..internals import check_vllm_version, config_of, reset_runner_caches, transfer_engine
 from ..options import BridgeOptions, bridge_options
 from .queries import worker_addresses, worker_plan, worker_undefined
 from .transaction import PushTransaction
@@ -77,6 +77,7 @@ class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ig
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
     ) -> None:
+        check_vllm_version()  # an untested vLLM is refused here, in every entry point
         super().__init__(config, vllm_config, device, model)
         self.options = bridge_options(vllm_config) or BridgeOptions()
         self.transaction = PushTransaction(model, vllm_config.model_config, self.options, _rank())

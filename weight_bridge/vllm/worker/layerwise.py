@@ -22,7 +22,13 @@ import torch
 
 from ...direct import ReloadPlan, plan_direct_reload
 from ...direct.state import bridge_state
-from ..internals import cpu_linear_of, layerwise_begin, layerwise_finish, layerwise_reprocesses
+from ..internals import (
+    cpu_linear_of,
+    layerwise_begin,
+    layerwise_finish,
+    layerwise_reprocesses,
+    vllm_direct_refusal,
+)
 from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
 
 __all__ = [
@@ -115,7 +121,11 @@ def push_plan(model: torch.nn.Module, mode: str) -> PushPlan:
     """The one plan of a push in ``mode``, for the push itself and for its dry run: ``direct``
     writes what is proven; ``auto`` does the same and re-processes what vLLM's per-layer
     processing re-creates, and falls back to whole-model layerwise only when nothing at all
-    can be written directly; ``layerwise`` is vLLM's whole-model reload (no direct targets)."""
+    can be written directly; ``layerwise`` is vLLM's whole-model reload (no direct targets);
+    ``vllm-direct`` is vLLM's own direct reload (0.34+), ``wrong`` holding what it refuses."""
+    if mode == "vllm-direct":
+        refusal = vllm_direct_refusal(model)
+        return PushPlan("vllm-direct", None, wrong={"<vllm-direct>": refusal} if refusal else {})
     if mode == "direct":
         return PushPlan("direct", plan_direct_reload(model))
     if mode == "auto":

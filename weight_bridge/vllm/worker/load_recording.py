@@ -35,7 +35,7 @@ from ...direct.readback import ReadBack
 from ...direct.snapshot import snapshot_module
 from ...direct.state import bridge_state
 from ...layout import TensorSpec, fingerprint, live_tensors, storage_ptr
-from ..internals import processing_watched
+from ..internals import processing_watched, record_vllm_layout
 from ..options import bridge_options
 from .allocator import keep_freed_memory
 from .cpu_threads import sleep_when_idle, use_spare_cpus
@@ -122,6 +122,7 @@ def process_weights_after_loading(original: Any) -> Any:
                 "(only the default safetensors loader is supported)"
             )
         record_checkpoint_layout(model, checkpoint=manifest, loaded=_loaded.pop(model, None))
+        record_vllm_layout(model)  # what reload_mode="vllm-direct" rides (vLLM 0.34+)
         after_own: dict[int, Any] = {}
 
         def note(module: torch.nn.Module) -> None:

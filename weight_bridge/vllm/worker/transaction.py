@@ -52,6 +52,7 @@ from ..outcome import PushError, PushResult
 from .layerwise import LayerwiseReprocessor, push_plan
 from .served_chain import ServedCheckpoint, compact, hold
 from .update_request import UpdateRequest
+from .vllm_direct import VllmDirectWrite
 
 __all__ = ["PushTransaction"]
 
@@ -62,7 +63,7 @@ class _Pending:
 
     reader: CheckpointReader
     items: list[tuple[str, torch.Tensor]]
-    prepared: PreparedReload | None  # None: vLLM's whole-model layerwise reload
+    prepared: PreparedReload | VllmDirectWrite | None  # None: vLLM's whole-model layerwise
     path: str
     partial: bool
     served_version: str | None
@@ -139,10 +140,23 @@ class PushTransaction:
 
     def _plan(
         self, items: list, finite: bool, partial: bool, result: PushResult
-    ) -> PreparedReload | None:
-        """What will write ``items``: a prepared direct reload, or None for vLLM's layerwise
-        (the one plan of :func:`~weight_bridge.vllm.worker.layerwise.push_plan`)."""
+    ) -> PreparedReload | VllmDirectWrite | None:
+        """What will write ``items``: a prepared direct reload, vLLM's direct reload, or None
+        for vLLM's layerwise (the one plan of
+        :func:`~weight_bridge.vllm.worker.layerwise.push_plan`)."""
         chosen = push_plan(self.model, self.options.reload_mode)
+        if chosen.mode == "vllm-direct":
+            result.mode = "vllm-direct"
+            refusal = (chosen.wrong or {}).get("<vllm-direct>")
+            return VllmDirectWrite.prepare(
+                self.model,
+                self.model_config,
+                items,
+                finite=finite,
+                partial=partial,
+                refusal=refusal,
+                readback=self.options.readback,
+            )
         if chosen.plan is not None:
             reprocessable = chosen.reprocessable
             prepared = prepare_direct_reload(

@@ -1,0 +1,79 @@
+"""``reload_mode="vllm-direct"``: vLLM's own direct reload (0.34+) writes, the bridge validates
+first, audits, reads back, rolls back and labels; on a vLLM without one it is refused by name.
+
+The reference is a cold start of the same checkpoint, on the installed vLLM."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import FAULT_PARAM, arm_write_fault, assert_parity, greedy, open_engine
+
+from weight_bridge.direct import DirectReloadError
+from weight_bridge.vllm.internals import vllm_direct_missing
+
+pytestmark = [pytest.mark.every_vllm, pytest.mark.slow]
+
+needs_vllm_direct = pytest.mark.skipif(
+    vllm_direct_missing() is not None, reason=f"{vllm_direct_missing()}"
+)
+
+
+@needs_vllm_direct
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_vllm_direct_equals_a_cold_start(api_models, cold, kind) -> None:
+    """Tied Qwen2 and Qwen3-MoE: B, then A again, each equal to its cold start; every weight the
+    bridge proved read back; no address moved."""
+    _, pairs = api_models
+    a, b = pairs[kind]
+    engine = open_engine(a, reload_mode="vllm-direct")
+    addresses = engine.addresses()
+    report = engine.push(b, version=1)
+    assert report.mode == "vllm-direct"
+    assert report.reprocessed == {"<all>": "vLLM's direct reload (post-load processing re-run)"}
+    assert report.verified_writes == report.tensors
+    assert_parity(greedy(engine), cold(b))
+    engine.push(a, version=2)
+    assert_parity(greedy(engine), cold(a))
+    assert engine.addresses() == addresses
+    assert engine.version == 2
+
+
+@needs_vllm_direct
+def test_vllm_direct_rolls_back_a_failed_write(api_models, cold, tmp_path) -> None:
+    """A loader fault mid-way through vLLM's direct reload: rolled back to the version served,
+    the engine equal to its cold start; a partial checkpoint and a bad tensor are refused before
+    any write."""
+    from safetensors.torch import load_file
+
+    from weight_bridge.checkpoint import save_checkpoint
+
+    _, pairs = api_models
+    a, b = pairs["dense"]
+    engine = open_engine(a, reload_mode="vllm-direct")
+    engine.push(a, version=5)
+    engine.llm.collective_rpc(arm_write_fault)
+    with pytest.raises(DirectReloadError, match="rolled back to version '5'"):
+        engine.push(b, version=6)
+    assert engine.version == 5 and engine.undefined is None
+    assert_parity(greedy(engine), cold(a))
+
+    tensors = load_file(b / "model.safetensors")
+    tensors[FAULT_PARAM] = tensors[FAULT_PARAM][:-1].clone()
+    save_checkpoint(tensors, tmp_path / "bad.safetensors")
+    with pytest.raises(DirectReloadError) as refused:
+        engine.push(tmp_path / "bad.safetensors", version=7)
+    assert FAULT_PARAM in refused.value.problems
+    assert engine.version == 5
+    assert_parity(greedy(engine), cold(a))
+
+
+@pytest.mark.skipif(vllm_direct_missing() is None, reason="this vLLM has a direct reload")
+def test_vllm_direct_is_refused_by_name_without_one(api_models, cold) -> None:
+    _, pairs = api_models
+    a, b = pairs["dense"]
+    engine = open_engine(a, reload_mode="vllm-direct")
+    with pytest.raises(DirectReloadError, match="has no direct reload of its own") as refused:
+        engine.push(b, version=1)
+    assert "nothing was written" in str(refused.value)
+    assert engine.undefined is None
+    assert_parity(greedy(engine), cold(a))
