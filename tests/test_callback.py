@@ -121,6 +121,7 @@ def test_every_two_steps_pushes_the_trainer_weights(models, shared_engine, cold,
     assert [float(r[column]) for r in rows if r[column]] == [0.0, 2.0, 4.0, 6.0]
 
 
+@pytest.mark.every_vllm
 @pytest.mark.slow
 def test_every_push_serves_like_a_cold_start(models, shared_engine, cold, tmp_path) -> None:
     recorder, _ = train_every_two_steps(models, shared_engine("llama_A"), tmp_path)
@@ -351,6 +352,7 @@ def test_crash_between_write_and_rename_leaves_the_previous_checkpoint(
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.every_vllm
 def test_rejected_push_keeps_the_last_good_version(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
 

@@ -34,6 +34,7 @@ def test_two_cold_starts_give_the_same_tokens(models, capsys) -> None:
     assert runs[0] == runs[1]
 
 
+@pytest.mark.every_vllm
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_push_matches_cold_start_and_keeps_addresses(arch, models, shared_engine, cold) -> None:
     a, b = models[f"{arch}_A"], models[f"{arch}_B"]
@@ -64,6 +65,7 @@ def test_outputs_carry_the_policy_version(models, shared_engine) -> None:
         assert engine.version == version
 
 
+@pytest.mark.every_vllm
 def test_prefix_cache_is_reset_by_a_push(models, engine_factory) -> None:
     """KV cached before a push is never reused after it. Blocks of 32 tokens (CPU attention
     takes multiples of 32) and 75-token prompts: two full blocks of each prompt are cached by a
@@ -120,6 +122,7 @@ def _bad_checkpoints(models, tmp_path: Path) -> dict[str, tuple[Path, type, str]
     return out
 
 
+@pytest.mark.every_vllm
 def test_bad_checkpoints_are_rejected_and_engine_keeps_serving(
     models, shared_engine, cold, tmp_path
 ):
@@ -176,6 +179,7 @@ def test_other_modes_match_cold_start(arch, mode, cpu_linear, models, cold, engi
     assert engine.addresses() == before
 
 
+@pytest.mark.every_vllm
 @pytest.mark.slow
 def test_multiprocess_engine_push_matches_cold_start(models, cold) -> None:
     """vLLM's default engine (workers in their own processes), on the tied architecture; the

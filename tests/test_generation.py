@@ -109,6 +109,7 @@ def assert_same(got: list[Generation], want: list[Generation], where: str) -> No
                     _close(a[token], b[token], f"{at} step {step} token {token}")
 
 
+@pytest.mark.every_vllm
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kind", KINDS)

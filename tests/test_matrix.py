@@ -47,7 +47,11 @@ QUICK = ("qwen3-tied", "qwen3-moe", "deepseek-v2")
 
 
 @pytest.mark.parametrize(
-    "family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in MATRIX]
+    "family",
+    [  # the quick families run on every tested vLLM
+        pytest.param(f, marks=pytest.mark.every_vllm if f in QUICK else pytest.mark.slow)
+        for f in MATRIX
+    ],
 )
 def test_family_push_equals_cold_start_in_direct_and_auto(
     family, matrix_models, cold, engine_factory

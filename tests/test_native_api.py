@@ -44,6 +44,7 @@ def _check_push_and_refusal(result: dict, a, b, stock_cold) -> None:
     assert "NaN" in refusal["problems"][result["nan_tensor"]]
 
 
+@pytest.mark.every_vllm
 def test_vllm_llm_with_the_backend_multiprocess(pairs, stock_cold) -> None:
     """The tied dense pair; the MoE family's refresh through vLLM's calls in the multi-process
     engine is the ``AsyncLLM`` test's below (the same engine core and worker)."""
@@ -79,6 +80,7 @@ def test_async_llm_with_the_backend_in_flight(pairs, stock_cold) -> None:
             assert [s[0] for s in spans] == ["kept"] and tokens == on_a[i][0]
 
 
+@pytest.mark.every_vllm
 def test_async_llm_labels_name_the_weights_in_every_mode(api_models, stock_cold) -> None:
     """``AsyncLLM`` (multi-process) generating without a break while A and B are pushed
     alternately: in every in-flight mode, ``None`` included, each output under one version is

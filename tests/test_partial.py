@@ -52,6 +52,7 @@ def equivalent_full(base_dir: Path, parts: list[tuple[Path, list[str]]], dst: Pa
     return model_dir_with(base_dir, tensors, dst)
 
 
+@pytest.mark.every_vllm
 def test_partials_in_sequence_equal_cold_starts_and_a_wrong_base_is_refused(
     models, cold, engine_factory, tmp_path
 ) -> None:

@@ -177,6 +177,7 @@ def _refused(client: HTTPClient, path: Path | str) -> DirectReloadError | Checkp
 # -- issue 20: the backend under vllm serve -----------------------------------------------------
 
 
+@pytest.mark.every_vllm
 def test_http_push_equals_a_stock_cold_start_and_refusals_keep_the_served_version(
     dense, stock_cold
 ) -> None:
@@ -261,6 +262,7 @@ def test_paths_the_engine_must_not_read_are_refused_by_name(dense, tmp_path_fact
     assert client.weight_version() == version
 
 
+@pytest.mark.every_vllm
 def test_a_partial_checkpoint_over_http_needs_its_exact_base(dense, stock_cold, tmp_path) -> None:
     client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
     client.push(b, version="base")
@@ -291,6 +293,7 @@ def test_a_prefix_cached_before_a_push_is_not_served_after_it(dense, stock_cold)
     assert_differs(on_b, on_a)
 
 
+@pytest.mark.every_vllm
 def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, stock_cold) -> None:
     """vLLM's trainer side, unchanged: ``WeightTransferTrainerFactory.trainer_init`` with the
     bridge's init info, vLLM's own HTTP client, vLLM's ``ModuleSource`` over a module."""
@@ -299,7 +302,10 @@ def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, sto
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weight_bridge.vllm.clients.trainer_api import WeightBridgeTrainerInitInfo
+    from weight_bridge.vllm.clients.trainer_api import (
+        IncompleteSourceError,
+        WeightBridgeTrainerInitInfo,
+    )
 
     client, b, root = dense["client"], dense["b"], dense["root"]
     model = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
@@ -318,10 +324,13 @@ def test_code_written_for_vllms_trainer_api_pushes_through_the_bridge(dense, sto
 
     norm = model.model.norm.weight  # a wrong-shaped tensor: refused, typed, naming it
     model.model.norm.weight = torch.nn.Parameter(norm.detach()[:-1].clone())
-    with pytest.raises(DirectReloadError) as refused:
+    # vLLM 0.32's source declares the new shape and the engine refuses the checkpoint; 0.33+'s
+    # caches its metadata, so the trainer refuses the tensor it yields before writing a file
+    with pytest.raises((DirectReloadError, IncompleteSourceError)) as refused:
         sender.send_weights(version="never")
     assert "shape" in refused.value.problems["model.norm.weight"], refused.value
-    assert isinstance(refused.value.__cause__, RemoteUpdateError)
+    if isinstance(refused.value, DirectReloadError):
+        assert isinstance(refused.value.__cause__, RemoteUpdateError)
     assert client.weight_version() == "from-trainer-api"
     assert sender.last_version == "from-trainer-api" and sender.last_report is report
     assert_parity(http_greedy(client), stock_cold(b))
@@ -384,6 +393,7 @@ def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
     assert_parity(http_greedy(client), stock_cold(trained))
 
 
+@pytest.mark.every_vllm
 def test_the_moe_family_over_http(moe, stock_cold) -> None:
     client, a, b = moe["client"], moe["a"], moe["b"]
     version = client.weight_version()
@@ -431,6 +441,7 @@ def test_recompute_continues_every_sequence_with_the_new_policy(
     assert_recompute_continues(prompts, outputs, b, stock_cold, LONG)
 
 
+@pytest.mark.every_vllm
 def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
     client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
     prompts = _inflight_prompts()

@@ -237,12 +237,14 @@ def _check_faults(r: dict) -> None:
         assert "prefix cache reset failed" in r["rollback"]["cache"]["message"]
 
 
+@pytest.mark.every_vllm
 @pytest.mark.slow
 def test_faults_after_writing_roll_back_in_the_multiprocess_engine(models) -> None:
     r, _ = _run("faults", str(models["llama_A"]), str(models["llama_B"]))
     _check_faults(r)
 
 
+@pytest.mark.every_vllm
 def test_faults_after_writing_roll_back_in_process(models) -> None:
     r, _ = _run("faults", str(models["llama_A"]), str(models["llama_B"]), multiprocess=False)
     _check_faults(r)
