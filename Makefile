@@ -22,7 +22,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM034_WHEEL ?= $(firstword $(wildcard ../shared/wheels/vllm-0.34.0+cpu-*.whl \
 	/work/shared/wheels/vllm-0.34.0+cpu-*.whl))
 
-.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench explain gpu-check clean
+.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench bench-vllm034 explain gpu-check clean
 
 ifeq ($(VLLM),0.34)
 setup: $(STAMP)
@@ -108,6 +108,13 @@ demo-server: setup
 
 bench: setup
 	$(PY) -m benchmarks --out bench/results.json
+
+# vLLM 0.34 side by side, one run: the bridge's pushes (reload_mode direct and vllm-direct) and
+# vLLM's own reloads on stock engines (layerwise; VLLM_RELOAD_MODE=direct), on the tied and the
+# MoE model, each checked against a cold start (docs/benchmarks.md#vllm-034).
+bench-vllm034:
+	test -x .venv-vllm034/bin/python || $(MAKE) setup VLLM=0.34
+	.venv-vllm034/bin/python -m benchmarks --only vllm034 --reps 5 --out bench/results-vllm034.json
 
 explain: setup
 	$(PY) -m weight_bridge.explain $(MODEL)

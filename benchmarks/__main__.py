@@ -207,37 +207,54 @@ def bench_sync_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any
         shutil.rmtree(sync_dir, ignore_errors=True)
 
 
-def _run_only(args: argparse.Namespace) -> int:
-    """``--only sync``: the section alone, merged into ``--out`` (other keys kept)."""
+def _only_sections() -> dict[str, tuple[Callable, Callable[[dict], str]]]:
+    """``--only`` sections: name -> (run(args, workdir), render(section))."""
     from .sync import render_sync
+    from .vllm034 import bench_vllm034, render_vllm034
 
+    def vllm034(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+        return bench_vllm034(
+            workdir, args.reps, lambda m: print(f"[bench vllm034] {m}", flush=True)
+        )
+
+    return {"sync": (bench_sync_section, render_sync), "vllm034": (vllm034, render_vllm034)}
+
+
+def _run_only(args: argparse.Namespace) -> int:
+    """``--only NAME``: the section alone, merged into ``--out`` (other keys kept)."""
+    run, render = _only_sections()[args.only]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wb-bench-"))
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        section = bench_sync_section(args, workdir)
+        section = run(args, workdir)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     section["started"] = started
     section["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    section["command"] = shlex.join([sys.executable, "-m", "benchmarks", *sys.argv[1:]])
     merged = json.loads(args.out.read_text()) if args.out.exists() else {}
-    merged["sync"] = section
+    merged[args.only] = section
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(merged, indent=1, default=str))
-    print(render_sync(section))
-    print(f"merged the sync section into {args.out}")
+    print(render(section))
+    print(f"merged the {args.only} section into {args.out}")
     if "schema" in merged:  # a full run's results: its .md (and plot) include the section now
         for p in write_outputs(merged, args.out):
             print(p)
+    else:  # sections alone: their tables
+        md = args.out.with_suffix(".md")
+        md.write_text(
+            "\n".join(r(merged[n]) for n, (_, r) in _only_sections().items() if n in merged)
+        )
+        print(md)
     return 0
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    from .sync import render_sync
-
     md, png = out.with_suffix(".md"), out.with_suffix(".png")
-    sync = results.get("sync")
-    md.write_text(render_markdown(results) + ("\n" + render_sync(sync) if sync else ""))
+    extra = [r(results[n]) for n, (_, r) in _only_sections().items() if results.get(n)]
+    md.write_text(render_markdown(results) + "".join("\n" + text for text in extra))
     try:
         render_plot(results, png)
     except Exception as exc:  # the numbers matter more than the picture
@@ -308,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--only",
-        choices=["sync"],
+        choices=["sync", "vllm034"],
         default=None,
         help="run this section alone and merge it into --out under its key",
     )
@@ -460,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # In-process engines here; the multi-process engine runs in a child (vLLM caches its env).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if args.only == "sync":
+    if args.only is not None:
         return _run_only(args)
     results = _run(args, raw_argv)
     args.out.write_text(json.dumps(results, indent=1, default=str))

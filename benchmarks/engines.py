@@ -109,9 +109,11 @@ def push(
     check_finite: bool = True,
     verify: bool = False,
     readback: str = "sampled",
+    mode: str = "direct",
 ) -> dict[str, float]:
     """One ``ColocatedEngine.push``; ``check_finite=False`` turns the NaN/Inf guard off,
-    ``readback`` sets the read-back proof of the writes (the default is ``"sampled"``)."""
+    ``readback`` sets the read-back proof of the writes (the default is ``"sampled"``);
+    ``mode``: the report's mode the push must have gone (the engine's ``reload_mode``)."""
     if readback != "sampled":
         engine.readback = readback
     try:
@@ -119,7 +121,7 @@ def push(
     finally:
         if readback != "sampled":
             engine.readback = "sampled"
-    if report.mode != "direct":
+    if report.mode != mode:
         raise RuntimeError(f"push went {report.mode}: {report.reason}")
     return {
         "elapsed_s": report.elapsed_s,

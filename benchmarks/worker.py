@@ -26,6 +26,17 @@ class BenchWorkerExtension:
     def bench_pid(self) -> int:
         return os.getpid()
 
+    def bench_reload_mode(self) -> dict:
+        """vLLM's ``VLLM_RELOAD_MODE`` as this worker reads it, and whether vLLM recorded the
+        checkpoint layout its direct reload needs at load (0.34+; done in direct mode)."""
+        import vllm.envs as envs
+
+        model = self.model_runner.get_model()
+        return {
+            "VLLM_RELOAD_MODE": getattr(envs, "VLLM_RELOAD_MODE", None),
+            "layout_recorded": hasattr(model, "_ckpt_param_names"),
+        }
+
     def bench_allocator(self, state: str) -> str:
         """Switch this worker process's allocator: ``"kept"`` (what a bridged CPU engine
         runs with, :mod:`weight_bridge.vllm.worker.allocator`) or ``"default"`` (glibc's default
