@@ -30,6 +30,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # system's temporary directory (pytest's tmp_path, tempfile); tests of the root set their own.
 os.environ.setdefault("WEIGHT_BRIDGE_CHECKPOINT_ROOT", tempfile.gettempdir())
 
+from weight_bridge.checkpoint import (  # noqa: E402
+    BASE_VERSION_KEY,
+    CheckpointReader,
+    save_checkpoint,
+)
 from weight_bridge.testing import TEST_ARCHITECTURES, parity  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -260,6 +265,28 @@ def model_dir_with(config_dir: Path, tensors: dict, dst: Path) -> Path:
     shutil.copytree(config_dir, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     save_checkpoint(tensors, dst / "model.safetensors")
     return dst
+
+
+def tensors_of(model_dir: Path) -> dict:
+    with CheckpointReader(model_dir / "model.safetensors") as reader:
+        return {name: t.clone() for name, t in reader.tensors()}
+
+
+def partial_checkpoint(src: Path, names: list[str], base: str, version: str, path: Path) -> Path:
+    """``names`` taken from ``src``, saved as a partial checkpoint on top of ``base``."""
+    tensors = tensors_of(src)
+    metadata = {BASE_VERSION_KEY: base, "version": version}
+    save_checkpoint({n: tensors[n] for n in names}, path, metadata)
+    return path
+
+
+def equivalent_full(base_dir: Path, parts: list[tuple[Path, list[str]]], dst: Path) -> Path:
+    """A model directory holding ``base_dir``'s weights with each part's names replaced."""
+    tensors = tensors_of(base_dir)
+    for src, names in parts:
+        other = tensors_of(src)
+        tensors.update({n: other[n] for n in names})
+    return model_dir_with(base_dir, tensors, dst)
 
 
 def model_dir_saved_by_hf(config_dir: Path, model, dst: Path) -> Path:

@@ -12,44 +12,21 @@ FAULT INJECTION (the rollback case only): one weight loader raises mid-push, as 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from helpers import (
     FAULT_PARAM,
     arm_write_fault,
     assert_differs,
     assert_parity,
+    equivalent_full,
     greedy,
-    model_dir_with,
+    partial_checkpoint,
     run_engine_check,
+    tensors_of,
 )
 
-from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.testing.models import build_matrix_model, perturb_checkpoint
-
-
-def tensors_of(model_dir: Path) -> dict:
-    with CheckpointReader(model_dir / "model.safetensors") as reader:
-        return {name: t.clone() for name, t in reader.tensors()}
-
-
-def partial_checkpoint(src: Path, names: list[str], base: str, version: str, path: Path) -> Path:
-    """``names`` taken from ``src``, saved as a partial checkpoint on top of ``base``."""
-    tensors = tensors_of(src)
-    metadata = {BASE_VERSION_KEY: base, "version": version}
-    save_checkpoint({n: tensors[n] for n in names}, path, metadata)
-    return path
-
-
-def equivalent_full(base_dir: Path, parts: list[tuple[Path, list[str]]], dst: Path) -> Path:
-    """A model directory holding ``base_dir``'s weights with each part's names replaced."""
-    tensors = tensors_of(base_dir)
-    for src, names in parts:
-        other = tensors_of(src)
-        tensors.update({n: other[n] for n in names})
-    return model_dir_with(base_dir, tensors, dst)
 
 
 @pytest.mark.every_vllm

@@ -6,7 +6,15 @@ The reference is a cold start of the same checkpoint, on the installed vLLM."""
 from __future__ import annotations
 
 import pytest
-from helpers import FAULT_PARAM, arm_write_fault, assert_parity, greedy, open_engine
+from helpers import (
+    FAULT_PARAM,
+    arm_write_fault,
+    assert_parity,
+    equivalent_full,
+    greedy,
+    open_engine,
+    partial_checkpoint,
+)
 
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.vllm.internals import vllm_direct_missing
@@ -65,6 +73,28 @@ def test_vllm_direct_rolls_back_a_failed_write(api_models, cold, tmp_path) -> No
     assert FAULT_PARAM in refused.value.problems
     assert engine.version == 5
     assert_parity(greedy(engine), cold(a))
+
+
+@needs_vllm_direct
+def test_vllm_direct_rolls_back_over_a_partial_link(api_models, cold, tmp_path) -> None:
+    """A chain served as a complete checkpoint plus a partial one pushed in the bridge's own
+    mode: a failed ``vllm-direct`` push rolls back over both (the partial link re-written by the
+    bridge's writer), equal to the cold start on the equivalent full checkpoint."""
+    _, pairs = api_models
+    a, b = pairs["dense"]
+    engine = open_engine(a, reload_mode="vllm-direct")
+    engine.push(a, version=1)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    engine.reload_mode = "direct"
+    engine.push(partial_checkpoint(b, names, "1", "2", tmp_path / "p2.safetensors"))
+    engine.reload_mode = "vllm-direct"
+    with pytest.raises(DirectReloadError, match="partial checkpoint cannot ride"):
+        engine.push(partial_checkpoint(b, names, "2", "3", tmp_path / "p3.safetensors"))
+    engine.llm.collective_rpc(arm_write_fault)
+    with pytest.raises(DirectReloadError, match="rolled back to version '2'"):
+        engine.push(b, version=4)
+    assert engine.version == "2" and engine.undefined is None
+    assert_parity(greedy(engine), cold(equivalent_full(a, [(b, names)], tmp_path / "a_p2")))
 
 
 @pytest.mark.skipif(vllm_direct_missing() is None, reason="this vLLM has a direct reload")

@@ -139,12 +139,12 @@ class PushTransaction:
         )
 
     def _plan(
-        self, items: list, finite: bool, partial: bool, result: PushResult
+        self, items: list, finite: bool, partial: bool, result: PushResult, mode: str | None = None
     ) -> PreparedReload | VllmDirectWrite | None:
         """What will write ``items``: a prepared direct reload, vLLM's direct reload, or None
         for vLLM's layerwise (the one plan of
         :func:`~weight_bridge.vllm.worker.layerwise.push_plan`)."""
-        chosen = push_plan(self.model, self.options.reload_mode)
+        chosen = push_plan(self.model, mode or self.options.reload_mode)
         if chosen.mode == "vllm-direct":
             result.mode = "vllm-direct"
             refusal = (chosen.wrong or {}).get("<vllm-direct>")
@@ -308,7 +308,10 @@ class PushTransaction:
                 readers.append(link.reader())
             for i, (link, reader) in enumerate(zip(chain, readers, strict=True)):
                 items = list(reader.tensors())
-                prepared = self._plan(items, False, i > 0, PushResult())
+                # a partial link (pushed in the bridge's own mode) is re-written by the bridge's
+                # writer: vLLM's direct reload takes complete checkpoints only
+                mode = "direct" if i > 0 and self.options.reload_mode == "vllm-direct" else None
+                prepared = self._plan(items, False, i > 0, PushResult(), mode)
                 pending = _Pending(reader, items, prepared, link.path, i > 0, None)
                 self._write(pending, reload_weights)
         finally:

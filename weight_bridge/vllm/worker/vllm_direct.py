@@ -103,10 +103,11 @@ class VllmDirectWrite:
             raise DirectReloadError(str(undefined_reason(model))) from exc
         refreshed = adopt_refreshers(model)
         write_s = time.perf_counter() - started - readback_s
+        after = addresses(model)
         moved = {
-            name: f"address/layout changed during vLLM's direct reload: {was} -> {now}"
+            name: f"address/layout changed during vLLM's direct reload: {was} -> {after.get(name)}"
             for name, was in self.addresses.items()
-            if (now := addresses(model).get(name)) != was
+            if after.get(name) != was
         }
         if moved:
             mark_undefined(model, f"{WHAT} moved storages")
