@@ -51,6 +51,7 @@ __all__ = [
     "direct_reload_session",
     "prepare_direct_reload",
     "refresh_derived_state",
+    "unwritten_targets",
 ]
 
 WRITING = "a direct reload started writing and did not finish"
@@ -184,16 +185,13 @@ class _Session:
     def _written_targets(self) -> dict:
         """The targets written: all of them for a complete reload (refused otherwise, naming
         the ones the load left out), those the load wrote into for a partial one."""
-        layout = require_layout(self.model)
-        spans = self.plan.spans
-        written = {n: t for n, t in self.plan.targets.items() if self.readback.wrote(spans[n])}
         if self.partial:
-            return written
+            spans = self.plan.spans
+            return {n: t for n, t in self.plan.targets.items() if self.readback.wrote(spans[n])}
         missing = {
             name: "planned but not written by the load (the checkpoint lacks it, or the loader "
             "skipped it)"
-            for name, t in self.plan.targets.items()
-            if name not in written and t.view.numel() and layout.must_write(name)
+            for name in unwritten_targets(self.model, self.plan, self.readback)
         }
         if missing:
             raise self._fail(
@@ -202,6 +200,18 @@ class _Session:
                 missing,
             )
         return self.plan.targets
+
+
+def unwritten_targets(model: torch.nn.Module, plan: ReloadPlan, readback: ReadBack) -> list[str]:
+    """The planned targets a complete reload must write (those the layout requires, with any
+    bytes) into which ``readback`` noted no write: what a loader skipped."""
+    layout = require_layout(model)
+    spans = plan.spans
+    return [
+        name
+        for name, t in plan.targets.items()
+        if t.view.numel() and layout.must_write(name) and not readback.wrote(spans[name])
+    ]
 
 
 def _moved(before: Mapping[str, tuple], after: Mapping[str, tuple]) -> dict[str, str]:

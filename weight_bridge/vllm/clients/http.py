@@ -23,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import threading
 import time
 import urllib.error
@@ -34,6 +33,7 @@ from typing import Any
 
 from ..errors import UpdateInProgressError
 from ..generation import Generation, prompt_token_ids
+from ..internals.versions import vllm_minor
 from ..outcome import PushOutcome, typed_error
 from ..report import PushReport
 from .bridge_client import BridgeClient, InflightMode, run_blocking
@@ -208,8 +208,7 @@ class HTTPClient(BridgeClient):
         """Whether the server's ``/v1/completions`` takes ``return_weight_versions`` (vLLM
         0.33+): then generation needs no ``--enable-scale-out``."""
         version = str(self.call("version", method="GET").get("version", ""))
-        found = re.match(r"(\d+)\.(\d+)", version)
-        return found is not None and tuple(map(int, found.groups())) >= _WEIGHT_VERSIONS_SINCE
+        return vllm_minor(version or "unknown") >= _WEIGHT_VERSIONS_SINCE
 
     def _until_served(self, route: str, body: dict) -> Any:
         """One generate request, sent again while the server answers 503 (paused, or

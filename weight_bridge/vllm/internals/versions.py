@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -43,11 +44,8 @@ def installed_vllm() -> str:
 
 def vllm_minor(version: str | None = None) -> tuple[int, int]:
     """``(major, minor)`` of ``version`` (default: the installed vLLM); (0, 0) if unreadable."""
-    parts = (version or installed_vllm()).split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
+    found = re.match(r"(\d+)\.(\d+)", version or installed_vllm())
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -55,7 +53,8 @@ def check_vllm_version(version: str | None = None) -> str:
     :class:`UntestedVLLMError` naming the checklist and the opt-in, or, with the opt-in set, one
     warning."""
     installed = version or installed_vllm()
-    if ".".join(installed.split(".")[:2]) in TESTED_VLLM:
+    major, minor = vllm_minor(installed)
+    if f"{major}.{minor}" in TESTED_VLLM:
         return installed
     message = (
         f"weight-bridge is tested with vLLM {' and '.join(TESTED_VLLM)}, this is vLLM "

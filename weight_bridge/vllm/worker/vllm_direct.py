@@ -34,7 +34,7 @@ from ...direct import DirectReloadError, ReloadReport
 from ...direct.plan import ReloadPlan, plan_direct_reload
 from ...direct.readback import ReadBack
 from ...direct.record import require_layout
-from ...direct.session import refresh_derived_state
+from ...direct.session import refresh_derived_state, unwritten_targets
 from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
 from ...direct.validate import validate_checkpoint
@@ -141,11 +141,8 @@ class VllmDirectWrite:
                 cast(Any, self.model).load_weights(readback.track(iter(self.items)))
             checked = time.perf_counter()
             bad = readback.verify()
-            layout = require_layout(self.model)
-            for name, target in plan.targets.items():
-                proven = target.view.numel() and layout.must_write(name)
-                if proven and not readback.wrote(plan.spans[name]):
-                    bad[name] = f"not written by {WHAT} (the loader skipped it)"
+            for name in unwritten_targets(self.model, plan, readback):
+                bad[name] = f"not written by {WHAT} (the loader skipped it)"
             return bad, time.perf_counter() - checked
         finally:
             vllm_direct_finish(self.model, self.model_config, next(self.model.parameters()).device)
