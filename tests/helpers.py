@@ -484,7 +484,8 @@ def arm_fault(worker, name: str, action: str) -> int:
 
     ``raise``: an exception; ``interrupt``: ``KeyboardInterrupt``; ``exit``: the worker process
     exits; ``kill-core``: the worker SIGKILLs its parent, the engine core process; ``hang``: the
-    loader never returns. One shot: the original loader is put back first.
+    loader never returns; ``skip``: it returns without writing; ``clobber``: it writes, then adds
+    1 to the parameter. One shot: the original loader is put back first.
     """
     import signal
 
@@ -505,6 +506,12 @@ def arm_fault(worker, name: str, action: str) -> int:
             os._exit(18)
         if action == "hang":
             time.sleep(3600)
+        if action == "skip":  # a loader that drops the tensor without a word
+            return None
+        if action == "clobber":  # a loader whose write is changed after it (a bad kernel)
+            out = original(*args, **kwargs)
+            param.data.add_(1.0)
+            return out
         raise ValueError(action)
 
     param.weight_loader = faulty

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers import (
     FAULT_PARAM,
+    arm_fault,
     arm_write_fault,
     assert_parity,
     equivalent_full,
@@ -72,6 +73,27 @@ def test_vllm_direct_rolls_back_a_failed_write(api_models, cold, tmp_path) -> No
         engine.push(tmp_path / "bad.safetensors", version=7)
     assert FAULT_PARAM in refused.value.problems
     assert engine.version == 5
+    assert_parity(greedy(engine), cold(a))
+
+
+@needs_vllm_direct
+@pytest.mark.parametrize(
+    ("action", "words"),
+    [("skip", "not written by vLLM's direct reload"), ("clobber", "read-back failed")],
+)
+def test_vllm_direct_catches_a_skipped_or_changed_write(api_models, cold, action, words) -> None:
+    """A loader that skips its tensor, or whose write is changed after it: caught before vLLM's
+    finish by the bridge's checks, named, rolled back to the version served."""
+    _, pairs = api_models
+    a, b = pairs["dense"]
+    engine = open_engine(a, reload_mode="vllm-direct")
+    engine.push(a, version=8)
+    engine.llm.collective_rpc(lambda worker: arm_fault(worker, FAULT_PARAM, action))
+    with pytest.raises(DirectReloadError, match=words) as failed:
+        engine.push(b, version=9)
+    assert "rolled back to version '8'" in str(failed.value)
+    assert FAULT_PARAM in failed.value.problems, failed.value.problems
+    assert engine.version == 8 and engine.undefined is None
     assert_parity(greedy(engine), cold(a))
 
 
