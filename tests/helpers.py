@@ -280,6 +280,37 @@ def partial_checkpoint(src: Path, names: list[str], base: str, version: str, pat
     return path
 
 
+def delta_checkpoint(old: dict, new: dict, base: str, version: str, path: Path) -> Path:
+    """A delta from ``old`` to ``new`` (name -> tensor, same dtypes) on top of version
+    ``base``: each changed tensor sparse or dense, whichever is smaller, fingerprinted."""
+    from weight_bridge.checkpoint.delta import changed_indices, delta_metadata, stored_parts
+    from weight_bridge.exact import exact_fingerprint
+
+    tensors: dict = {}
+    shapes: dict = {}
+    prints: dict = {}
+    for name in old:
+        changed = changed_indices(old[name], new[name])
+        if not changed.numel():
+            continue
+        parts = stored_parts(name, new[name], changed)
+        if name not in parts:
+            shapes[name] = list(new[name].shape)
+        tensors.update(parts)
+        prints[name] = exact_fingerprint(new[name])
+    save_checkpoint(tensors, path, delta_metadata(base, version, prints, shapes))
+    return path
+
+
+def mixed(old: dict, new: dict, fraction: float, seed: int) -> dict:
+    """``old`` with a random ``fraction`` of every tensor's elements taken from ``new``."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: torch.where(torch.rand(t.shape, generator=g) < fraction, new[n], t)
+        for n, t in old.items()
+    }
+
+
 def equivalent_full(base_dir: Path, parts: list[tuple[Path, list[str]]], dst: Path) -> Path:
     """A model directory holding ``base_dir``'s weights with each part's names replaced."""
     tensors = tensors_of(base_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["DirectReloadError", "NotDirectlyReloadable"]
+__all__ = ["BaseVersionError", "DirectReloadError", "NotDirectlyReloadable"]
 
 
 class DirectReloadError(ValueError):
@@ -36,6 +36,12 @@ class DirectReloadError(ValueError):
     @classmethod
     def from_dict(cls, data: Mapping) -> DirectReloadError:
         return cls(str(data["message"]), dict(data.get("problems") or {}))
+
+
+class BaseVersionError(DirectReloadError):
+    """A partial checkpoint or a delta names a base version the engine does not serve: it
+    applies on exactly that version or not at all (nothing was written). Push a complete
+    checkpoint (a keyframe)."""
 
 
 class NotDirectlyReloadable(Exception):

@@ -34,6 +34,9 @@ _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow")
 )
 _IN_PLACE: dict[Any, bool] = {}
+# in-place writes of constants (a loader zeroing vocabulary padding): they do not depend on the
+# checkpoint, so a delta that leaves those elements alone stays exact
+_CONSTANT_WRITES = frozenset({"fill_", "zero_"})
 
 
 def _in_place(func: Any) -> bool:
@@ -71,6 +74,7 @@ class ReadBack(TorchFunctionMode):
         self.storages = storages
         self.current = ""
         self.writes: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.other_writes: set[str] = set()  # names also written by an in-place op not copy_
         self._spans: list[tuple[int, int]] = []  # bytes touched, in the order written
         self._merged: tuple[list[int], list[int]] | None = None
 
@@ -92,6 +96,8 @@ class ReadBack(TorchFunctionMode):
             self._merged = None
             if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
                 self.writes.append((self.current, args[0], args[1]))
+            elif getattr(func, "__name__", "") not in _CONSTANT_WRITES:
+                self.other_writes.add(self.current)
         return out
 
     def wrote_into(self, view: torch.Tensor) -> bool:

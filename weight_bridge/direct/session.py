@@ -41,6 +41,7 @@ from .resolve import Relocation
 from .snapshot import addresses, addresses_of, named_tensors
 from .state import bridge_state
 from .validate import validate_checkpoint
+from .write_map import learn_write_map
 
 __all__ = [
     "OpenReload",
@@ -79,6 +80,11 @@ class ReloadReport:
     elapsed_s: float = 0.0
     recovered_from_undefined: str | None = None
     threads: int = 1
+    changed: int = 0  # elements a delta wrote (0: not a delta)
+    # a delta's tensors this worker holds a shard of: [want, base, change (16 hex digits
+    # each), changed elements held here, changed elements in all], summed by the engine core
+    shard_fingerprints: dict[str, list] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype held (patchable)
 
 
 @dataclass
@@ -274,6 +280,14 @@ class PreparedReload:
             )
             raise
         report = session.finish()
+        if not self.partial:  # a complete write shows where every element goes
+            state.write_map = learn_write_map(
+                self.items,
+                readback.writes,
+                readback.other_writes,
+                self.plan.spans,
+                self.addresses,
+            )
         report.tensors = len(self.items)
         report.bytes = sum(t.numel() * t.element_size() for _, t in self.items)
         report.preflight_s = self.preflight_s

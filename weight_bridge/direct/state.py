@@ -18,6 +18,7 @@ from ..layout import CheckpointLayout
 from .extension import Refresher
 from .proof import Proof
 from .snapshot import ModuleSnapshot
+from .write_map import WriteMap
 
 __all__ = ["BridgeState", "bridge_state", "clear_undefined", "mark_undefined", "undefined_reason"]
 
@@ -31,6 +32,10 @@ class BridgeState:
     ``undefined``: why the weights are half-written (a write failed mid-way), until a complete
     write succeeds. ``writing``: a write session is open (sessions do not nest).
     ``plan_cache``: the last plan and what it was computed for (see :mod:`.plan`).
+    ``write_map``: where each checkpoint element lands, learned from the last complete direct
+    write (:mod:`.write_map`; what a delta is applied with). ``fingerprints``: checkpoint name
+    -> the exact fingerprint (:mod:`weight_bridge.exact`) of the full tensor served now, where
+    known (a delta's base).
     """
 
     layout: CheckpointLayout | None = None
@@ -41,6 +46,8 @@ class BridgeState:
     undefined: str | None = None
     writing: bool = False
     plan_cache: tuple[Any, Any] | None = None
+    write_map: WriteMap | None = None
+    fingerprints: dict[str, int] = field(default_factory=dict)
 
 
 def bridge_state(model: torch.nn.Module) -> BridgeState:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError
 from ..direct import DirectReloadError, ReloadReport
+from ..direct.errors import BaseVersionError
 from ..direct.resolve import Relocation
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "PushOutcome",
     "PushResult",
     "merged_error",
+    "shard_fingerprint_problems",
     "outcome_of",
     "typed_error",
 ]
@@ -46,6 +48,22 @@ class PushError:
     phase: str = "refused"  # "refused" (nothing written) or "after-write"
     path: str = ""
 
+    @classmethod
+    def of(cls, exc: DirectReloadError | CheckpointError, phase: str, reader: Any) -> PushError:
+        """A worker's error as data; ``reader`` (the checkpoint's, if open) names each
+        problem's shard file where the checkpoint has several."""
+        if isinstance(exc, CheckpointError):
+            problems = {exc.tensor: exc.problem} if exc.tensor else {}
+            return cls("CheckpointError", exc.problem, problems, phase, exc.path)
+        kind = type(exc).__name__ if isinstance(exc, BaseVersionError) else "DirectReloadError"
+        problems = dict(exc.problems)
+        if reader is not None and len(reader.files) > 1:
+            for name, why in problems.items():
+                where = reader.file_of(name)
+                if where is not None:
+                    problems[name] = f"{why} (in {where})"
+        return cls(kind, exc.summary, problems, phase)
+
 
 @dataclass
 class PushResult:
@@ -62,6 +80,7 @@ class PushResult:
     checkpoint: str = ""
     mode: str = "direct"
     partial: bool = False
+    delta: bool = False
     report: ReloadReport = field(default_factory=ReloadReport)
     undefined: str | None = None
     error: PushError | None = None
@@ -121,7 +140,9 @@ def merged_error(results: list[PushResult]) -> DirectReloadError | CheckpointErr
     for r in failed:
         assert r.error is not None
         problems.update(r.error.problems)
-    return DirectReloadError(_noted(head, note), problems)
+    wrong_base = all(r.error is not None and r.error.type == "BaseVersionError" for r in failed)
+    kind = BaseVersionError if wrong_base else DirectReloadError
+    return kind(_noted(head, note), problems)
 
 
 def _noted(message: str, note: str | None) -> str:
@@ -180,3 +201,32 @@ def outcome_of(error: BaseException) -> PushOutcome | None:
     """The outcome a refusal or failure raised by :func:`typed_error` carries, else None."""
     outcome = getattr(error, "outcome", None)
     return outcome if isinstance(outcome, PushOutcome) else None
+
+
+def shard_fingerprint_problems(results: list[PushResult]) -> dict[str, str]:
+    """A delta's tensors held in shards (tensor parallelism): every rank reported its part of
+    the fingerprint change, and the parts must add up to the trainer's full-tensor
+    fingerprint. A tensor replicated on ``m`` ranks per element (more ranks than KV heads)
+    counts each change ``m`` times, so ``m * (want - base)`` is checked; anything else
+    (elements no rank holds, uneven replication) cannot be proven and is named."""
+    parts: dict[str, list[list]] = {}
+    for r in results:
+        for name, part in r.report.shard_fingerprints.items():
+            parts.setdefault(name, []).append(part)
+    problems: dict[str, str] = {}
+    for name, got in parts.items():
+        want, base, _, _, total = got[0]
+        held = sum(int(p[3]) for p in got)
+        if not base:
+            problems[name] = "no fingerprint of the tensor served: push a keyframe"
+        elif not total or held % total:
+            problems[name] = f"the ranks hold {held} copies of its {total} changed elements"
+        else:
+            change = sum(int(p[2], 16) for p in got)
+            expected = (held // total) * (int(want, 16) - int(base, 16))
+            if (change - expected) % (1 << 64):
+                problems[name] = (
+                    "fingerprint after the delta, summed over the ranks, differs from the "
+                    "trainer's: the engine's bits before it were not the delta's base"
+                )
+    return problems

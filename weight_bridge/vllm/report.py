@@ -20,7 +20,10 @@ class PushReport(ReloadReport):
 
     ``mode``: ``direct``, ``auto`` (direct writes plus vLLM's layerwise processing of the
     modules in ``reprocessed``) or ``layerwise``; ``reason`` says which weights went which way.
-    ``partial``: the checkpoint held a subset of tensors, written on top of its base version.
+    ``partial``: the checkpoint held a subset of tensors, written on top of its base version;
+    ``delta``: it was a delta (``changed`` elements written; see
+    :mod:`~weight_bridge.checkpoint.delta`). ``dtypes``: after a complete push, the dtype the
+    engine holds each tensor in that a delta can patch (what a trainer casts to and diffs).
     ``served``: the checkpoints the engine serves afterwards, as its workers answered (a
     complete one, then partial ones on top of it). ``inflight``: how generation in flight was
     treated (``recompute``, ``keep``, ``drain``; see
@@ -34,6 +37,7 @@ class PushReport(ReloadReport):
     reason: str = ""
     workers: int = 1
     partial: bool = False
+    delta: bool = False
     served: list[str] = field(default_factory=list)
     paused_s: float | None = None
     inflight: str | None = None
@@ -56,18 +60,23 @@ class PushReport(ReloadReport):
             refresh_s=max(r.refresh_s for r in reports),
             readback_s=max(r.readback_s for r in reports),
             threads=max(r.threads for r in reports),
+            changed=first.report.changed,
+            dtypes=dict(first.report.dtypes),
             checkpoint=first.checkpoint,
             version=version,
             mode=first.mode,
             reason=describe(first.report),
             workers=len(results),
             partial=first.partial,
+            delta=first.delta,
             served=list(first.served),
         )
 
 
 def describe(report: ReloadReport) -> str:
     """One line: how many weights went which way, and why."""
+    if report.changed:
+        return f"a delta: {report.changed} elements written in place at their resolved offsets"
     parts = [f"{report.direct} weights written directly"]
     if report.refreshed:
         kinds = sorted(set(report.refreshed.values()))

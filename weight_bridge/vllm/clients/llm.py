@@ -151,6 +151,13 @@ class LLMClient(BridgeClient):
         with self._lock:
             return self._rpc("addresses")
 
+    def fingerprints(self) -> list[dict[str, str]]:
+        """Per worker, checkpoint name -> the exact fingerprint of the full tensor it holds
+        (:mod:`weight_bridge.exact`; tensors it holds whole): to prove it holds a trainer's
+        bits."""
+        with self._lock:
+            return self._rpc("fingerprints")
+
     @property
     def undefined(self) -> str | None:
         """Why the engine refuses to generate (a push failed mid-way), or None."""

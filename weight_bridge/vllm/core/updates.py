@@ -79,7 +79,13 @@ from ..internals import (
     waiting_without_spinning,
 )
 from ..options import BridgeOptions, bridge_options, is_bridged
-from ..outcome import PushOutcome, PushResult, merged_error, typed_error
+from ..outcome import (
+    PushOutcome,
+    PushResult,
+    merged_error,
+    shard_fingerprint_problems,
+    typed_error,
+)
 from ..worker.backend import BACKEND_RPC, QUERIES, call_backend
 
 __all__ = [
@@ -211,6 +217,11 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
     else:
         results = _phase(rpc, core, timeout, "commit")
     error = merged_error(results)
+    wrong = shard_fingerprint_problems(results) if error is None else {}
+    if wrong:
+        why = "a delta's fingerprints, summed over the tensor-parallel ranks, do not check"
+        results = _phase(rpc, core, timeout, "fail", why, wrong)
+        error = merged_error(results)
     if error is None:
         try:
             state.updates += 1

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from ..internals import check_vllm_version, config_of, reset_runner_caches, transfer_engine
 from ..options import BridgeOptions, bridge_options
-from .queries import worker_addresses, worker_plan, worker_undefined
+from .queries import worker_addresses, worker_fingerprints, worker_plan, worker_undefined
 from .transaction import PushTransaction
 from .update_request import UpdateRequest
 
@@ -50,6 +50,7 @@ _QUERIES: dict[str, Callable[..., Any]] = {
     "plan": worker_plan,  # args: the mode (default: the one the worker pushes with)
     "addresses": worker_addresses,
     "undefined": worker_undefined,
+    "fingerprints": worker_fingerprints,
 }
 QUERIES = tuple(_QUERIES)  # the read-only actions: answered by any worker, bridged or not
 

@@ -13,14 +13,16 @@ from dataclasses import asdict
 from typing import Any
 
 from ...direct import ReloadPlan
+from ...direct.delta import held_tensor
 from ...direct.proof import module_of
 from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, undefined_reason
+from ...exact import exact_fingerprint, format_fingerprint
 from ..internals import config_of, transfer_engine, worker_model
 from ..options import bridge_options
 from .layerwise import push_plan
 
-__all__ = ["worker_addresses", "worker_plan", "worker_undefined"]
+__all__ = ["worker_addresses", "worker_fingerprints", "worker_plan", "worker_undefined"]
 
 
 def _pushes_with(worker: Any) -> str:
@@ -76,3 +78,23 @@ def worker_addresses(worker: Any) -> dict[str, tuple]:
 def worker_undefined(worker: Any) -> str | None:
     """Why this worker's weights are half-written, or None."""
     return undefined_reason(worker_model(worker))
+
+
+def worker_fingerprints(worker: Any) -> dict[str, str]:
+    """Checkpoint name -> the exact fingerprint (:mod:`weight_bridge.exact`) of the full tensor
+    this worker holds, read from live storage through the write map, for every tensor it holds
+    whole: what a trainer compares with its own cast to prove the engine holds its bits."""
+    model = worker_model(worker)
+    state = bridge_state(model)
+    write_map = state.write_map
+    if write_map is None or state.layout is None:
+        return {}
+    out = {}
+    for name in write_map.segments:
+        shape = state.layout.checkpoint[name].shape
+        numel = 1
+        for n in shape:
+            numel *= n
+        if write_map.whole(name, numel):
+            out[name] = format_fingerprint(exact_fingerprint(held_tensor(write_map, name, shape)))
+    return out

@@ -6,8 +6,11 @@ Clients learn the chain from the workers' answer
 (:attr:`~weight_bridge.vllm.outcome.PushResult.served`); nothing else keeps one.
 
 The chain stays bounded however long a run is: a link whose every tensor a later link also
-holds is dropped (:func:`compact`), so a run of partial checkpoints that each carry every
-trainable tensor keeps its complete base and its newest partial only.
+holds whole is dropped (:func:`compact`), so a run of partial checkpoints that each carry every
+trainable tensor keeps its complete base and its newest partial only. A delta's sparse tensors
+patch what is below them, so they cover nothing: a chain of deltas is kept whole, down to its
+keyframe (the trainer's keyframes bound it), and the last delta keeps its undo log (its
+pre-images), so rolling it back is O(delta) and reads no file.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...checkpoint import CheckpointError, CheckpointReader
+from ...checkpoint.delta import split_name
 from ...checkpoint.held import HeldFile
+from ...direct.delta import UndoLog
 
 __all__ = ["ServedCheckpoint", "compact", "hold"]
 
@@ -24,12 +29,20 @@ __all__ = ["ServedCheckpoint", "compact", "hold"]
 @dataclass
 class ServedCheckpoint:
     """One checkpoint of the served version: its path (for messages and clients), the version
-    it was pushed as, its tensors' names, and its files, held."""
+    it was pushed as, its tensors' names (a delta's sparse ones under their own name), its
+    files, held, and for a delta its undo log."""
 
     path: str
     version: Any
     files: list[HeldFile] = field(default_factory=list)
     names: frozenset[str] = frozenset()
+    undo: UndoLog | None = None
+    patches: frozenset[str] = field(init=False, default=frozenset())
+
+    def __post_init__(self) -> None:
+        split = [split_name(n) for n in self.names]
+        self.names = frozenset(n for n, _ in split)
+        self.patches = frozenset(n for n, part in split if part)  # sparse: they cover nothing
 
     def reader(self) -> CheckpointReader:
         """The checkpoint as it was served, read through the held descriptors; a file that
@@ -43,6 +56,7 @@ class ServedCheckpoint:
         for f in self.files:
             f.release()
         self.files = []
+        self.undo = None
 
 
 def hold(path: str, version: Any = None) -> ServedCheckpoint:
@@ -64,11 +78,11 @@ def compact(chain: list[ServedCheckpoint]) -> tuple[list[ServedCheckpoint], list
     the rest in order gives the same weights); and the links dropped."""
     kept: list[ServedCheckpoint] = []
     dropped: list[ServedCheckpoint] = []
-    later: set[str] = set()
+    later: set[str] = set()  # what later links hold whole
     for link in reversed(chain):
         if link is not chain[0] and link.names and link.names <= later:
             dropped.append(link)
         else:
             kept.append(link)
-        later |= link.names
+        later |= link.names - link.patches
     return kept[::-1], dropped

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
+from ...checkpoint.delta import is_delta
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import (
     DirectReloadError,
@@ -43,12 +44,15 @@ from ...direct import (
     ReloadReport,
     prepare_direct_reload,
 )
+from ...direct.delta import PreparedDelta
+from ...direct.errors import BaseVersionError
 from ...direct.record import require_layout
 from ...direct.session import refresh_derived_state
 from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
 from ...direct.validate import validate_checkpoint
 from ..options import BridgeOptions
 from ..outcome import PushError, PushResult
+from .delta_links import link_fingerprints, plan_delta, served_dtypes
 from .layerwise import LayerwiseReprocessor, push_plan
 from .served_chain import ServedCheckpoint, compact, hold
 from .update_request import UpdateRequest
@@ -63,10 +67,11 @@ class _Pending:
 
     reader: CheckpointReader
     items: list[tuple[str, torch.Tensor]]
-    prepared: PreparedReload | VllmDirectWrite | None  # None: vLLM's whole-model layerwise
+    prepared: PreparedReload | PreparedDelta | VllmDirectWrite | None  # None: layerwise
     path: str
     partial: bool
     served_version: str | None
+    delta: bool = False
 
 
 class PushTransaction:
@@ -89,6 +94,7 @@ class PushTransaction:
         self._started_on = list(self.served)
         # the chain served before the last commit, kept until no rank needs to roll back to it
         self._before: list[ServedCheckpoint] | None = None
+        self._undone = False  # the last commit failed and its undo log restored the bits
 
     # -- phase 1 -----------------------------------------------------------------------------
 
@@ -104,21 +110,29 @@ class PushTransaction:
             verify = _choose(request.verify_hash, self.options.verify_hash)
             if verify:
                 reader.verify_hash()
-            base = reader.metadata.get(BASE_VERSION_KEY)
+            metadata = reader.metadata
+            base = metadata.get(BASE_VERSION_KEY)
             result.partial = base is not None
-            result.version = reader.metadata.get("version")
+            result.delta = is_delta(metadata)
+            result.version = metadata.get("version")
             if base is not None:
                 self._check_base(path, base, request.served_version)
             items = list(reader.tensors())
             finite = _choose(request.check_finite, self.options.check_finite)
-            prepared = self._plan(items, finite, result.partial, result)
+            prepared = self._plan_any(path, metadata, items, finite, result)
             self._pending = _Pending(
-                reader, items, prepared, path, result.partial, request.served_version
+                reader,
+                items,
+                prepared,
+                path,
+                result.partial,
+                request.served_version,
+                result.delta,
             )
         except (DirectReloadError, CheckpointError) as exc:
             if reader is not None:
                 reader.close()
-            result.error = _push_error(exc, "refused", reader)
+            result.error = PushError.of(exc, "refused", reader)
         return self._finished(result)
 
     def _check_base(self, path: str, base: str, served: str | None) -> None:
@@ -133,10 +147,19 @@ class PushTransaction:
             what = f"version {served!r}" + (" (the weights it started with)" if started else "")
         else:
             return
-        raise DirectReloadError(
-            f"partial checkpoint {path} applies on top of version {base!r}, but the engine serves "
+        raise BaseVersionError(
+            f"checkpoint {path} applies on top of version {base!r}, but the engine serves "
             f"{what}; push a complete checkpoint (nothing was written)"
         )
+
+    def _plan_any(
+        self, path: str, metadata: dict, items: list, finite: bool, result: PushResult
+    ) -> PreparedReload | PreparedDelta | VllmDirectWrite | None:
+        """A delta's plan, or any other checkpoint's (:meth:`_plan`)."""
+        if result.delta:
+            result.mode = "direct"
+            return plan_delta(self.model, self.options, path, metadata, items, finite)
+        return self._plan(items, finite, result.partial, result)
 
     def _plan(
         self, items: list, finite: bool, partial: bool, result: PushResult, mode: str | None = None
@@ -200,19 +223,27 @@ class PushTransaction:
             return result  # refused in phase 1: nothing to write
         self._pending = None
         result.written = True  # from here on this worker's weights may have changed
+        self._undone = False
         try:
             result.report = self._write(pending, reload_weights)
             self._serve(pending)
+            if not pending.partial:
+                result.report.dtypes = served_dtypes(self.model)
         except (DirectReloadError, CheckpointError) as exc:
-            result.error = _push_error(exc, "after-write", pending.reader)
+            result.error = PushError.of(exc, "after-write", pending.reader)
+            # a delta that failed restored its undo log: this rank holds the old bits already
+            self._undone = pending.delta and undefined_reason(self.model) is None
         finally:
             pending.reader.close()
         return self._finished(result)
 
     def _write(self, pending: _Pending, reload_weights: Any) -> ReloadReport:
-        if pending.prepared is not None:
-            return pending.prepared.run()
-        return self._layerwise(pending.items, reload_weights)
+        if pending.prepared is None:
+            report = self._layerwise(pending.items, reload_weights)
+        else:
+            report = pending.prepared.run()
+        link_fingerprints(self.model, pending.reader.metadata, pending.items, pending.partial)
+        return report
 
     def _layerwise(self, items: list, reload_weights: Any) -> ReloadReport:
         """vLLM's own whole-model reload, behind the same checks as a direct one."""
@@ -237,9 +268,10 @@ class PushTransaction:
         in case another rank failed. Links every tensor of which the new one holds too go."""
         self._before = list(self.served)
         reader = pending.reader
-        link = ServedCheckpoint(
-            pending.path, None, reader.take_held(), frozenset(n for n, _ in pending.items)
-        )
+        prepared = pending.prepared
+        undo = prepared.undo_log if isinstance(prepared, PreparedDelta) else None
+        names = frozenset(n for n, _ in pending.items)
+        link = ServedCheckpoint(pending.path, None, reader.take_held(), names, undo)
         chain = [*self.served, link] if pending.partial else [link]
         self.served, _ = compact(chain)  # what is dropped stays held in _before until settle
 
@@ -261,6 +293,9 @@ class PushTransaction:
         result = self.result
         if not result.wrote:
             return result
+        if self._undone:
+            result.rolled_back = "the failed delta's undo log restored the version served before"
+            return self._finished(result)
         if not self.options.rollback:
             mark_undefined(
                 self.model,
@@ -268,16 +303,21 @@ class PushTransaction:
                 or "an update failed on another rank after this one wrote it (rollback is off)",
             )
             return self._finished(result)
+        undo = None
         if self._before is not None:  # this rank's commit succeeded: back to the old chain
             kept = {id(link) for link in self._before}
             dropped = [link for link in self.served if id(link) not in kept]
             self.served, self._before = self._before, None
+            undo = dropped[0].undo if len(dropped) == 1 else None
             for link in dropped:
                 link.release()
         started = time.perf_counter()
         label = f"version {version!r}" if version is not None else "the version served before"
         try:
-            self._rewrite(self.served, reload_weights)
+            if undo is not None:  # a delta: its pre-images, O(delta), no file re-read
+                undo.undo(self.model)
+            else:
+                self._rewrite(self.served, reload_weights)
         except Exception as exc:
             mark_undefined(
                 self.model,
@@ -308,10 +348,17 @@ class PushTransaction:
                 readers.append(link.reader())
             for i, (link, reader) in enumerate(zip(chain, readers, strict=True)):
                 items = list(reader.tensors())
+                metadata = reader.metadata
                 # a partial link (pushed in the bridge's own mode) is re-written by the bridge's
                 # writer: vLLM's direct reload takes complete checkpoints only
                 mode = "direct" if i > 0 and self.options.reload_mode == "vllm-direct" else None
-                prepared = self._plan(items, False, i > 0, PushResult(), mode)
+                prepared: Any
+                if is_delta(metadata):
+                    prepared = plan_delta(
+                        self.model, self.options, link.path, metadata, items, False
+                    )
+                else:
+                    prepared = self._plan(items, False, i > 0, PushResult(), mode)
                 pending = _Pending(reader, items, prepared, link.path, i > 0, None)
                 self._write(pending, reload_weights)
         finally:
@@ -325,10 +372,11 @@ class PushTransaction:
         self.result.error = PushError("DirectReloadError", why, {}, "refused")
         return self._finished(self.result)
 
-    def fail(self, why: str) -> PushResult:
+    def fail(self, why: str, problems: dict | None = None) -> PushResult:
         """The update written here failed in a later step outside this worker (the engine
-        core's cache reset): a failure after writing, to be rolled back."""
-        self.result.error = PushError("DirectReloadError", why, {}, "after-write")
+        core's cache reset, a delta's fingerprints summed over the ranks): a failure after
+        writing, to be rolled back."""
+        self.result.error = PushError("DirectReloadError", why, dict(problems or {}), "after-write")
         return self._finished(self.result)
 
     def abandon(self) -> None:
@@ -340,18 +388,3 @@ class PushTransaction:
 
 def _choose(asked: bool | None, default: bool) -> bool:
     return default if asked is None else bool(asked)
-
-
-def _push_error(
-    exc: DirectReloadError | CheckpointError, phase: str, reader: CheckpointReader | None
-) -> PushError:
-    if isinstance(exc, CheckpointError):
-        problems = {exc.tensor: exc.problem} if exc.tensor else {}
-        return PushError("CheckpointError", exc.problem, problems, phase, exc.path)
-    problems = dict(exc.problems)
-    if reader is not None and len(reader.files) > 1:  # name each problem's shard file
-        for name, why in problems.items():
-            where = reader.file_of(name)
-            if where is not None:
-                problems[name] = f"{why} (in {where})"
-    return PushError("DirectReloadError", exc.summary, problems, phase)

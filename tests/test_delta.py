@@ -1,0 +1,232 @@
+"""Delta checkpoints in the direct-reload core: real files, real tensors, no engine.
+
+The reference is always the full new tensors: after a delta the model holds them bit for bit
+(through a fused, moved qkv storage), and after an undo it holds the old ones bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import delta_checkpoint
+from test_direct import Fused, set_storage
+
+import weight_bridge.direct.delta as delta_mod
+from weight_bridge.checkpoint import CheckpointError, CheckpointReader
+from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY, part_name, read_delta
+from weight_bridge.direct import DirectReloadError, direct_reload, record_checkpoint_layout
+from weight_bridge.direct.delta import prepare_delta
+from weight_bridge.direct.state import bridge_state
+from weight_bridge.exact import exact_fingerprint
+from weight_bridge.layout import TensorSpec
+
+NAMES = ("q", "k", "v", "out")
+
+
+def ckpt(seed: int, dtype=torch.bfloat16, n: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(n, 4, generator=g).to(dtype) for name in NAMES}
+
+
+class Big(Fused):
+    """:class:`Fused` with 64-row tensors in bf16, qkv moved into a larger buffer at an offset."""
+
+    def __init__(self, n: int = 64) -> None:
+        torch.nn.Module.__init__(self)
+        self.n = n
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * n, 4, dtype=torch.bfloat16))
+        self.out = torch.nn.Parameter(torch.zeros(n, 4, dtype=torch.bfloat16))
+
+    def load_weights(self, weights) -> set[str]:
+        offsets = {"q": 0, "k": self.n, "v": 2 * self.n}
+        for name, t in weights:
+            target = (
+                self.out.data if name == "out" else self.qkv.data.narrow(0, offsets[name], self.n)
+            )
+            target.copy_(t)
+        return set(NAMES)
+
+
+def engine_model(first: dict[str, torch.Tensor]) -> Big:
+    """Loaded like an engine: load, record, move qkv (processing), then a complete push."""
+    m = Big()
+    with torch.no_grad():
+        m.load_weights(first.items())
+    spec = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in first.items()}
+    record_checkpoint_layout(m, checkpoint=spec)
+    buf = torch.zeros(4 * 64 * 4, dtype=torch.bfloat16)
+    buf[20 : 20 + m.qkv.numel()].copy_(m.qkv.detach().reshape(-1))
+    set_storage(m.qkv, buf, 20, m.qkv.shape, m.qkv.stride())
+    direct_reload(m, first)  # the complete write the write map is learned from
+    return m
+
+
+def held(m: Big) -> dict[str, torch.Tensor]:
+    n = m.n
+    q = m.qkv.detach()
+    return {"q": q[:n], "k": q[n : 2 * n], "v": q[2 * n :], "out": m.out.detach()}
+
+
+def assert_bits(m: Big, want: dict[str, torch.Tensor]) -> None:
+    for name, t in held(m).items():
+        assert torch.equal(t.view(torch.int16), want[name].view(torch.int16)), name
+
+
+def nudge(base: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in base.items():
+        mask = torch.rand(t.shape, generator=g) < frac
+        out[name] = torch.where(mask, (t.float() * 1.01 + 0.003).to(t.dtype), t)
+    return out
+
+
+def write_delta(path: Path, old: dict, new: dict, base: str = "A", version: str = "B") -> Path:
+    return delta_checkpoint(old, new, base, version, path)
+
+
+def decoded(path: Path):
+    reader = CheckpointReader(path)
+    return reader, read_delta(str(path), reader.metadata, dict(reader.tensors()))
+
+
+def test_a_delta_writes_the_new_bits_through_a_moved_fused_storage(tmp_path) -> None:
+    a = ckpt(0)
+    b = nudge(a, 0.05, 1)
+    m = engine_model(a)
+    bridge_state(m).fingerprints = {n: exact_fingerprint(t) for n, t in a.items()}
+    before = (m.qkv.data_ptr(), m.out.data_ptr())
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
+    assert delta.sparse and not delta.dense  # 5 % changed: every tensor sparse
+    prepared = prepare_delta(m, delta, readback="full")
+    report = prepared.run()
+    assert_bits(m, b)
+    assert (m.qkv.data_ptr(), m.out.data_ptr()) == before
+    assert report.changed == delta.changed
+    assert prepared.undo_log is not None
+    prepared.undo_log.undo(m)
+    assert_bits(m, a)
+    reader.close()
+
+
+def test_a_dense_tensor_in_a_delta_and_a_chain_of_deltas(tmp_path) -> None:
+    a = ckpt(0)
+    m = engine_model(a)
+    bridge_state(m).fingerprints = {n: exact_fingerprint(t) for n, t in a.items()}
+    cur = a
+    for step in range(1, 6):
+        new = nudge(cur, 0.8 if step == 3 else 0.02, step)  # step 3: dense tensors
+        reader, delta = decoded(write_delta(tmp_path / f"{step}.safetensors", cur, new))
+        assert bool(delta.dense) == (step == 3)
+        prepare_delta(m, delta).run()
+        reader.close()
+        assert_bits(m, new)
+        cur = new
+
+
+def test_a_fault_mid_apply_restores_the_previous_bits(tmp_path, monkeypatch) -> None:
+    """FAULT INJECTION: the second scattered write raises (nothing outside can cause it)."""
+    a = ckpt(0)
+    m = engine_model(a)
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, nudge(a, 0.1, 1)))
+    calls = []
+    original = delta_mod._scatter
+
+    def faulty(storage, where, values):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault in the second scatter")
+        original(storage, where, values)
+
+    monkeypatch.setattr(delta_mod, "_scatter", faulty)
+    with pytest.raises(DirectReloadError, match="injected.*undo log restored"):
+        prepare_delta(m, delta).run()
+    assert_bits(m, a)
+    assert bridge_state(m).undefined is None
+    reader.close()
+
+
+def test_a_delta_on_other_bits_fails_its_fingerprint_and_is_undone(tmp_path) -> None:
+    a = ckpt(0)
+    m = engine_model(a)
+    bridge_state(m).fingerprints = {n: exact_fingerprint(t) for n, t in a.items()}
+    b = nudge(a, 0.05, 1)
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
+    idx = int(delta.sparse["q"].indices[0])
+    with torch.no_grad():
+        m.qkv.view(-1)[idx] += 1  # the engine drifted at an element the delta changes
+    drifted = {n: t.clone() for n, t in held(m).items()}
+    with pytest.raises(DirectReloadError, match="fingerprint") as info:
+        prepare_delta(m, delta).run()
+    assert "q" in info.value.problems and "undo log" in str(info.value)
+    assert_bits(m, drifted)
+    reader.close()
+
+
+def test_refusals_change_nothing(tmp_path) -> None:
+    a = ckpt(0)
+    m = engine_model(a)
+    b = nudge(a, 0.05, 1)
+    path = write_delta(tmp_path / "d.safetensors", a, b)
+    reader = CheckpointReader(path)
+    tensors = dict(reader.tensors())
+    meta = reader.metadata
+    # values in another dtype than the engine holds
+    wrong = dict(tensors, **{part_name("q", "values"): tensors[part_name("q", "values")].float()})
+    delta = read_delta(str(path), meta, wrong)
+    with pytest.raises(DirectReloadError, match="nothing was written") as info:
+        prepare_delta(m, delta)
+    assert "bfloat16" in info.value.problems["q"]
+    # a name the model never loaded
+    extra = dict(tensors, ghost=torch.zeros(2, dtype=torch.bfloat16))
+    prints = json.loads(meta[FINGERPRINTS_KEY])
+    meta2 = dict(meta, **{FINGERPRINTS_KEY: json.dumps({**prints, "ghost": "0" * 16})})
+    with pytest.raises(DirectReloadError) as info:
+        prepare_delta(m, read_delta(str(path), meta2, extra))
+    assert "ghost" in info.value.problems
+    assert_bits(m, a)
+    reader.close()
+
+
+def _corrupt(tensors: dict, name: str, part: str, value: torch.Tensor) -> dict:
+    return dict(tensors, **{part_name(name, part): value})
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda t: _corrupt(t, "q", "offsets", t[part_name("q", "offsets")].flip(0)), "strictly"),
+        (
+            lambda t: _corrupt(t, "q", "offsets", t[part_name("q", "offsets")].clone().fill_(3)),
+            "strictly",
+        ),
+        (lambda t: _corrupt(t, "q", "values", t[part_name("q", "values")][:-1]), "truncated"),
+        (
+            lambda t: {k: v for k, v in t.items() if k != part_name("q", "blocks")},
+            "truncated",
+        ),
+        (lambda t: _corrupt(t, "q", "offsets", t[part_name("q", "offsets")] + 300), "range"),
+    ],
+    ids=["unsorted", "duplicate", "values-truncated", "part-missing", "out-of-range"],
+)
+def test_a_malformed_delta_is_refused_by_name(tmp_path, change, words) -> None:
+    a = ckpt(0)
+    b = nudge(a, 0.05, 1)
+    path = write_delta(tmp_path / "d.safetensors", a, b)
+    with CheckpointReader(path) as reader:
+        tensors = {k: v.clone() for k, v in reader.tensors()}
+        with pytest.raises(CheckpointError, match=words) as info:
+            read_delta(str(path), reader.metadata, change(tensors))
+    assert info.value.tensor == "q"
+
+
+def test_a_delta_without_a_fingerprint_is_refused(tmp_path) -> None:
+    a = ckpt(0)
+    path = write_delta(tmp_path / "d.safetensors", a, nudge(a, 0.05, 1))
+    with CheckpointReader(path) as reader:
+        meta = dict(reader.metadata, **{FINGERPRINTS_KEY: "{}"})
+        with pytest.raises(CheckpointError, match="fingerprint"):
+            read_delta(str(path), meta, dict(reader.tensors()))

@@ -1,0 +1,390 @@
+"""Applying a delta in O(changed): scattered writes at the offsets a complete write showed.
+
+Why: at RL learning rates a step changes a few percent of the engine's values; writing,
+reading and copying the whole model for them is what a delta avoids. :func:`prepare_delta`
+checks the whole delta against the layout recorded at load and the write map learned from the
+last complete write (:mod:`.write_map`), and maps every changed element to the live element
+it lands on (through fused qkv / gate_up storages, tensor-parallel shards, MoE expert slots,
+tied embeddings), nothing written. :meth:`PreparedDelta.run` then, in order:
+
+1. reads the *pre-images* of every element it will write (the undo log, O(changed));
+2. writes the new values (a scatter per segment);
+3. reads every changed element back (bit for bit);
+4. updates each tensor's exact fingerprint (:mod:`weight_bridge.exact`) from its served one
+   with the changed elements and checks it against the fingerprint the delta records for the
+   full tensor (where this worker holds the tensor whole; a tensor-parallel shard reports its
+   part to the engine core, which checks the sum), and with ``readback="full"`` recomputes
+   every touched tensor's fingerprint from live storage;
+5. refreshes the derived state of the modules written (the CPU oneDNN re-pack of every changed
+   linear: vLLM's own processing, still O(model): ``refresh_s`` in the report).
+
+A failure anywhere after the first write restores the pre-images (the undo log) and refreshes
+again, so the model holds its previous bits exactly; the error says so. A tensor the map cannot
+patch (its loader transforms it) is written whole through the model's loader when the delta
+carries it dense, and refused by name when sparse.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoint.delta import Delta
+from ..exact import bits_of, exact_fingerprint, fingerprint_change
+from ..layout import TensorSpec
+from .derived import refresh_derived_state
+from .errors import DirectReloadError
+from .plan import plan_direct_reload
+from .proof import module_of
+from .record import require_layout
+from .session import PreparedReload, ReloadReport, prepare_direct_reload
+from .snapshot import addresses
+from .state import bridge_state
+from .validate import find_nonfinite, preflight
+from .write_map import WriteMap
+
+__all__ = ["PreparedDelta", "UndoLog", "prepare_delta"]
+
+APPLYING = "a delta started writing and did not finish"
+
+
+@dataclass
+class _Scatter:
+    """One segment's share of one tensor: live elements ``where`` of ``storage`` get
+    ``values``."""
+
+    storage: torch.Tensor
+    where: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class _Patch:
+    """One tensor of the delta on this worker: its scatters, and for each the mask of the
+    changed elements (of ``indices``) it holds; ``whole``: this worker holds all the tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    indices: torch.Tensor
+    values: torch.Tensor
+    scatters: list[_Scatter]
+    masks: list[torch.Tensor]
+    whole: bool
+
+
+@dataclass
+class UndoLog:
+    """The pre-images of every element a delta wrote, in write order: restoring them in
+    reverse gives back the previous bits exactly, with no file. ``modules``: whose derived
+    state to refresh afterwards; ``fingerprints``: the served fingerprints before."""
+
+    entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    modules: dict[str, str] = field(default_factory=dict)
+    fingerprints: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * 8 + p.numel() * p.element_size() for _, w, p in self.entries)
+
+    def undo(self, model: torch.nn.Module) -> None:
+        """Restore every pre-image (newest first), re-derive, and put the fingerprints back."""
+        for storage, where, pre in reversed(self.entries):
+            storage[where] = pre
+        state = bridge_state(model)
+        refresh_derived_state(model, self.modules)
+        state.fingerprints.update(self.fingerprints)
+
+
+def _scatter(storage: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """One scattered write (a function of its own: the fault-injection tests replace it)."""
+    storage[where] = values
+
+
+class PreparedDelta:
+    """A delta checked and mapped onto live storage, nothing written: :meth:`run` applies it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        patches: list[_Patch],
+        whole: PreparedReload | None,
+        refresh: dict[str, str],
+        wanted: dict[str, int],
+        readback: str,
+        preflight_s: float,
+    ) -> None:
+        self.model, self.patches, self.whole = model, patches, whole
+        self.refresh, self.wanted, self.readback = refresh, wanted, readback
+        self.preflight_s = preflight_s
+        self.undo_log: UndoLog | None = None
+        self._loader_started = False
+
+    def run(self) -> ReloadReport:
+        """Apply; on a failure after the first write, undo and raise
+        :class:`DirectReloadError` saying the previous bits were restored."""
+        started = time.perf_counter()
+        state = bridge_state(self.model)
+        if state.writing:
+            raise DirectReloadError("a direct reload is already in progress on this model")
+        report = ReloadReport(tensors=len(self.patches), preflight_s=self.preflight_s)
+        undo = UndoLog(modules=dict(self.refresh), fingerprints=dict(state.fingerprints))
+        was = state.undefined
+        state.undefined, state.writing = was or APPLYING, True
+        try:
+            with torch.no_grad():
+                self._write(undo, report)
+                report.write_s = time.perf_counter() - started
+                problems = self._check(report)
+            if problems:
+                raise DirectReloadError("the delta's read-back or fingerprints failed", problems)
+            if self.whole is not None:  # dense tensors the map cannot patch: their loader
+                state.writing = False
+                self._loader_started = True
+                whole = self.whole.run()
+                report.refreshed.update(whole.refreshed)
+                report.bytes += whole.bytes
+            t0 = time.perf_counter()
+            report.refreshed.update(refresh_derived_state(self.model, self.refresh))
+            report.refresh_s = time.perf_counter() - t0
+        except BaseException as exc:
+            state.writing = False
+            restored = self._restore(undo, was)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt propagates as itself (the bits are restored)
+            how = (
+                "the undo log restored the previous bits"
+                if restored
+                else f"the weights are undefined: {state.undefined}"
+            )
+            if isinstance(exc, DirectReloadError):
+                raise DirectReloadError(f"{exc.summary}; {how}", exc.problems) from exc
+            raise DirectReloadError(
+                f"a delta failed after writing started ({type(exc).__name__}: {exc}); {how}"
+            ) from exc
+        state.writing = False
+        state.undefined = was
+        state.fingerprints.update(self.wanted)
+        self.undo_log = undo
+        report.elapsed_s = self.preflight_s + time.perf_counter() - started
+        return report
+
+    def _write(self, undo: UndoLog, report: ReloadReport) -> None:
+        """Every pre-image first (two names never share an element, but a re-read after a
+        write would see it), then the scatters, each logged before it is written."""
+        self._pre = [[s.storage[s.where] for s in p.scatters] for p in self.patches]
+        for patch, olds in zip(self.patches, self._pre, strict=True):
+            for scatter, old in zip(patch.scatters, olds, strict=True):
+                undo.entries.append((scatter.storage, scatter.where, old))
+                _scatter(scatter.storage, scatter.where, scatter.values)
+                report.bytes += scatter.values.numel() * scatter.values.element_size()
+                report.changed += scatter.values.numel()
+
+    def _check(self, report: ReloadReport) -> dict[str, str]:
+        """Read back every changed element, then the fingerprints."""
+        t0 = time.perf_counter()
+        problems: dict[str, str] = {}
+        state = bridge_state(self.model)
+        for patch, olds in zip(self.patches, self._pre, strict=True):
+            for scatter in patch.scatters:
+                got = scatter.storage[scatter.where]
+                if not torch.equal(bits_of(got), bits_of(scatter.values)):
+                    problems[patch.name] = "read back after the delta differs from its values"
+            report.verified_writes += len(patch.scatters)
+            why = self._fingerprint(patch, olds, state.fingerprints.get(patch.name), report)
+            if why:
+                problems.setdefault(patch.name, why)
+        report.readback_s = time.perf_counter() - t0
+        return problems
+
+    def _fingerprint(
+        self, patch: _Patch, olds: list[torch.Tensor], base: int | None, report: ReloadReport
+    ) -> str | None:
+        """Check the full tensor's fingerprint (whole here), or report this worker's part."""
+        want = self.wanted[patch.name]
+        old = torch.empty_like(patch.values)
+        taken = torch.zeros(patch.indices.numel(), dtype=torch.bool)
+        for mask, pre in zip(patch.masks, olds, strict=True):  # an element held twice: once
+            fresh = mask & ~taken
+            old[fresh] = pre.cpu()[fresh[mask]]
+            taken |= mask
+        change = fingerprint_change(patch.indices[taken], old[taken], patch.values[taken])
+        if not patch.whole:
+            report.shard_fingerprints[patch.name] = [
+                f"{want:016x}",
+                f"{(base or 0):016x}" if base is not None else "",
+                f"{change:016x}",
+                int(taken.sum()),
+                patch.indices.numel(),
+            ]
+            return None
+        if base is None:
+            return "no fingerprint of the tensor served (push a keyframe)"
+        if (base + change) % (1 << 64) != want:
+            return (
+                "fingerprint after the delta differs from the trainer's: the engine's bits "
+                "before it were not the delta's base"
+            )
+        if self.readback == "full":
+            full = held_tensor(bridge_state(self.model).write_map, patch.name, patch.shape)
+            if exact_fingerprint(full) != want:
+                return "fingerprint of the full tensor read back differs from the trainer's"
+        return None
+
+    def _restore(self, undo: UndoLog, was: str | None) -> bool:
+        """Undo what was written; whether the model holds its previous bits again (not when
+        the undo failed, nor when the loader of a dense tensor had started writing: that one
+        has no pre-images, and the engine rolls back from its files)."""
+        state = bridge_state(self.model)
+        try:
+            undo.undo(self.model)
+        except Exception as failed:
+            state.undefined = f"{APPLYING}; restoring its undo log failed too: {failed}"
+            return False
+        if self._loader_started:
+            return False
+        state.undefined = was
+        return True
+
+
+def held_tensor(write_map: WriteMap | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full checkpoint tensor ``name`` as live storage holds it (this worker holds it
+    whole), gathered through its segments."""
+    assert write_map is not None
+    segments = write_map.segments[name]
+    numel = 1
+    for s in shape:
+        numel *= s
+    out = torch.empty(numel, dtype=segments[0].storage.dtype, device=segments[0].storage.device)
+    for seg in segments:
+        view = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
+        out.as_strided(seg.shape, seg.src_stride, seg.src_offset).copy_(view)
+    return out.view(shape)
+
+
+def _patch(
+    name: str,
+    shape: tuple[int, ...],
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    write_map: WriteMap,
+) -> _Patch:
+    """Map ``indices`` of checkpoint tensor ``name`` onto the live elements of this worker."""
+    scatters: list[_Scatter] = []
+    masks: list[torch.Tensor] = []
+    for seg in write_map.segments[name]:
+        mask, where = seg.locate(indices)
+        if not bool(mask.any()):
+            continue
+        device = seg.storage.device
+        scatters.append(_Scatter(seg.storage, where.to(device), values[mask].to(device)))
+        masks.append(mask)
+    numel = 1
+    for n in shape:
+        numel *= n
+    return _Patch(name, shape, indices, values, scatters, masks, write_map.whole(name, numel))
+
+
+def _usable_map(model: torch.nn.Module, now: object) -> WriteMap:
+    write_map = bridge_state(model).write_map
+    if write_map is None:
+        raise DirectReloadError(
+            "this engine has made no complete direct write yet, so it does not know where a "
+            "delta's elements go: push a complete checkpoint first (nothing was written)"
+        )
+    if write_map.addresses != now:
+        raise DirectReloadError(
+            "the model's storages changed since its last complete write: push a complete "
+            "checkpoint (nothing was written)"
+        )
+    return write_map
+
+
+def _specs(delta: Delta) -> dict[str, TensorSpec]:
+    specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in delta.dense}
+    specs.update({n: TensorSpec(s.shape, s.values.dtype) for n, s in delta.sparse.items()})
+    return specs
+
+
+def prepare_delta(
+    model: torch.nn.Module,
+    delta: Delta,
+    *,
+    check_finite: bool = True,
+    readback: str = "sampled",
+) -> PreparedDelta:
+    """Check ``delta`` (decoded by :func:`~weight_bridge.checkpoint.delta.read_delta`; its
+    base version is the caller's to check) and map it onto live storage; nothing is written.
+    A refusal raises :class:`DirectReloadError` naming each tensor."""
+    started = time.perf_counter()
+    state = bridge_state(model)
+    layout = require_layout(model)
+    now = addresses(model)
+    write_map = _usable_map(model, now)
+    problems = preflight(layout, _specs(delta), partial=True)
+    if check_finite and not problems:
+        sparse = [(n, s.values) for n, s in delta.sparse.items()]
+        targets = {n: spec.dtype for n, spec in layout.checkpoint.items()}
+        problems.update(find_nonfinite([*delta.dense, *sparse], targets))
+    patches: list[_Patch] = []
+    whole: list[tuple[str, torch.Tensor]] = []
+    for name, t in delta.dense:
+        if name in write_map.segments and t.dtype == write_map.dtypes.get(name):
+            every = torch.arange(t.numel(), dtype=torch.int64)
+            patches.append(_patch(name, tuple(t.shape), every, t.reshape(-1), write_map))
+        else:
+            whole.append((name, t))  # its loader transforms it, or a cast: written whole
+    for name, sp in delta.sparse.items():
+        why = write_map.unpatchable.get(name)
+        if why is None and name not in write_map.segments:
+            why = "the last complete write did not write it"
+        held = write_map.dtypes.get(name)
+        if name in problems:
+            continue
+        if why is not None:
+            problems[name] = f"a sparse delta cannot patch it ({why}): send it dense"
+        elif sp.values.dtype != held:
+            problems[name] = f"its values are {sp.values.dtype}, the engine holds it in {held}"
+        else:
+            patches.append(_patch(name, sp.shape, sp.indices, sp.values, write_map))
+    refresh = _refresh_of(model, patches, write_map, problems, now)
+    if problems:
+        raise DirectReloadError("delta rejected (nothing was written)", problems)
+    for patch in patches:
+        if patch.whole and (readback == "full" or patch.name not in state.fingerprints):
+            served = held_tensor(write_map, patch.name, patch.shape)
+            state.fingerprints[patch.name] = exact_fingerprint(served)
+    loader = None
+    if whole:
+        loader = prepare_direct_reload(
+            model, whole, check_finite=False, readback=readback, partial=True
+        )
+    wanted = dict(delta.fingerprints)
+    elapsed = time.perf_counter() - started
+    return PreparedDelta(model, patches, loader, refresh, wanted, readback, elapsed)
+
+
+def _refresh_of(
+    model: torch.nn.Module,
+    patches: list[_Patch],
+    write_map: WriteMap,
+    problems: dict[str, str],
+    now: object,
+) -> dict[str, str]:
+    """The derived state to refresh after the patches (module -> kind); a patch into a
+    parameter the plan does not write directly (transformed by processing, derived state no
+    refresher knows) is refused by name, as a complete push would refuse it."""
+    plan = plan_direct_reload(model, frozenset(), now)  # type: ignore[arg-type]
+    aliases = require_layout(model).aliases()  # a tied weight: every module that uses it
+    refresh: dict[str, str] = {}
+    for patch in patches:
+        params = write_map.params.get(patch.name, set())
+        for param in sorted({a for p in params for a in aliases.get(p, [p])}):
+            if param not in plan.targets:
+                problems[patch.name] = plan.problems.get(param, f"{param} is not writable")
+                continue
+            module = module_of(param)[0]
+            if module in plan.refresh:
+                refresh[module] = plan.refresh[module]
+    return refresh

@@ -1,0 +1,179 @@
+"""Where each checkpoint element lands in live storage: learned from a complete write.
+
+Why: a delta changes a few elements per tensor; calling the model's loader for them would
+rewrite whole tensors (and a loader cannot take a scattered subset anyway). But a complete
+write already shows exactly where every element goes: each ``Tensor.copy_`` the loader made
+(noted by :class:`~.readback.ReadBack`) copies a *view of the checkpoint tensor* (a narrow for
+a tensor-parallel shard, a slice of a fused qkv or gate_up tensor, one expert of an MoE) into a
+*view of a live storage* (a fused parameter at an offset, an expert slot, a tied embedding). A
+:class:`Segment` keeps both views' geometry; with it, a flat index of the checkpoint tensor is
+mapped to an element of live storage in O(1), so a delta is applied in O(changed) writes.
+
+A name whose loader did anything else (copied a *new* tensor made from the checkpoint one, a
+cast, a concatenation, a permutation through ``contiguous``; wrote by another in-place op; or
+copied with a geometry that cannot be inverted element by element) gets no segments: it is
+*not patchable*, and a delta must carry it dense (the engine refuses a sparse one by name).
+The map is only valid for the storages it was learned on: :func:`learn_write_map` records the
+model's addresses, and a push checks them (a direct reload never moves one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layout import byte_span, storage_ptr
+
+__all__ = ["Segment", "WriteMap", "learn_write_map"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One copy the loader made: checkpoint elements ``src_offset + sum(m[d] * src_stride[d])``
+    went to live elements ``dst_offset + sum(m[d] * dst_stride[d])`` of ``storage`` (a flat
+    view of the whole live storage in the written dtype), for every ``m`` within ``shape``."""
+
+    storage: torch.Tensor
+    src_offset: int
+    src_stride: tuple[int, ...]
+    dst_offset: int
+    dst_stride: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def extent(self) -> int:
+        """One past the last checkpoint element the segment reads, from ``src_offset``."""
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.src_stride, strict=True))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def locate(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
+        holds (a bool mask) and, for those, the live element they land on (int64)."""
+        rel = flat - self.src_offset
+        ok = (rel >= 0) & (rel < self.extent)
+        dst = torch.full_like(rel, self.dst_offset)
+        order = sorted(range(len(self.shape)), key=lambda d: -self.src_stride[d])
+        for d in order:  # nested strides: each coordinate is the quotient, greedily
+            m = torch.div(rel, self.src_stride[d], rounding_mode="floor")
+            ok &= (m >= 0) & (m < self.shape[d])
+            rel = rel - m * self.src_stride[d]
+            dst += m * self.dst_stride[d]
+        ok &= rel == 0
+        return ok, dst[ok]
+
+
+@dataclass
+class WriteMap:
+    """Checkpoint name -> its segments; names the map cannot patch -> why; the dtype each
+    name is held in; the model parameters each writes into; the addresses it was learned on."""
+
+    segments: dict[str, list[Segment]] = field(default_factory=dict)
+    unpatchable: dict[str, str] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    params: dict[str, set[str]] = field(default_factory=dict)
+    addresses: object = None
+
+    def whole(self, name: str, numel: int) -> bool:
+        """Whether this worker holds every element of ``name`` (not a tensor-parallel shard)."""
+        return sum(s.numel for s in self.segments.get(name, ())) >= numel
+
+
+def _nested(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a view's strides can be inverted greedily (each stride at least the span of
+    the dimensions with smaller strides: what narrow, select and slicing of a contiguous
+    tensor give)."""
+    dims = sorted(((st, n) for n, st in zip(shape, stride, strict=True) if n > 1), reverse=True)
+    span = 1
+    for st, n in reversed(dims):
+        if st < span:
+            return False
+        span = st * n
+    return True
+
+
+def _flat_storage(dst: torch.Tensor, cache: dict) -> torch.Tensor:
+    key = (storage_ptr(dst), dst.dtype, dst.device)
+    flat = cache.get(key)
+    if flat is None:
+        storage = dst.untyped_storage()
+        n = storage.nbytes() // dst.element_size()
+        flat = torch.empty(0, dtype=dst.dtype, device=dst.device).set_(storage, 0, (n,), (1,))
+        cache[key] = flat
+    return flat
+
+
+def _segment(
+    source: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, cache: dict
+) -> Segment | str:
+    """The segment of one noted copy, or why it cannot be one."""
+    if src.dtype != source.dtype:
+        return f"its loader copies a {src.dtype} view of a {source.dtype} tensor"
+    if tuple(src.shape) != tuple(dst.shape):
+        return f"its loader copies shape {tuple(src.shape)} into {tuple(dst.shape)}"
+    if not source.is_contiguous() or src.numel() == 0:
+        return "an empty or non-contiguous checkpoint tensor"
+    if storage_ptr(src) != storage_ptr(source):
+        return "its loader copies a new tensor computed from it (transformed), not a view"
+    delta = src.data_ptr() - source.data_ptr()
+    if delta < 0 or delta % source.element_size():
+        return "its loader copies a view outside the tensor"
+    if not _nested(tuple(src.shape), tuple(src.stride())):
+        return f"its loader copies a view with strides {tuple(src.stride())}"
+    return Segment(
+        _flat_storage(dst, cache),
+        delta // source.element_size(),
+        tuple(src.stride()),
+        int(dst.storage_offset()),
+        tuple(dst.stride()),
+        tuple(src.shape),
+    )
+
+
+def learn_write_map(
+    items: Iterable[tuple[str, torch.Tensor]],
+    writes: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+    other_writes: Iterable[str],
+    targets: Mapping[str, tuple[int, int]],
+    addresses: object,
+) -> WriteMap:
+    """The write map of a complete write: ``items`` were loaded, the loader made ``writes``
+    (checkpoint name, live destination view, source view) and, for ``other_writes``, in-place
+    writes that were not a copy of a view; ``targets``: each parameter's bytes (the plan's
+    spans), to name the parameters a checkpoint tensor writes into."""
+    sources: Mapping[str, torch.Tensor] = dict(items)
+    out = WriteMap(addresses=addresses)
+    cache: dict = {}
+    spans = sorted((lo, hi, name) for name, (lo, hi) in targets.items())
+    starts = [lo for lo, _, _ in spans]
+    for name in other_writes:
+        out.unpatchable[name] = "its loader writes it with an in-place op other than copy_"
+    for name, dst, src in writes:
+        source = sources.get(name)
+        if source is None or name in out.unpatchable:
+            continue
+        seg = _segment(source, dst, src, cache)
+        if isinstance(seg, str):
+            out.unpatchable[name] = seg
+            out.segments.pop(name, None)
+            continue
+        out.segments.setdefault(name, []).append(seg)
+        lo, _ = byte_span(dst)
+        i = bisect.bisect_right(starts, lo) - 1
+        if i >= 0 and spans[i][1] > lo:
+            out.params.setdefault(name, set()).add(spans[i][2])
+        out.dtypes.setdefault(name, dst.dtype)
+        if out.dtypes[name] != dst.dtype:
+            out.unpatchable[name] = "its loader writes it into storages of several dtypes"
+            out.segments.pop(name, None)
+    for name in out.unpatchable:
+        out.dtypes.pop(name, None)
+    return out

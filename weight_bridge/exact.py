@@ -1,0 +1,97 @@
+"""A bit-exact fingerprint of a tensor that can be updated in O(changed elements).
+
+Why: a delta checkpoint is only correct on exactly the bits it was diffed against. The trainer
+records, for every tensor a delta touches, the fingerprint of the *full* tensor it produces;
+the engine, which never sees the full tensor again, proves it holds those bits by updating the
+fingerprint of what it served with the elements it changed (their pre-images are read anyway,
+for the undo log). Drift anywhere in the chain (a lost write, a rounding that differs, a delta
+applied on other bits) shows as a mismatch.
+
+The fingerprint is linear over positions, modulo 2**64::
+
+    fp(t) = sum_i bits(t[i]) * w(i)        with w(i) = A[i mod 65536] * B[i // 65536], odd
+
+where ``bits`` is the element's raw bit pattern as a signed integer (a bf16 is its int16). Since
+every ``w(i)`` is odd, changing any one element always changes the fingerprint, and
+``fp(new) = fp(old) + sum over changed i of (new_i - old_i) * w(i)``. It is a check against
+mistakes, not an adversary. Torch's int64 arithmetic wraps, and wrapping addition is associative
+and commutative, so the order of the sums (threads, devices, chunks) does not matter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bits_of", "exact_fingerprint", "fingerprint_change", "format_fingerprint"]
+
+_LOW = 1 << 16
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ROWS = 64  # rows of 65536 elements widened to int64 at a time (32 MiB)
+_A: dict[torch.device, torch.Tensor] = {}
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 over int64 (wrapping arithmetic, logical shifts), made odd."""
+    x = x + 0x1E3779B97F4A7C15  # an int64 constant: the golden ratio's, top bit cleared
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return x | 1
+
+
+def _low_weights(device: torch.device) -> torch.Tensor:
+    a = _A.get(device)
+    if a is None:
+        a = _splitmix(torch.arange(_LOW, dtype=torch.int64, device=device))
+        _A[device] = a
+    return a
+
+
+def _high_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
+    return _splitmix(torch.arange(first, first + count, dtype=torch.int64, device=device) + _LOW)
+
+
+def weights_at(indices: torch.Tensor) -> torch.Tensor:
+    """``w(i)`` for each flat index (int64)."""
+    low = _low_weights(indices.device)[indices & (_LOW - 1)]
+    return low * _splitmix((indices >> 16) + _LOW)
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """Each element's raw bits as a signed integer tensor of the same size (a view)."""
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+@torch.no_grad()
+def exact_fingerprint(t: torch.Tensor) -> int:
+    """The fingerprint of all of ``t`` (row-major), an unsigned 64-bit integer; one pass, a
+    bounded int64 temporary, on the tensor's device."""
+    flat = bits_of(t.detach().reshape(-1))
+    n = flat.numel()
+    low = _low_weights(flat.device)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    block = _ROWS * _LOW
+    for start in range(0, n, block):
+        part = flat[start : start + block].to(torch.int64)
+        rows = -(-part.numel() // _LOW)
+        padded = torch.nn.functional.pad(part, (0, rows * _LOW - part.numel()))
+        per_row = (padded.view(rows, _LOW) * low).sum(dim=1)
+        total += (per_row * _high_weights(start // _LOW, rows, flat.device)).sum()
+    return int(total) & ((1 << 64) - 1)
+
+
+@torch.no_grad()
+def fingerprint_change(indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
+    """``fp(after) - fp(before)`` (mod 2**64) when the elements at flat ``indices`` change from
+    ``old`` to ``new`` (same dtype): O(changed)."""
+    if not indices.numel():
+        return 0
+    diff = bits_of(new).to(torch.int64) - bits_of(old).to(torch.int64)
+    return int((diff * weights_at(indices.to(torch.int64))).sum()) & ((1 << 64) - 1)
+
+
+def format_fingerprint(value: int) -> str:
+    """How a fingerprint is written in a header: 16 hex digits."""
+    return f"{value & ((1 << 64) - 1):016x}"

@@ -1,0 +1,78 @@
+"""A worker's deltas: planning one, what the engine reports a trainer may diff against, and the
+fingerprints of what it serves.
+
+Why here: the transaction (:mod:`.transaction`) treats a delta as one more kind of link in its
+served chain; what is specific to deltas (which reload modes can apply one, which dtypes the
+trainer must cast to, which fingerprints become the next delta's base) lives in this module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...checkpoint.delta import FINGERPRINTS_KEY, is_delta, read_delta, split_name
+from ...direct import DirectReloadError
+from ...direct.delta import PreparedDelta, prepare_delta
+from ...direct.state import bridge_state
+from ..options import BridgeOptions
+
+__all__ = ["DELTA_MODES", "link_fingerprints", "plan_delta", "served_dtypes"]
+
+DELTA_MODES = ("direct", "auto")  # the modes whose complete pushes learn a write map
+
+
+def plan_delta(
+    model: torch.nn.Module,
+    options: BridgeOptions,
+    path: str,
+    metadata: Mapping[str, str],
+    items: list[tuple[str, torch.Tensor]],
+    finite: bool,
+) -> PreparedDelta:
+    """Decode and check the delta at ``path`` and map it onto this worker's storages; a
+    refusal raises with nothing written."""
+    mode = options.reload_mode
+    if mode not in DELTA_MODES:
+        raise DirectReloadError(
+            f"a delta is applied by the bridge's direct writer, and this engine pushes in "
+            f"{mode!r} mode: push complete checkpoints (nothing was written)"
+        )
+    delta = read_delta(path, metadata, dict(items))
+    return prepare_delta(model, delta, check_finite=finite, readback=options.readback)
+
+
+def served_dtypes(model: torch.nn.Module) -> dict[str, str]:
+    """After a complete push: checkpoint name -> the dtype the engine holds it in, for every
+    tensor a delta can patch (empty where no write map was learned: deltas are refused)."""
+    write_map = bridge_state(model).write_map
+    if write_map is None:
+        return {}
+    return {n: str(d).removeprefix("torch.") for n, d in sorted(write_map.dtypes.items())}
+
+
+def link_fingerprints(
+    model: torch.nn.Module, metadata: Mapping[str, str], items: list[Any], partial: bool
+) -> None:
+    """After a link was written: the served fingerprints it records become the base of the
+    next delta. A complete checkpoint replaces them all (a trainer's keyframe records every
+    tensor's; a file without them leaves none known, and the first delta computes them from
+    live storage); a partial one replaces those of its tensors. A delta updated its own."""
+    state = bridge_state(model)
+    try:
+        recorded = json.loads(metadata.get(FINGERPRINTS_KEY, "{}"))
+    except ValueError:
+        recorded = {}
+    if is_delta(metadata):
+        return
+    if not partial:
+        state.fingerprints = {}
+    for key, _ in items:
+        name, _part = split_name(key)
+        state.fingerprints.pop(name, None)
+        value = recorded.get(name) if isinstance(recorded, dict) else None
+        if isinstance(value, str) and len(value) == 16:
+            state.fingerprints[name] = int(value, 16)
