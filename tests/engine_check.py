@@ -7,12 +7,15 @@ default) and tensor parallelism are tested from their own processes through this
     python tests/engine_check.py cold MODEL [MODEL ...] [--cpu-linear stock]
     python tests/engine_check.py stock MODEL [--prompts JSON] [--max-tokens N] [--ignore-eos]
     python tests/engine_check.py partial MODEL_A PARTIAL [--tp 2]
+    python tests/engine_check.py pushes MODEL_A FILE [FILE ...] [--tp 2]
 
 ``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
 greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts (each
 model in turn, one engine at a time, in this one process);
 ``partial`` pushes A's own checkpoint (version 0), then the partial checkpoint on top of it;
-``stock`` cold-starts a plain ``vllm.LLM`` (no bridge at all) on ``--prompts``.
+``stock`` cold-starts a plain ``vllm.LLM`` (no bridge at all) on ``--prompts``; ``pushes``
+pushes each file in turn (version: its position), recording each report or typed error and the
+greedy outputs after it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["cold", "push", "partial", "stock"])
+    parser.add_argument("scenario", choices=["cold", "push", "partial", "stock", "pushes"])
     parser.add_argument("model_a")
     parser.add_argument("model_b", nargs="?")
     parser.add_argument("more", nargs="*", help="cold: more models, one after the other")
@@ -67,6 +70,21 @@ def main() -> None:
             with ColocatedEngine(model, **for_model(model, kwargs)) as engine:
                 result["colds"].append(greedy(engine))
         result["cold"] = result["colds"][0]
+        print("RESULT " + json.dumps(result, default=str))
+        return
+    if args.scenario == "pushes":
+        result["steps"] = []
+        with ColocatedEngine(args.model_a, **kwargs) as engine:
+            for i, path in enumerate([args.model_b, *args.more]):
+                step: dict = {}
+                try:
+                    step["report"] = engine.push(path, version=i).__dict__
+                except Exception as exc:
+                    step["error"] = {"type": type(exc).__name__, "message": str(exc)}
+                    step["problems"] = getattr(exc, "problems", None)
+                step["version"] = engine.version
+                step["greedy"] = greedy(engine)
+                result["steps"].append(step)
         print("RESULT " + json.dumps(result, default=str))
         return
     if args.scenario == "partial":

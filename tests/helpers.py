@@ -302,6 +302,26 @@ def delta_checkpoint(old: dict, new: dict, base: str, version: str, path: Path) 
     return path
 
 
+def keyframe_checkpoint(tensors: dict, version: str, path: Path) -> Path:
+    """A complete checkpoint as the trainer writes a keyframe: every tensor's exact
+    fingerprint in its header (the base of the deltas after it)."""
+    import json
+
+    from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY
+    from weight_bridge.exact import exact_fingerprint, format_fingerprint
+
+    prints = {n: format_fingerprint(exact_fingerprint(t)) for n, t in tensors.items()}
+    metadata = {"version": version, FINGERPRINTS_KEY: json.dumps(prints)}
+    save_checkpoint(tensors, path, metadata)
+    return path
+
+
+def engine_cast(tensors: dict, dtypes: dict[str, str]) -> dict:
+    """The trainer's cast: each tensor in the dtype the engine reported holding it in (a
+    complete push's ``report.dtypes``)."""
+    return {n: t.to(getattr(torch, dtypes[n])) if n in dtypes else t for n, t in tensors.items()}
+
+
 def mixed(old: dict, new: dict, fraction: float, seed: int) -> dict:
     """``old`` with a random ``fraction`` of every tensor's elements taken from ``new``."""
     g = torch.Generator().manual_seed(seed)

@@ -13,13 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import (
     assert_parity,
     delta_checkpoint,
+    engine_cast,
     greedy,
+    keyframe_checkpoint,
     mixed,
     model_dir_with,
+    run_engine_check,
     tensors_of,
 )
 
@@ -49,11 +51,6 @@ def arm_delta_fault(worker) -> int:
     return os.getpid()
 
 
-def in_engine_dtypes(tensors: dict, dtypes: dict[str, str]) -> dict:
-    """The trainer's cast: each tensor in the dtype the engine reported holding it in."""
-    return {n: t.to(getattr(torch, dtypes[n])) if n in dtypes else t for n, t in tensors.items()}
-
-
 def assert_holds(engine, tensors: dict) -> None:
     """The engine holds exactly ``tensors``' bits (every tensor it holds whole)."""
     (held,) = engine.fingerprints()
@@ -67,8 +64,8 @@ def push_chain(engine, a: Path, b: Path, tmp_path: Path, fractions: list[float])
     checked bit for bit. Returns every version's tensors."""
     full = engine.push(a / "model.safetensors", version=1)
     assert full.dtypes and not full.delta
-    versions = [in_engine_dtypes(tensors_of(a), full.dtypes)]
-    target = in_engine_dtypes(tensors_of(b), full.dtypes)
+    versions = [engine_cast(tensors_of(a), full.dtypes)]
+    target = engine_cast(tensors_of(b), full.dtypes)
     for k, fraction in enumerate(fractions, start=2):
         new = mixed(versions[-1], target, fraction, seed=k)
         path = delta_checkpoint(versions[-1], new, str(k - 1), str(k), tmp_path / f"d{k}")
@@ -125,3 +122,40 @@ def test_a_delta_into_moe_experts_equals_a_cold_start(api_models, cold, engine_f
     engine = engine_factory(a)
     versions = push_chain(engine, a, b, tmp_path, [0.04])
     assert_parity(greedy(engine), cold(model_dir_with(a, versions[-1], tmp_path / "m2")))
+
+
+@pytest.mark.slow
+def test_deltas_in_the_multiprocess_tensor_parallel_engine(models, tmp_path) -> None:
+    """vLLM's multi-process engine, two tensor-parallel ranks: each rank writes the changed
+    elements of its own shard (the vocabulary-sharded tied embedding, column and row parallel
+    linears, fused qkv and gate_up); the engine core sums the ranks' parts of each sharded
+    tensor's fingerprint. A delta equals a TP=2 cold start on the trainer's tensors; a delta
+    diffed against other bits than those served fails that sum, is undone on both ranks, and
+    the engine still serves the delta before it."""
+    a, b = models["qwen2_A"], models["qwen2_B"]
+    fp32 = {n: "float32" for n in tensors_of(a)}
+    ta, tb = engine_cast(tensors_of(a), fp32), engine_cast(tensors_of(b), fp32)
+    v1 = mixed(ta, tb, 0.05, seed=1)
+    # tensors split between the ranks (one KV head: k and v are replicated, as norms are)
+    sharded = [n for n in ta if any(k in n for k in ("q_proj.w", "o_proj", "mlp.", "embed"))]
+    elsewhere = {**v1, **{n: mixed(v1, ta, 0.5, seed=2)[n] for n in sharded}}  # never held
+    v2 = mixed(elsewhere, tb, 0.05, seed=3)
+    files = [
+        keyframe_checkpoint(ta, "0", tmp_path / "k0.safetensors"),
+        delta_checkpoint(ta, v1, "0", "1", tmp_path / "d1.safetensors"),
+        delta_checkpoint(elsewhere, v2, "1", "2", tmp_path / "d2.safetensors"),
+    ]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = run_engine_check("pushes", str(a), *map(str, files), "--tp", "2", env=env)
+    keyframe, first, drifted = r["steps"]
+    assert keyframe["report"]["workers"] == 2
+    assert first["report"]["delta"] and str(first["version"]) == "1"
+    assert "fingerprint" in drifted["error"]["message"], drifted
+    assert set(drifted["problems"]) <= set(sharded), drifted["problems"]
+    assert all("summed over the ranks" in why for why in drifted["problems"].values())
+    assert str(drifted["version"]) == "1"
+    reference = run_engine_check(
+        "cold", str(model_dir_with(a, v1, tmp_path / "m1")), "--tp", "2", env=env
+    )
+    assert_parity(first["greedy"], reference["cold"])
+    assert_parity(drifted["greedy"], reference["cold"])

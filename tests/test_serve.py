@@ -32,6 +32,8 @@ from helpers import (
     assert_labels_name_weights,
     assert_parity,
     assert_recompute_continues,
+    delta_checkpoint,
+    engine_cast,
     label_colds,
     pushes_under_load,
 )
@@ -44,6 +46,7 @@ from weight_bridge.checkpoint import (
     save_checkpoint,
 )
 from weight_bridge.direct import DirectReloadError
+from weight_bridge.direct.errors import BaseVersionError
 from weight_bridge.testing import parity
 from weight_bridge.vllm.clients.served import VLLMServer
 from weight_bridge.vllm.errors import UpdateInProgressError
@@ -515,6 +518,40 @@ def test_every_label_names_the_weights_under_concurrent_generation(
     outputs = pushes_under_load(_http_labelled(client), push, {"B": b, "A": a}, pushes=12)
     assert_labels_name_weights(outputs, cold)
     assert client.weight_version() == "A"
+
+
+@pytest.mark.parametrize(
+    "inflight", [pytest.param(None, marks=pytest.mark.every_vllm), "recompute"]
+)
+def test_deltas_over_http_label_every_token_and_a_wrong_base_is_refused(
+    dense, stock_cold, inflight
+) -> None:
+    """Deltas A->B and B->A (O(changed) writes, made in the engine's dtype as its complete
+    push reported) pushed alternately over HTTP while four threads generate: each output under
+    one version is that version's stock cold start. A delta on another base than the served
+    version is refused by type, naming both versions, and changes nothing."""
+    client, a, b, root = dense["client"], dense["a"], dense["b"], dense["root"]
+    cold = label_colds(a, b, stock_cold)
+    full = client.push(a, version="A")
+    assert full.dtypes
+    ta = engine_cast(_tensors(a / "model.safetensors"), full.dtypes)
+    tb = engine_cast(_tensors(b / "model.safetensors"), full.dtypes)
+    ab = delta_checkpoint(ta, tb, "A", "B", root / f"delta-{inflight}-ab.safetensors")
+    ba = delta_checkpoint(tb, ta, "B", "A", root / f"delta-{inflight}-ba.safetensors")
+    deltas: list[bool] = []
+
+    def push(path: Path, version: str) -> None:
+        deltas.append(client.push(path, version=version, inflight=inflight).delta)
+
+    outputs = pushes_under_load(_http_labelled(client), push, {"B": ab, "A": ba}, pushes=8)
+    assert deltas == [True] * 8
+    assert_labels_name_weights(outputs, cold)
+    with pytest.raises(BaseVersionError) as info:
+        client.push(ba, version="never")
+    assert "version 'B'" in str(info.value) and "version 'A'" in str(info.value)
+    assert client.weight_version() == "A"
+    generate = _http_labelled(client)
+    assert [generate(ids)[0] for ids in LABEL_PROMPTS] == [c[0] for c in cold["A"]]
 
 
 def test_two_pushers_one_update_at_a_time_and_a_dead_trainer_is_abandoned(
