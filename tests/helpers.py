@@ -280,9 +280,12 @@ def partial_checkpoint(src: Path, names: list[str], base: str, version: str, pat
     return path
 
 
-def delta_checkpoint(old: dict, new: dict, base: str, version: str, path: Path) -> Path:
+def delta_checkpoint(
+    old: dict, new: dict, base: str, version: str, path: Path, dense: set | None = None
+) -> Path:
     """A delta from ``old`` to ``new`` (name -> tensor, same dtypes) on top of version
-    ``base``: each changed tensor sparse or dense, whichever is smaller, fingerprinted."""
+    ``base``: each changed tensor sparse or dense, whichever is smaller (``dense``: names
+    always dense, as a trainer sends those the engine cannot patch), fingerprinted."""
     from weight_bridge.checkpoint.delta import changed_indices, delta_metadata, stored_parts
     from weight_bridge.exact import exact_fingerprint
 
@@ -294,6 +297,8 @@ def delta_checkpoint(old: dict, new: dict, base: str, version: str, path: Path) 
         if not changed.numel():
             continue
         parts = stored_parts(name, new[name], changed)
+        if name in (dense or ()):
+            parts = {name: new[name]}
         if name not in parts:
             shapes[name] = list(new[name].shape)
         tensors.update(parts)

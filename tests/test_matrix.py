@@ -3,9 +3,10 @@
 Tiny random models built from ``transformers``' own config classes (dense tied and untied,
 fused qkv / gate_up checkpoints, mixture-of-experts with the CPU experts kernel's prepack, and
 DeepSeek-V2's MLA + MoE). One engine per family: started on A (its outputs then are A's cold
-start), pushed B in ``direct`` mode, then A, then B again in ``auto`` mode; each time greedy
-tokens and top-3 logprobs equal a cold start on the same checkpoint (to 1e-4; B's in a fresh
-engine of its own). A push either equals the cold start or is refused by
+start), pushed B in ``direct`` mode, then A, then B again in ``auto`` mode, then a delta (5 % of
+every tensor's elements moved back towards A); each time greedy tokens and top-3 logprobs equal
+a cold start on the same checkpoint (to 1e-4; B's and the delta's in a fresh engine of its
+own). A push either equals the cold start or is refused by
 name; here every family is expected to be written directly (MoE experts refreshed).
 """
 
@@ -15,9 +16,14 @@ import pytest
 from helpers import (
     assert_differs,
     assert_parity,
+    delta_checkpoint,
+    engine_cast,
     greedy,
     input_embedding_kernels,
+    mixed,
+    model_dir_with,
     run_engine_check,
+    tensors_of,
 )
 
 from weight_bridge.testing.models import (
@@ -54,7 +60,7 @@ QUICK = ("qwen3-tied", "qwen3-moe", "deepseek-v2")
     ],
 )
 def test_family_push_equals_cold_start_in_direct_and_auto(
-    family, matrix_models, cold, engine_factory
+    family, matrix_models, cold, engine_factory, tmp_path
 ) -> None:
     a, b = matrix_models[family]
     engine = engine_factory(a)
@@ -81,6 +87,15 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
     report = engine.push(b, version=3)
     assert report.mode == "direct" and not report.reprocessed
     assert_parity(greedy(engine), cold(b))
+
+    # a delta back towards A: O(changed) writes at the offsets the last complete push showed
+    tb, ta = engine_cast(tensors_of(b), report.dtypes), engine_cast(tensors_of(a), report.dtypes)
+    v4 = mixed(tb, ta, 0.05, seed=4)
+    unpatchable = set(tb) - set(report.dtypes)  # sent dense, as the trainer does
+    delta = delta_checkpoint(tb, v4, "3", "4", tmp_path / "d4.safetensors", unpatchable)
+    report = engine.push(delta)
+    assert report.delta and report.changed
+    assert_parity(greedy(engine), cold(model_dir_with(a, v4, tmp_path / "m4")))
     assert engine.addresses() == addresses
 
 
