@@ -280,6 +280,13 @@ def partial_checkpoint(src: Path, names: list[str], base: str, version: str, pat
     return path
 
 
+def set_storage(p: torch.Tensor, buf: torch.Tensor, offset: int, shape, stride) -> None:
+    """Point ``p`` at ``buf``'s storage (what post-load processing does when it moves a
+    weight into another buffer)."""
+    with torch.no_grad():
+        p.set_(buf.untyped_storage(), offset, tuple(shape), tuple(stride))
+
+
 def delta_checkpoint(
     old: dict, new: dict, base: str, version: str, path: Path, dense: set | None = None
 ) -> Path:

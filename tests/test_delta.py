@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import delta_checkpoint
-from test_direct import Fused, set_storage
+from helpers import delta_checkpoint, set_storage
 
 import weight_bridge.direct.delta as delta_mod
 from weight_bridge.checkpoint import CheckpointError, CheckpointReader
@@ -31,11 +30,12 @@ def ckpt(seed: int, dtype=torch.bfloat16, n: int = 64) -> dict[str, torch.Tensor
     return {name: torch.randn(n, 4, generator=g).to(dtype) for name in NAMES}
 
 
-class Big(Fused):
-    """:class:`Fused` with 64-row tensors in bf16, qkv moved into a larger buffer at an offset."""
+class Big(torch.nn.Module):
+    """A vLLM-style layer in bf16: q, k and v loaded into one fused qkv parameter (which
+    processing then moves into a larger buffer at an offset), and ``out``."""
 
     def __init__(self, n: int = 64) -> None:
-        torch.nn.Module.__init__(self)
+        super().__init__()
         self.n = n
         self.qkv = torch.nn.Parameter(torch.zeros(3 * n, 4, dtype=torch.bfloat16))
         self.out = torch.nn.Parameter(torch.zeros(n, 4, dtype=torch.bfloat16))
@@ -230,3 +230,47 @@ def test_a_delta_without_a_fingerprint_is_refused(tmp_path) -> None:
         meta = dict(reader.metadata, **{FINGERPRINTS_KEY: "{}"})
         with pytest.raises(CheckpointError, match="fingerprint"):
             read_delta(str(path), meta, dict(reader.tensors()))
+
+
+def test_a_write_that_lands_wrong_is_caught_by_the_read_back_and_undone(
+    tmp_path, monkeypatch
+) -> None:
+    """FAULT INJECTION: a scattered write that stores other values than asked (a bad kernel);
+    the fingerprint is computed from the pre-images and the delta's values, so only reading
+    the written elements back can see it."""
+    a = ckpt(0)
+    m = engine_model(a)
+    bridge_state(m).fingerprints = {n: exact_fingerprint(t) for n, t in a.items()}
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, nudge(a, 0.1, 1)))
+    original = delta_mod._scatter
+
+    def wrong(storage, where, values):
+        original(storage, where, values)
+        storage[where[:1]] = values[:1] * 2 + 1
+
+    monkeypatch.setattr(delta_mod, "_scatter", wrong)
+    with pytest.raises(DirectReloadError, match="read back") as info:
+        prepare_delta(m, delta).run()
+    assert "undo log restored" in str(info.value)
+    assert_bits(m, a)
+    reader.close()
+
+
+def test_explain_and_the_reader_describe_a_delta(tmp_path, capsys) -> None:
+    from weight_bridge.explain import main
+
+    a = ckpt(0)
+    b = nudge(a, 0.05, 1)
+    b["out"] = nudge(a, 0.9, 2)["out"]  # mostly changed: stored dense
+    path = write_delta(tmp_path / "d.safetensors", a, b, base="7", version="8")
+    with CheckpointReader(path) as reader:
+        assert reader.is_delta
+        delta = reader.delta()
+        assert (delta.base, delta.version) == ("7", "8")
+        assert sorted(delta.sparse) == ["k", "q", "v"] and [n for n, _ in delta.dense] == ["out"]
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "version '8' on top of base '7'" in out
+    assert "4 tensors (3 sparse, 1 dense)" in out
+    for name in NAMES:
+        assert f"{exact_fingerprint(b[name]):016x}" in out

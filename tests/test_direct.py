@@ -6,7 +6,17 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import IDS, A, B, Toy, cold_start, load_by_name, snapshot_bytes, toy_checkpoint
+from helpers import (
+    IDS,
+    A,
+    B,
+    Toy,
+    cold_start,
+    load_by_name,
+    set_storage,
+    snapshot_bytes,
+    toy_checkpoint,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -22,11 +32,6 @@ from weight_bridge.direct import (
 )
 from weight_bridge.direct.state import bridge_state, undefined_reason
 from weight_bridge.layout import TensorSpec, live_tensors
-
-
-def set_storage(p: torch.Tensor, buf: torch.Tensor, offset: int, shape, stride) -> None:
-    with torch.no_grad():
-        p.set_(buf.untyped_storage(), offset, tuple(shape), tuple(stride))
 
 
 def move_proj_next_to_other(model: Toy) -> None:

@@ -11,6 +11,11 @@ written) and prints one row per weight:
   refresher knows, emptied storage...).
 
 Run it before trusting a new architecture or a new post-load processing path in an RL run.
+
+``python -m weight_bridge.explain CHECKPOINT`` on a delta checkpoint (a sync's file when the
+trainer sends what changed) describes it instead, with no engine: its base and own version,
+and per tensor whether it is sparse or dense, how many elements changed, its bytes and the
+fingerprint of the full tensor it produces.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import sys
 from typing import Any
 
+from .checkpoint import CheckpointReader
 from .direct.proof import module_of
 
 
@@ -64,9 +70,48 @@ def format_plan(plan: dict[str, Any], rank: int = 0) -> str:
     return "\n".join(lines)
 
 
+def describe_delta(reader: CheckpointReader) -> str:
+    """A delta checkpoint as a table: one row per tensor, then totals."""
+    delta = reader.delta()
+    rows = []
+    for name, t in delta.dense:
+        rows.append((name, "dense", t.numel(), t.numel(), t.nbytes, delta.fingerprints[name]))
+    for name, sp in delta.sparse.items():
+        stored = sum(reader.tensor(k).nbytes for k in reader.specs() if k.startswith(name + "@"))
+        n = sp.indices.numel()
+        rows.append((name, "sparse", n, sp.numel, stored, delta.fingerprints[name]))
+    width = max((len(r[0]) for r in rows), default=6)
+    lines = [
+        f"delta {reader.path}: version {delta.version!r} on top of base {delta.base!r}",
+        f"{'tensor':<{width}}  kind    changed / elements   bytes       fingerprint",
+    ]
+    for name, kind, changed, numel, nbytes, fp in sorted(rows):
+        share = f"{changed} / {numel} ({100 * changed / max(numel, 1):.2f} %)"
+        lines.append(f"{name:<{width}}  {kind:<6}  {share:<20} {nbytes:<11} {fp:016x}")
+    changed = sum(r[2] for r in rows)
+    numel = sum(r[3] for r in rows)
+    lines.append(
+        f"{len(rows)} tensors ({len(delta.sparse)} sparse, {len(delta.dense)} dense), "
+        f"{changed} of {numel} elements changed, {reader.nbytes} bytes"
+    )
+    return "\n".join(lines)
+
+
+def _delta_at(path: str) -> CheckpointReader | None:
+    """An open reader if ``path`` is a delta checkpoint, else None (a model directory)."""
+    try:
+        reader = CheckpointReader(path)
+    except Exception:
+        return None
+    if reader.is_delta:
+        return reader
+    reader.close()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weight_bridge.explain", description=__doc__)
-    parser.add_argument("model", help="Hugging Face-format model directory")
+    parser.add_argument("model", help="Hugging Face-format model directory, or a delta checkpoint")
     parser.add_argument("--cpu-linear", default="repack", choices=["torch", "repack", "stock"])
     parser.add_argument("--mode", default="direct", choices=["direct", "auto"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -79,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the raw plans as JSON")
     args = parser.parse_args(argv)
+    reader = _delta_at(args.model)
+    if reader is not None:
+        with reader:
+            print(describe_delta(reader))
+        return 0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from .vllm import ColocatedEngine

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..layout import TensorSpec
+from .delta import Delta, is_delta, read_delta
 from .errors import CheckpointError
 from .format import HASH_KEY, INDEX_NAME, MAX_INDEX_BYTES, content_hash
 from .header import SafetensorsFile, open_file
@@ -209,6 +210,17 @@ class CheckpointReader:
         for f in self.files:
             for name, _ in sorted(f.entries.items(), key=lambda kv: kv[1].begin):
                 yield name, self.tensor(name)
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether this checkpoint is a delta (:mod:`.delta`)."""
+        return is_delta(self.metadata)
+
+    def delta(self) -> Delta:
+        """The delta this checkpoint holds, decoded and checked (indices sorted, unique and in
+        range, every part present, a fingerprint per tensor); a ``CheckpointError`` names the
+        tensor otherwise, or says the checkpoint is not a delta."""
+        return read_delta(str(self.path), self.metadata, dict(self.tensors()))
 
     def verify_hash(self) -> None:
         """Recompute the content hash written by :func:`.save_checkpoint`; raise if it differs."""
