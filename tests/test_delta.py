@@ -40,19 +40,22 @@ class Big(torch.nn.Module):
         self.qkv = torch.nn.Parameter(torch.zeros(3 * n, 4, dtype=torch.bfloat16))
         self.out = torch.nn.Parameter(torch.zeros(n, 4, dtype=torch.bfloat16))
 
+    transform_out = False  # a loader that copies a new tensor made from ``out``
+
     def load_weights(self, weights) -> set[str]:
         offsets = {"q": 0, "k": self.n, "v": 2 * self.n}
         for name, t in weights:
-            target = (
-                self.out.data if name == "out" else self.qkv.data.narrow(0, offsets[name], self.n)
-            )
-            target.copy_(t)
+            if name == "out":
+                self.out.data.copy_(t.clone() if self.transform_out else t)
+            else:
+                self.qkv.data.narrow(0, offsets[name], self.n).copy_(t)
         return set(NAMES)
 
 
-def engine_model(first: dict[str, torch.Tensor]) -> Big:
+def engine_model(first: dict[str, torch.Tensor], transform_out: bool = False) -> Big:
     """Loaded like an engine: load, record, move qkv (processing), then a complete push."""
     m = Big()
+    m.transform_out = transform_out
     with torch.no_grad():
         m.load_weights(first.items())
     spec = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in first.items()}
@@ -274,3 +277,24 @@ def test_explain_and_the_reader_describe_a_delta(tmp_path, capsys) -> None:
     assert "4 tensors (3 sparse, 1 dense)" in out
     for name in NAMES:
         assert f"{exact_fingerprint(b[name]):016x}" in out
+
+
+def test_a_tensor_its_loader_transforms_is_written_whole_or_refused(tmp_path) -> None:
+    """``out``'s loader copies a new tensor made from it: the write map cannot patch it. Sent
+    dense, it is written through its loader; sent sparse, it is refused by name."""
+    a = ckpt(0)
+    m = engine_model(a, transform_out=True)
+    assert "out" in bridge_state(m).write_map.unpatchable
+    b = nudge(a, 0.05, 1)
+    reader, delta = decoded(write_delta(tmp_path / "sparse.safetensors", a, b))
+    with pytest.raises(DirectReloadError, match="nothing was written") as info:
+        prepare_delta(m, delta)
+    assert "send it dense" in info.value.problems["out"]
+    assert_bits(m, a)
+    reader.close()
+    path = delta_checkpoint(a, b, "A", "B", tmp_path / "dense.safetensors", dense={"out"})
+    reader, delta = decoded(path)
+    report = prepare_delta(m, delta).run()
+    assert_bits(m, b)
+    assert report.tensors == 4
+    reader.close()

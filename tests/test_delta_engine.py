@@ -114,6 +114,12 @@ def test_deltas_equal_cold_starts_refuse_a_wrong_base_and_undo_a_fault(
     assert_holds(engine, nxt)
     assert engine.addresses() == addresses
 
+    engine.reload_mode = "layerwise"  # vLLM's reload: no write map, so no delta
+    after = delta_checkpoint(nxt, versions[-1], "6", "7", tmp_path / "after")
+    with pytest.raises(DirectReloadError, match="direct writer"):
+        engine.push(after)
+    assert engine.version == "6"
+
 
 @pytest.mark.every_vllm
 def test_a_delta_into_moe_experts_equals_a_cold_start(api_models, cold, engine_factory, tmp_path):

@@ -120,6 +120,7 @@ class PreparedDelta:
         self.preflight_s = preflight_s
         self.undo_log: UndoLog | None = None
         self._loader_started = False
+        self._pre: list[list[torch.Tensor]] = []  # per patch, per scatter: the pre-images
 
     def run(self) -> ReloadReport:
         """Apply; on a failure after the first write, undo and raise
@@ -128,7 +129,8 @@ class PreparedDelta:
         state = bridge_state(self.model)
         if state.writing:
             raise DirectReloadError("a direct reload is already in progress on this model")
-        report = ReloadReport(tensors=len(self.patches), preflight_s=self.preflight_s)
+        whole = len(self.whole.items) if self.whole is not None else 0
+        report = ReloadReport(tensors=len(self.patches) + whole, preflight_s=self.preflight_s)
         undo = UndoLog(modules=dict(self.refresh), fingerprints=dict(state.fingerprints))
         was = state.undefined
         state.undefined, state.writing = was or APPLYING, True
@@ -142,9 +144,9 @@ class PreparedDelta:
             if self.whole is not None:  # dense tensors the map cannot patch: their loader
                 state.writing = False
                 self._loader_started = True
-                whole = self.whole.run()
-                report.refreshed.update(whole.refreshed)
-                report.bytes += whole.bytes
+                loaded = self.whole.run()
+                report.refreshed.update(loaded.refreshed)
+                report.bytes += loaded.bytes
             t0 = time.perf_counter()
             report.refreshed.update(refresh_derived_state(self.model, self.refresh))
             report.refresh_s = time.perf_counter() - t0
