@@ -37,20 +37,24 @@ from weight_bridge.checkpoint.space import create_reserved
 
 from .changed import sync_state
 from .collective import Collective
+from .delta_sink import OpenSink, Sink
 from .dtensor import ShardGather, is_dtensor
-from .names import CheckpointNames, SyncEntry, parse_dtype
+from .names import CheckpointNames, SyncEntry
 
 __all__ = ["GatherPlan", "Gatherer"]
 
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """The checkpoint to write, from metadata; ``sharded``: every rank takes part."""
+    """The checkpoint to write, from metadata; ``sharded``: every rank takes part;
+    ``tracked``: the names a delta may later touch (None: every entry), for the reference copy
+    a keyframe refreshes (:mod:`callbacks.reference`)."""
 
     entries: list[SyncEntry]
     partial: bool
     source_dtype: str
     sharded: bool
+    tracked: frozenset[str] | None = None
 
     def specs(self) -> list[tuple[str, torch.Tensor]]:
         """The header: each name with a data-less tensor of its shape and dtype."""
@@ -85,6 +89,11 @@ class Gatherer:
         self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
         self.maps: TransportMaps | None = None  # the files' maps, kept across syncs (same)
         self.owner: int | None = None  # holds the RAM transport's directory while the run lives
+        self.engine_dtypes: dict[str, str] = {}  # name -> the engine's dtype (names.dtype="engine")
+
+    def writer_options(self) -> dict[str, Any]:
+        """How every file of a sync is written (a keyframe's, a delta's, a plain one's)."""
+        return {"fsync": self.fsync, "hashed": self.hashed, "reuse": self.spare, "maps": self.maps}
 
     def use_ram(self, directory: Path | None, owner: int | None = None) -> None:
         """Write into the RAM transport in ``directory`` (None: not in RAM, or no more): its
@@ -147,8 +156,7 @@ class Gatherer:
                 state = self.model(pl_module).state_dict(keep_vars=True)
         except Exception:  # a model built later (configure_model), or a source not ready
             return 0
-        cast = parse_dtype(self.names.dtype) if self.names.dtype is not None else None
-        return estimate_bytes(state, cast)
+        return estimate_bytes(state, self.names.fixed_dtype)  # "engine": the trainer's at first
 
     def _state(self, trainer: Any, pl_module: Any) -> tuple[torch.nn.Module | None, Mapping]:
         if self.source is not None:
@@ -158,16 +166,29 @@ class Gatherer:
             return root, trainer.strategy.lightning_module_state_dict()
         return root, root.state_dict()
 
-    def plan(self, trainer: Any, pl_module: Any, changing_only: bool, writer: bool) -> GatherPlan:
+    def plan(
+        self, trainer: Any, pl_module: Any, changing_only: bool, writer: bool, track: bool = False
+    ) -> GatherPlan:
         """Every rank calls this (the state dict call may be collective). Ranks that neither
-        write nor take part in gathers get an empty plan."""
+        write nor take part in gathers get an empty plan. ``track``: name what deltas will
+        carry (with ``changing_only`` off: only what training can change)."""
         root, state = self._state(trainer, pl_module)
         sharded = any(is_dtensor(t) for t in state.values())
         if not sharded and not writer:
             return GatherPlan([], False, "", False)
         selected = sync_state(root, state, changing_only)
-        entries, source_dtype = self.names.entries(selected)
-        return GatherPlan(entries, selected.partial, source_dtype, sharded)
+        entries, source_dtype = self.names.entries(selected, self.engine_dtypes)
+        tracked = None
+        if track and not changing_only:
+            changing = self.names.entries(sync_state(root, state, True), self.engine_dtypes)[0]
+            tracked = frozenset(e.name for e in changing)
+        return GatherPlan(entries, selected.partial, source_dtype, sharded, tracked)
+
+    def open_writer(
+        self, path: Path, specs: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]
+    ) -> Sink:
+        """The plain sink: the checkpoint writer, streaming each tensor to its offset."""
+        return CheckpointWriter(path, specs, metadata, **self.writer_options())
 
     def stream(
         self,
@@ -176,19 +197,20 @@ class Gatherer:
         metadata: Mapping[str, str],
         collective: Collective,
         writers: Sequence[int],
+        open_sink: OpenSink | None = None,
     ) -> SavedCheckpoint | None:
-        """Write ``plan`` to ``path`` (None: this rank does not write). Sharded plans need every
-        rank here; a failure anywhere raises ``StepFailed`` on every rank at the same tensor."""
+        """Write ``plan`` to ``path`` (None: this rank does not write) through the sink
+        ``open_sink`` makes (default :meth:`open_writer`; a delta's: :mod:`callbacks.
+        delta_sink`). Sharded plans need every rank here; a failure anywhere raises
+        ``StepFailed`` on every rank at the same tensor."""
         if plan.sharded:
             collective.same("save (the checkpoint's tensors)", plan.digest())
         error: BaseException | None = None
-        writer: CheckpointWriter | None = None
+        writer: Sink | None = None
         try:
             try:
                 if path is not None:
-                    writer = CheckpointWriter(
-                        path, plan.specs(), metadata, self.fsync, self.hashed, self.spare, self.maps
-                    )
+                    writer = (open_sink or self.open_writer)(path, plan.specs(), metadata)
             except Exception as exc:
                 error = exc
             for entry in plan.entries:
@@ -205,7 +227,7 @@ class Gatherer:
         self,
         entry: SyncEntry,
         sharded: bool,
-        writer: CheckpointWriter | None,
+        writer: Sink | None,
         writers: Sequence[int],
         collective: Collective,
         error: BaseException | None,
@@ -232,6 +254,7 @@ class Gatherer:
                 tensor = self._combine(entry, full)
                 del full
                 # cast, copied off the device, hashed and written in one pass, chunk by chunk
+                # (a delta's sink: cast, diffed against the reference copy as it arrives)
                 writer.write(entry.name, tensor.detach(), cast=True)
         except Exception as exc:
             return exc

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from .changed import Item, SyncState
 
-__all__ = ["CheckpointNames", "SyncEntry", "parse_dtype"]
+__all__ = ["ENGINE", "CheckpointNames", "SyncEntry", "parse_dtype"]
+
+ENGINE = "engine"  # CheckpointNames.dtype: each tensor in the dtype the engine holds it in
+# What an engine may report holding a tensor in that a plain cast reproduces (an fp8 weight
+# comes with scales: not a cast, so such a tensor keeps the trainer's dtype).
+_CASTABLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
 @dataclass(frozen=True)
@@ -30,17 +36,21 @@ class CheckpointNames:
     ``strip_prefix`` is removed from the front of each name, then each ``rename`` regex is
     applied in order (``{pattern: replacement}``, :func:`re.sub`). Tied tensors (embeddings and
     ``lm_head``) are written once, under their first name, as vLLM and Hugging Face expect. Two
-    names mapping to one are refused. ``dtype`` (e.g. ``"bfloat16"``): floating tensors are cast
-    to it; None keeps the trainer's dtype.
+    names mapping to one are refused. ``dtype``: floating tensors are cast to it (e.g.
+    ``"bfloat16"``), rounding as the engine's loader does (``Tensor.to``: to nearest, ties to
+    even); ``"engine"`` (the default): each to the dtype the engine reported holding it in after
+    the last complete push, so a bf16 engine gets bf16 and every byte sent is one it keeps (the
+    first sync of a run, before any report, and every tensor an engine does not report, keep
+    the trainer's dtype); None keeps the trainer's dtype.
     """
 
     strip_prefix: str = ""
     rename: dict[str, str] = field(default_factory=dict)
-    dtype: str | None = None
+    dtype: str | None = ENGINE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rename", dict(self.rename or {}))
-        if self.dtype is not None:
+        if self.dtype is not None and self.dtype != ENGINE:
             parse_dtype(self.dtype)  # refused up front, not at the first sync
         patterns = [(re.compile(p), r) for p, r in self.rename.items()]
         object.__setattr__(self, "_patterns", patterns)
@@ -52,10 +62,20 @@ class CheckpointNames:
             name = pattern.sub(replacement, name)
         return name
 
-    def entries(self, state: SyncState) -> tuple[list[SyncEntry], str]:
+    @property
+    def fixed_dtype(self) -> torch.dtype | None:
+        """The one dtype every floating tensor is cast to (None: the trainer's, or per tensor
+        the engine's)."""
+        return parse_dtype(self.dtype) if self.dtype not in (None, ENGINE) else None
+
+    def entries(
+        self, state: SyncState, engine_dtypes: Mapping[str, str] | None = None
+    ) -> tuple[list[SyncEntry], str]:
         """The checkpoint's tensors from shapes and dtypes alone (nothing is gathered), and the
-        floating dtype the trainer holds them in."""
-        cast = parse_dtype(self.dtype) if self.dtype is not None else None
+        floating dtype the trainer holds them in. ``engine_dtypes``: checkpoint name -> the
+        dtype the engine holds it in (used with ``dtype="engine"``)."""
+        cast = self.fixed_dtype
+        held = engine_dtypes if self.dtype == ENGINE and engine_dtypes else {}
         out: list[SyncEntry] = []
         origin: dict[str, str] = {}
         seen: set[object] = set()
@@ -72,9 +92,15 @@ class CheckpointNames:
             dtype = first.dtype
             if dtype.is_floating_point:
                 source_dtype = source_dtype or str(dtype).removeprefix("torch.")
-                dtype = cast or dtype
+                dtype = cast or _engine_dtype(held.get(new)) or dtype
             out.append(SyncEntry(new, tuple(first.shape), dtype, item))
         return out, source_dtype
+
+
+def _engine_dtype(name: str | None) -> torch.dtype | None:
+    """A dtype the engine reported, if a plain cast reproduces it."""
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    return dtype if dtype in _CASTABLE else None
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -7,8 +7,9 @@ storage. A checkpoint on disk is also what a cold start would load, so what the 
 after a push is exactly what a fresh engine on that file would serve.
 
 The callback only wires the parts together: :class:`~callbacks.schedule.SyncClock` decides when
-(and whether a sync may be partial), :class:`~callbacks.gather.Gatherer` what is sent and how
-each tensor reaches the writer (DTensors of sharded trainers one at a time),
+(and whether a sync is complete, partial or a delta), :class:`~callbacks.gather.Gatherer` what
+is sent and how each tensor reaches the writer (DTensors of sharded trainers one at a time),
+:class:`~callbacks.deltas.DeltaState` what the engine reported and the writer's reference copy,
 :class:`~callbacks.collective.Collective` makes each step fail on every rank or none, and the
 engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`) is pushed.
 """
@@ -34,9 +35,11 @@ from weight_bridge.vllm.clients.by_name import ENGINE_MODES, client_for, connect
 
 from .canary import CanaryCheck
 from .collective import Collective, StepFailed
+from .deltas import DeltaState
 from .directory import open_dir
 from .gather import Gatherer
 from .names import CheckpointNames
+from .records import Saved, sync_line, sync_metrics, sync_record
 from .schedule import Schedule, SyncClock
 
 __all__ = ["VLLMWeightSync"]
@@ -57,9 +60,10 @@ class VLLMWeightSync(Callback):
             ``engine_kwargs``, ``engine_mode`` and ``inflight``: :func:`~weight_bridge.vllm.
             engines.start_engine`; closed in :meth:`teardown`), reading checkpoints from the sync's
             directory only. Under ``ddp_spawn`` pass this: each rank builds its own engine.
-        schedule: when to sync and when a sync must be complete (:class:`Schedule`).
+        schedule: when to sync, when a sync must be complete, and deltas (:class:`Schedule`).
         files: where checkpoints go and how many are kept (:class:`CheckpointFiles`).
-        names: checkpoint names and dtype (:class:`CheckpointNames`).
+        names: checkpoint names and dtype (:class:`CheckpointNames`; by default each tensor in
+            the dtype the engine holds it in, once the engine said).
         module_attr: the LightningModule attribute holding the model (``""``: the module
             itself); ``source``: a callable ``pl_module -> state dict`` instead.
         canary: check every push end to end (:class:`~callbacks.canary.CanaryCheck`; ``True``:
@@ -78,9 +82,11 @@ class VLLMWeightSync(Callback):
     checkpoint from metadata, the writer (global rank zero, or each node's local rank zero with
     ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every rank with an
     engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather one tensor at
-    a time, every rank taking part. Only ``fit`` builds an engine and pushes. Metrics
-    ``weight_sync/{save_s,push_s,bytes,version}`` go to the trainer's loggers; ``history`` holds
-    the last ``history_limit`` syncs.
+    a time, every rank taking part. With deltas (``schedule.delta``) a sync between keyframes
+    writes only the values that changed (:mod:`callbacks.deltas`). Only ``fit`` builds an
+    engine and pushes. Metrics ``weight_sync/{save_s,push_s,bytes,version,delta}`` (and
+    ``changed_fraction`` for a delta) go to the trainer's loggers; ``history`` holds the last
+    ``history_limit`` syncs (:func:`~callbacks.records.sync_record`).
     """
 
     history_limit = 256
@@ -132,6 +138,7 @@ class VLLMWeightSync(Callback):
         self.verify_hash = verify_hash
         self.clock = SyncClock(schedule)
         self.gatherer = Gatherer(names, module_attr, source, fsync=files.durable)
+        self.deltas = DeltaState(self.gatherer, self.clock)
         self.last_checkpoint: str | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
@@ -181,6 +188,9 @@ class VLLMWeightSync(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """What a resume needs. Not the reference copy deltas are taken against (host memory
+        the size of the synced weights, and only right for the engine it was pushed to): a
+        resumed run starts with a keyframe."""
         return {"last_pushed_step": self.last_pushed_step, "last_checkpoint": self.last_checkpoint}
 
     @override
@@ -197,7 +207,8 @@ class VLLMWeightSync(Callback):
             return
         if stage == "fit":
             need = self.gatherer.estimate_bytes(pl_module)
-            partial = self.schedule.skip_frozen  # a partial chain holds its complete base too
+            s = self.schedule  # a partial or delta chain holds its complete base too
+            partial = s.skip_frozen or s.delta != "off"
             where = open_dir(self.files, trainer, need, self._engine, self.model_path, partial)
             self._dir, self._in_ram, owner = where
             self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
@@ -233,6 +244,7 @@ class VLLMWeightSync(Callback):
         if self._in_ram and self._dir is not None and self._is_writer(trainer):
             retention.release(self._dir, self._engine.served_checkpoints if self._engine else ())
         self.gatherer.use_ram(None)  # the writer's maps of the files go too, and its hold
+        self.deltas.release()
 
     # -- cadence -----------------------------------------------------------------------------
 
@@ -240,6 +252,7 @@ class VLLMWeightSync(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         resumed = step > 0 or trainer.ckpt_path is not None
+        self.deltas.start()  # a new run: a keyframe first, in the trainer's dtype
         if self.enabled and self.clock.at_train_start(step, resumed):
             self._sync(trainer, pl_module, step)
 
@@ -282,33 +295,25 @@ class VLLMWeightSync(Callback):
             saved = collective.run(
                 "save", lambda: self._save(trainer, pl_module, path, step, collective)
             )
-            nbytes, partial, shared = trainer.strategy.broadcast(saved, src=0)
-            path = path if self.files.node_local else Path(shared)
+            saved = trainer.strategy.broadcast(saved, src=0)
+            path = path if self.files.node_local else Path(saved.path)
             times.append(time.perf_counter())
             report = collective.run("push", lambda: self._push(path, step))
             times.append(time.perf_counter())
             gap = collective.run("canary", lambda: self._canary_gap(pl_module))
         except StepFailed as exc:
             failed = exc
-        if failed is not None:
+        if failed is not None or saved is None:
             if saved is not None and self._is_writer(trainer):  # a failed sync leaves no file
                 self.gatherer.discard(path, self._engine)
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
-        self.clock.synced(step, partial)
+        self.clock.synced(step, saved.partial, saved.delta, saved.nbytes, saved.based)
+        dtypes = trainer.strategy.broadcast(dict(getattr(report, "dtypes", None) or {}), src=0)
+        kind = "delta" if saved.delta else "partial" if saved.partial else "complete"
+        self.deltas.pushed(kind, dtypes)
         self.last_checkpoint = str(path)
-        record = {
-            "step": step,
-            "checkpoint": str(path),
-            "bytes": nbytes,
-            "partial": partial,
-            "save_s": times[1] - times[0],
-            "push_s": times[2] - times[1],
-            "mode": getattr(report, "mode", None),
-            "inflight": getattr(report, "inflight", None),
-            "paused_s": getattr(report, "paused_s", None),
-            "canary_gap": gap,
-        }
+        record = sync_record(step, path, saved, times, report, gap)
         self._history.append(record)
         self._report(trainer, record, report is not None)
 
@@ -319,16 +324,21 @@ class VLLMWeightSync(Callback):
         path: Path,
         step: int,
         collective: Collective,
-    ) -> tuple[int, bool, str]:
-        """Plan the checkpoint (every rank) and stream it (writers; sharded: every rank)."""
+    ) -> Saved:
+        """Plan the checkpoint (every rank) and stream it (writers; sharded: every rank): a
+        delta between keyframes when deltas run, else complete or partial."""
         writer = self._is_writer(trainer)
-        plan = self.gatherer.plan(trainer, pl_module, self.clock.partial_due(), writer)
+        kind, based = self.deltas.kind()
+        changing = kind == "partial" or (kind == "delta" and self.schedule.skip_frozen)
+        plan = self.gatherer.plan(trainer, pl_module, changing, writer, based and kind != "delta")
         metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}
-        if plan.partial:
+        if plan.partial or kind == "delta":
             metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
         where = path if writer else None
-        saved = self.gatherer.stream(plan, where, metadata, collective, self._writers)
-        return (saved.bytes if saved else 0), plan.partial, str(path)
+        sink = self.deltas.opener(kind, based, plan)
+        saved = self.gatherer.stream(plan, where, metadata, collective, self._writers, sink)
+        delta, changed = kind == "delta", self.deltas.changed_fraction()
+        return Saved(saved.bytes if saved else 0, plan.partial, str(path), delta, changed, based)
 
     def _push(self, path: Path, step: int) -> Any:
         if self._engine is None:
@@ -347,28 +357,17 @@ class VLLMWeightSync(Callback):
             served = self._engine.served_checkpoints if self._engine is not None else []
             assert self._dir is not None
             self.gatherer.retire(self._dir, path, self.files.keep(self._in_ram), served)
-            metrics = {
-                "weight_sync/save_s": record["save_s"],
-                "weight_sync/push_s": record["push_s"],
-                "weight_sync/bytes": float(record["bytes"]),
-                "weight_sync/version": float(record["step"]),
-            }
-            if record["canary_gap"] is not None:
-                metrics["weight_sync/canary_gap"] = record["canary_gap"]
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=record["step"])
-        mode = f", {record['mode']}" if pushed else ", no engine on rank 0"
-        mode += ", partial" if record["partial"] else ""
-        rank_zero_info(
-            f"weight_sync: step {record['step']} -> {path.name} "
-            f"({record['bytes'] / 2**20:.1f} MiB, save {record['save_s']:.2f} s, "
-            f"push {record['push_s']:.2f} s{mode})"
-        )
+                logger.log_metrics(sync_metrics(record), step=record["step"])
+        rank_zero_info(sync_line(record, pushed))
 
-    def _fail(self, step: int, failed: StepFailed) -> None:
-        """Every rank: the next sync is complete; then raise this rank's error (or say another
-        rank failed), or warn with ``on_error="warn"``."""
+    def _fail(self, step: int, failed: StepFailed | None) -> None:
+        """Every rank: the next sync is complete (a keyframe: the reference copy is not trusted);
+        then raise this rank's error (or say another rank failed), or warn with
+        ``on_error="warn"``."""
         self.clock.failed()
+        self.deltas.failed()
+        assert failed is not None
         error = failed.error
         if error is None:
             error = RuntimeError(

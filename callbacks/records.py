@@ -1,0 +1,74 @@
+"""What the callback says about each sync: its history record, its metrics and its log line.
+
+One job, kept apart from the wiring in :mod:`callbacks.weight_sync`: every consumer (``history``,
+the trainer's loggers, the console) reads the same record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = ["Saved", "sync_line", "sync_metrics", "sync_record"]
+
+
+class Saved(NamedTuple):
+    """What the writer (rank zero) reports of a save, sent to every rank."""
+
+    nbytes: int
+    partial: bool
+    path: str
+    delta: bool
+    changed: float | None  # the fraction of a delta's elements that changed
+    based: bool  # a keyframe that refreshed the reference copy deltas are taken against
+
+
+def sync_record(
+    step: int, path: Path, saved: Saved, times: list[float], report: Any, gap: float | None
+) -> dict[str, Any]:
+    """One history entry. ``delta``: the file held only what changed since the last push;
+    ``changed``: the fraction of its tensors' elements that did (None for a keyframe)."""
+    return {
+        "step": step,
+        "checkpoint": str(path),
+        "bytes": saved.nbytes,
+        "partial": saved.partial,
+        "delta": saved.delta,
+        "changed": saved.changed if saved.delta else None,
+        "save_s": times[1] - times[0],
+        "push_s": times[2] - times[1],
+        "mode": getattr(report, "mode", None),
+        "inflight": getattr(report, "inflight", None),
+        "paused_s": getattr(report, "paused_s", None),
+        "canary_gap": gap,
+    }
+
+
+def sync_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The ``weight_sync/*`` metrics of one sync."""
+    metrics = {
+        "weight_sync/save_s": record["save_s"],
+        "weight_sync/push_s": record["push_s"],
+        "weight_sync/bytes": float(record["bytes"]),
+        "weight_sync/version": float(record["step"]),
+        "weight_sync/delta": float(record["delta"]),
+    }
+    if record["changed"] is not None:
+        metrics["weight_sync/changed_fraction"] = float(record["changed"])
+    if record["canary_gap"] is not None:
+        metrics["weight_sync/canary_gap"] = record["canary_gap"]
+    return metrics
+
+
+def sync_line(record: dict[str, Any], pushed: bool) -> str:
+    """The one line rank zero logs."""
+    path = Path(record["checkpoint"])
+    mode = f", {record['mode']}" if pushed else ", no engine on rank 0"
+    mode += ", partial" if record["partial"] else ""
+    if record["delta"]:
+        mode += f", delta ({100 * (record['changed'] or 0.0):.2f} % changed)"
+    return (
+        f"weight_sync: step {record['step']} -> {path.name} "
+        f"({record['bytes'] / 2**20:.1f} MiB, save {record['save_s']:.2f} s, "
+        f"push {record['push_s']:.2f} s{mode})"
+    )

@@ -1,0 +1,482 @@
+"""Delta sync, the trainer side: the engine's dtype, the reference copy, the delta and keyframe
+files, and when each is written.
+
+The unit tests drive the callback's own parts (``Gatherer``, ``SyncClock``, ``DeltaState``) the
+way ``VLLMWeightSync._save`` does, on a small torch model trained with AdamW at lr 1e-5, and
+write real files. They play the engine by decoding each file with the format's own reader
+(``read_delta``) and applying it to the tensors the last file left: after every sync that must
+be the trainer's current cast, bit for bit, and every fingerprint the file records must be the
+exact fingerprint of the tensor it stands for. The last test is a real ``Trainer`` pushing into a
+real engine (skipped until the engine reports the dtypes it holds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+import callbacks.reference as reference_mod
+from callbacks import CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
+from callbacks.collective import Collective
+from callbacks.deltas import DeltaState
+from callbacks.gather import Gatherer
+from callbacks.reference import Reference
+from callbacks.schedule import DELTA_EVERY_K, SyncClock
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
+from weight_bridge.checkpoint.delta import (
+    DELTA_KEY,
+    FINGERPRINTS_KEY,
+    is_delta,
+    read_delta,
+    sparse_bytes,
+)
+from weight_bridge.exact import bits_of, exact_fingerprint, format_fingerprint
+
+BF16 = "bfloat16"
+
+
+class Policy(nn.Module):
+    """Small, with a tensor of several 65536-element blocks, a bias, a norm, an integer buffer
+    and a frozen embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = nn.Embedding(96, 64)
+        self.up = nn.Linear(64, 2100)  # 134400 elements: three blocks, the last one partial
+        self.norm = nn.LayerNorm(2100)
+        self.down = nn.Linear(2100, 8)
+        self.register_buffer("count", torch.arange(5, dtype=torch.int64))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        self.embed.weight.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(torch.relu(self.up(self.embed(ids)))))
+
+
+def train(model: Policy, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (16,), generator=g)
+    loss = model(ids).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def cast_state(model: nn.Module, dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The trainer's current cast: each tensor in the dtype the engine reported."""
+    out = {}
+    for name, t in model.state_dict().items():
+        dtype = getattr(torch, dtypes[name]) if name in dtypes else t.dtype
+        out[name] = t.detach().to(dtype) if t.dtype.is_floating_point else t.detach().clone()
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits_of(a), bits_of(b))
+
+
+class Syncer:
+    """The callback's save path without Lightning (what ``VLLMWeightSync._save`` does), and an
+    engine's view of the files: the tensors held after applying each one."""
+
+    def __init__(self, tmp_path: Path, model: nn.Module, schedule: Schedule) -> None:
+        self.dir = tmp_path
+        self.module = SimpleNamespace(model=model)
+        self.gatherer = Gatherer(CheckpointNames(), "model", None, fsync=False)
+        self.clock = SyncClock(schedule)
+        self.deltas = DeltaState(self.gatherer, self.clock)
+        self.collective = Collective(None)  # replicated, one rank: no agreement is asked for
+        self.held: dict[str, torch.Tensor] = {}
+        self.version: str | None = None
+        self.deltas.start()
+        self.clock.at_train_start(0, resumed=False)
+
+    def save(self, step: int) -> tuple[Path, str, float | None]:
+        kind, based = self.deltas.kind()
+        changing = kind == "partial" or (kind == "delta" and self.clock.schedule.skip_frozen)
+        plan = self.gatherer.plan(None, self.module, changing, True, based and kind != "delta")
+        metadata = {"step": str(step), "version": str(step)}
+        if plan.partial or kind == "delta":
+            metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
+        path = self.dir / f"step-{step:08d}.safetensors"
+        sink = self.deltas.opener(kind, based, plan)
+        saved = self.gatherer.stream(plan, path, metadata, self.collective, [0], sink)
+        assert saved is not None
+        changed = self.deltas.changed_fraction()
+        self.clock.synced(step, plan.partial, kind == "delta", saved.bytes, based)
+        return path, kind, changed
+
+    def push(self, path: Path, dtypes: dict[str, str]) -> dict[str, str]:
+        """Apply the file as an engine holding ``dtypes`` would (a keyframe's tensors cast on
+        load, a delta's values written as they are); report ``dtypes`` after a complete one.
+        Every fingerprint the file records must be that of the full tensor it stands for."""
+        with CheckpointReader(path) as reader:
+            meta = dict(reader.metadata)
+            tensors = {n: t.clone() for n, t in reader.tensors()}
+        prints: dict[str, str] = json.loads(meta.get(FINGERPRINTS_KEY, "{}"))
+        if is_delta(meta):
+            delta = read_delta(str(path), meta, tensors)
+            assert delta.base == self.version, (delta.base, self.version)
+            for name, t in delta.dense:
+                assert t.dtype == self.held[name].dtype, name
+                self.held[name] = t.clone()
+            for name, sparse in delta.sparse.items():
+                flat = self.held[name].clone().reshape(-1)
+                assert sparse.values.dtype == flat.dtype, name
+                flat[sparse.indices] = sparse.values
+                self.held[name] = flat.reshape(sparse.shape)
+            kind = "delta"
+            for name, fp in prints.items():
+                assert fp == format_fingerprint(exact_fingerprint(self.held[name])), name
+        else:
+            assert meta.get(BASE_VERSION_KEY) in (None, self.version)
+            kind = "partial" if BASE_VERSION_KEY in meta else "complete"
+            for name, fp in prints.items():
+                assert fp == format_fingerprint(exact_fingerprint(tensors[name])), name
+            if kind == "complete":
+                self.held = {}
+            for name, t in tensors.items():
+                dtype = getattr(torch, dtypes[name]) if name in dtypes else t.dtype
+                self.held[name] = t.to(dtype)
+        self.version = meta["version"]
+        self.deltas.pushed(kind, dtypes if kind == "complete" else {})
+        return prints
+
+
+def test_every_delta_applied_to_the_last_push_is_the_trainers_cast(tmp_path, monkeypatch):
+    """Twelve syncs under AdamW at lr 1e-5 into a bf16 engine: the first complete in fp32 (no
+    report yet), the next a keyframe in bf16, then deltas, each reproducing the trainer's bf16
+    cast bit for bit. Chunks smaller than a tensor, so the walk crosses chunk boundaries."""
+    monkeypatch.setattr(reference_mod, "CHUNK", 50_000)
+    torch.manual_seed(0)
+    model = Policy()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    engine_dtypes = {n: BF16 for n, t in model.state_dict().items() if t.dtype.is_floating_point}
+    syncer = Syncer(tmp_path, model, Schedule(delta="on", delta_budget=100.0))
+    kinds, fractions = [], []
+    for step in range(12):
+        if step:
+            train(model, optimizer, step)
+        path, kind, changed = syncer.save(step)
+        prints = syncer.push(path, engine_dtypes)
+        kinds.append(kind)
+        fractions.append(changed)
+        want = cast_state(model, engine_dtypes)
+        assert set(syncer.held) == set(want)
+        for name, t in want.items():
+            assert same_bits(syncer.held[name], t), (step, name)
+        if kind == "complete":
+            assert set(prints) == set(want)
+        if kind == "partial":  # what training can change; the engine keeps its embedding
+            assert set(prints) == set(want) - {"embed.weight"}
+    assert kinds == ["complete", "partial"] + ["delta"] * 10
+    assert syncer.held["up.weight"].dtype == torch.bfloat16
+    assert all(0 < f < 1 for f in fractions[2:]), fractions  # some, not all, bf16 values moved
+    assert syncer.deltas.reference.names  # the trainable tensors, not the frozen embedding
+    assert "embed.weight" not in syncer.deltas.reference.names
+
+
+def test_a_delta_is_sparse_or_dense_whichever_is_smaller_and_may_be_empty(tmp_path):
+    model = Policy()
+    model.embed.weight.requires_grad_(True)
+    dtypes = {n: BF16 for n, t in model.state_dict().items() if t.dtype.is_floating_point}
+    syncer = Syncer(tmp_path, model, Schedule(delta="on", skip_frozen=False))
+    syncer.deltas.pushed("complete", dtypes)  # as if the engine had reported already
+    syncer.push(syncer.save(0)[0], dtypes)  # a keyframe in bf16
+
+    path, kind, changed = syncer.save(1)  # nothing trained: a delta of no tensors
+    assert kind == "delta" and changed == 0.0
+    with CheckpointReader(path) as reader:
+        assert reader.metadata[DELTA_KEY] == "1" and reader.metadata["version"] == "1"
+        assert reader.metadata[BASE_VERSION_KEY] == "0" and not reader.specs()
+    syncer.push(path, dtypes)
+
+    with torch.no_grad():
+        model.up.weight.view(-1)[::1000] += 1.0  # 135 of 134400: sparse
+        model.norm.weight.mul_(-1.0)  # every element: dense
+    path, kind, _ = syncer.save(2)
+    assert kind == "delta"
+    with CheckpointReader(path) as reader:
+        names = set(reader.specs())
+        size = reader.nbytes
+    assert names == {
+        "up.weight@delta.blocks",
+        "up.weight@delta.offsets",
+        "up.weight@delta.values",
+        "norm.weight",
+    }
+    assert size == sparse_bytes(134400, 135, 2) + 2100 * 2
+    syncer.push(path, dtypes)
+    for name, t in cast_state(model, dtypes).items():
+        assert same_bits(syncer.held[name], t), name
+
+
+def test_reference_diff_is_exact_for_nan_and_signed_zero() -> None:
+    ref = Reference()
+    t = torch.zeros(100)
+    t[1:4] = torch.tensor([1.0, float("nan"), 2.0])
+    ref.store("x", t, torch.bfloat16)
+    new = t.clone()
+    new[0], new[3] = -0.0, 2.0 + 2**-12  # -0 differs from 0, a NaN from itself not, and
+    change = ref.diff("x", new, torch.bfloat16)  # 2 + 2**-12 rounds to 2 in bf16 (even)
+    assert change is not None and change.changed == 1 and change.sparse is not None
+    assert change.fingerprint == exact_fingerprint(new.to(torch.bfloat16))
+    assert ref.diff("x", torch.zeros(5), torch.bfloat16) is None  # another shape: no delta
+    assert ref.diff("x", new, torch.float32) is None  # another dtype: no delta
+    dense = ref.diff("x", new, torch.bfloat16, sparse=False)
+    assert dense is not None and dense.changed == 0  # nothing left to change
+
+
+def test_an_aborted_delta_leaves_no_file_and_the_next_sync_is_a_keyframe(tmp_path):
+    """The delta file is written last, after every tensor was diffed (and the reference
+    updated): a real failure there (its path is taken by a directory, so the rename fails)
+    must leave no file and no trusted reference."""
+    model = Policy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    syncer = Syncer(tmp_path, model, Schedule(delta="on"))
+    syncer.push(syncer.save(0)[0], {})
+    train(model, optimizer, 1)
+    (tmp_path / "step-00000001.safetensors").mkdir()
+    with pytest.raises(OSError):
+        syncer.save(1)
+    assert not [p for p in tmp_path.iterdir() if p.is_file() and "00000001" in p.name]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary
+    assert syncer.deltas.reference.names == []
+    syncer.clock.failed()  # what the callback does on any failed sync
+    path, kind, _ = syncer.save(2)
+    assert kind == "complete"
+    syncer.push(path, {})
+    for name, t in cast_state(model, {}).items():
+        assert same_bits(syncer.held[name], t), name
+
+
+def test_a_keyframe_records_every_tensors_fingerprint(tmp_path):
+    model = Policy()
+    syncer = Syncer(tmp_path, model, Schedule(delta="on"))
+    path, kind, _ = syncer.save(0)
+    with CheckpointReader(path) as reader:
+        reader.verify_hash()  # the header was rewritten before the rename: the hash holds
+        prints = json.loads(reader.metadata[FINGERPRINTS_KEY])
+        tensors = dict(reader.tensors())
+        assert set(prints) == set(tensors)
+        for name, t in tensors.items():
+            assert prints[name] == format_fingerprint(exact_fingerprint(t)), name
+    # the frozen embedding is fingerprinted and written, but not kept for deltas
+    assert "embed.weight" in prints and "embed.weight" not in syncer.deltas.reference.names
+
+
+def test_engine_dtype_names_and_what_cannot_be_cast() -> None:
+    from callbacks.changed import sync_state
+
+    model = Policy()
+    state = sync_state(model, model.state_dict(), False)
+    reported = {"up.weight": BF16, "up.bias": "float8_e4m3fn", "count": BF16, "norm.weight": "x"}
+    dtypes = {e.name: e.dtype for e in CheckpointNames().entries(state, reported)[0]}
+    assert dtypes["up.weight"] == torch.bfloat16
+    assert dtypes["up.bias"] == torch.float32  # fp8 needs scales: not a cast, kept
+    assert dtypes["count"] == torch.int64  # integers are never cast
+    assert dtypes["norm.weight"] == dtypes["down.weight"] == torch.float32  # unknown, unreported
+    fixed = CheckpointNames(dtype="float16").entries(state, reported)[0]
+    assert {e.dtype for e in fixed if e.name != "count"} == {torch.float16}
+    trainers = CheckpointNames(dtype=None).entries(state, reported)[0]
+    assert {e.dtype for e in trainers if e.name != "count"} == {torch.float32}
+
+
+# -- when a keyframe is due --------------------------------------------------------------------
+
+
+def walk(clock: SyncClock, accepts: bool, steps: int, nbytes=lambda kind: 100, fail=()) -> str:
+    out = ""
+    for step in range(steps):
+        kind = clock.kind(accepts)
+        out += {"complete": "C", "partial": "P", "delta": "d"}[kind]
+        if step in fail:
+            clock.failed()
+            continue
+        based = clock.delta_on(accepts) and kind != "delta"
+        clock.synced(step, kind == "partial", kind == "delta", nbytes(kind), based)
+    return out
+
+
+def test_keyframes_first_after_a_failure_and_every_k() -> None:
+    clock = SyncClock(Schedule(delta="on", full_every_k=4))
+    clock.at_train_start(0, resumed=False)
+    once = walk(clock, False, 9, nbytes=lambda k: 0 if k == "delta" else 1, fail={5})
+    assert once == "Cddd" + "Cd" + "Cdd"  # the delta of step 5 failed
+    clock = SyncClock(Schedule(delta="on"))  # full_every_k None: every DELTA_EVERY_K
+    clock.at_train_start(0, resumed=False)
+    kinds = walk(clock, False, 2 * DELTA_EVERY_K + 1, nbytes=lambda k: 0)
+    assert kinds == ("C" + "d" * (DELTA_EVERY_K - 1)) * 2 + "C"
+    clock.at_train_start(7, resumed=True)  # a resume: a keyframe first
+    assert clock.kind(True) == "complete"
+
+
+def test_keyframe_past_the_byte_budget() -> None:
+    clock = SyncClock(Schedule(delta="on", delta_budget=0.25))
+    clock.at_train_start(0, resumed=False)
+    # keyframes of 100 bytes (C and P), deltas of 10: past 25 after the third delta
+    kinds = walk(clock, True, 10, nbytes=lambda k: 10 if k == "delta" else 100)
+    assert kinds == "Cddd" + "Pddd" + "Pd"
+
+
+def test_auto_waits_for_an_engine_that_accepts_and_off_never_deltas() -> None:
+    auto = SyncClock(Schedule())
+    auto.at_train_start(0, resumed=False)
+    assert walk(auto, False, 4) == "CPPP"  # no report of dtypes: partial syncs as before
+    assert not auto.has_base
+    assert walk(auto, True, 3) == "Pdd"  # the first keyframe with a reference, then deltas
+    off = SyncClock(Schedule(delta=False, skip_frozen=False))
+    off.at_train_start(0, resumed=False)
+    assert walk(off, True, 4) == "CCCC"
+    assert Schedule(delta=True).delta == "on" and Schedule(delta=False).delta == "off"
+    for bad in ({"delta": "sometimes"}, {"delta_budget": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Schedule(**bad)  # type: ignore[arg-type]
+
+
+def test_a_change_of_the_engines_dtypes_makes_the_next_sync_a_keyframe() -> None:
+    gatherer = Gatherer(CheckpointNames(), "model", None)
+    clock = SyncClock(Schedule(delta="on"))
+    deltas = DeltaState(gatherer, clock)
+    clock.at_train_start(0, resumed=False)
+    clock.synced(0, False, False, 100, based=True)
+    assert clock.kind() == "delta"
+    deltas.pushed("complete", {"w": BF16})  # the first report: a cast in another dtype
+    assert gatherer.engine_dtypes == {"w": BF16} and deltas.accepts
+    assert clock.kind() == "partial"
+    clock.synced(1, True, False, 50, based=True)
+    deltas.pushed("complete", {"w": BF16})  # the same: nothing to redo
+    assert clock.kind() == "delta"
+    deltas.pushed("complete", {})  # an engine that no longer reports takes no delta
+    assert not deltas.accepts
+
+
+# -- a real Trainer into a real engine -----------------------------------------------------
+
+
+def _engine_reports_dtypes() -> bool:
+    from weight_bridge.vllm.report import PushReport
+
+    return "dtypes" in {f.name for f in dataclasses.fields(PushReport)}
+
+
+def test_a_trainer_pushes_deltas_a_bf16_engine_holds_bit_for_bit(models, engine_factory, tmp_path):
+    """AdamW at lr 1e-5 on a float32 Llama, a bf16 engine, ``delta="on"``: a complete push
+    (fp32: nothing reported yet), a bf16 keyframe, then deltas; after each push the engine's
+    fingerprint of every tensor it holds is that of the trainer's bf16 cast."""
+    if not _engine_reports_dtypes():
+        pytest.skip("the engine side of delta sync (report.dtypes) has not landed")
+    from helpers import TinyLM, trainer
+
+    class AdamLM(TinyLM):  # type: ignore[misc,valid-type]
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    engine = engine_factory(models["llama_A"], dtype="bfloat16")
+    sync = VLLMWeightSync(
+        engine=engine,
+        schedule=Schedule(delta="on"),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=20),
+    )
+    seen: list[str] = []
+
+    class Check(Callback):  # after the sync: the engine's bits against the trainer's cast
+        def _check(self, pl_module) -> None:
+            if len(sync.history) == len(seen):
+                return
+            record = sync.history[-1]
+            (held,) = engine.fingerprints()
+            state = pl_module.model.state_dict()
+            dtypes = sync.gatherer.engine_dtypes
+            for name, fp in held.items():
+                t = state[name]
+                dtype = getattr(torch, dtypes.get(name, BF16)) if t.is_floating_point() else t.dtype
+                assert fp == format_fingerprint(exact_fingerprint(t.to(dtype))), name
+            seen.append("d" if record["delta"] else "k")
+
+        def on_train_start(self, trainer, pl_module):
+            self._check(pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._check(pl_module)
+
+    trainer(tmp_path, [sync, Check()], max_steps=6).fit(AdamLM(str(models["llama_A"])))
+    assert "".join(seen) == "kk" + "d" * 5
+    deltas = [h for h in sync.history if h["delta"]]
+    assert all(0 <= h["changed"] < 1 for h in deltas)
+    full = sync.history[1]["bytes"]
+    assert all(h["bytes"] < full for h in deltas), [h["bytes"] for h in sync.history]
+    assert math.isclose(sync.history[0]["bytes"] / full, 2.0, rel_tol=0.05)  # fp32, then bf16
+
+
+class DeltaRankReport(Callback):
+    """Under ``ddp_spawn`` each rank writes what it saw at the end: its syncs' kinds, whether
+    its engine holds the trainer's cast bit for bit, and the host memory of its reference."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        (sync,) = [cb for cb in trainer.callbacks if isinstance(cb, VLLMWeightSync)]
+        engine = pl_module.vllm_engine
+        (held,) = engine.fingerprints()
+        dtypes = sync.gatherer.engine_dtypes
+        state = pl_module.model.state_dict()
+        wrong = [
+            name
+            for name, fp in held.items()
+            if fp
+            != format_fingerprint(
+                exact_fingerprint(state[name].to(getattr(torch, dtypes.get(name, BF16))))
+            )
+        ]
+        report = {
+            "version": engine.version,
+            "kinds": "".join("d" if h["delta"] else "k" for h in sync.history),
+            "held": len(held),
+            "wrong": wrong,
+            "reference_bytes": sync.deltas.reference.nbytes,
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.slow
+def test_ddp_ranks_push_deltas_their_engines_hold_bit_for_bit(models, tmp_path, monkeypatch):
+    """Two CPU ranks under ``ddp_spawn``, a bf16 engine each: rank 0 alone writes (and alone
+    holds the reference copy), both push every file, and both engines end on the trainer's
+    cast bit for bit after a keyframe and deltas."""
+    if not _engine_reports_dtypes():
+        pytest.skip("the engine side of delta sync (report.dtypes) has not landed")
+    from helpers import ENGINE_KWARGS, TinyLM, trainer
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    sync = VLLMWeightSync(
+        model_path=str(models["llama_A"]),
+        engine_kwargs={**ENGINE_KWARGS, "dtype": BF16},
+        schedule=Schedule(delta="on"),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=10),
+    )
+    run = trainer(
+        tmp_path,
+        [sync, DeltaRankReport(tmp_path)],
+        max_steps=4,
+        devices=2,
+        strategy="ddp_spawn",
+    )
+    run.fit(TinyLM(str(models["llama_A"]), lr=1e-3))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in ranks:
+        assert report["version"] == 4 and report["kinds"] == "kkddd", report
+        assert report["held"] and not report["wrong"], report
+    assert ranks[0]["reference_bytes"] > 0 and ranks[1]["reference_bytes"] == 0
