@@ -222,6 +222,50 @@ def test_a_delta_is_sparse_or_dense_whichever_is_smaller_and_may_be_empty(tmp_pa
         assert same_bits(syncer.held[name], t), name
 
 
+def test_lora_merged_weights_are_diffed_as_merged(models, tmp_path):
+    """PEFT LoRA on q_proj and v_proj of a tied Qwen2: each delta carries the merged weights'
+    changes, and applied, gives the trainer's merged weights cast to bf16, bit for bit."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from callbacks.changed import materialize, sync_state
+
+    model = AutoModelForCausalLM.from_pretrained(models["qwen2_A"], dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(model, config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def merged() -> dict[str, torch.Tensor]:
+        return {
+            n: t.to(torch.bfloat16)
+            for n, t in materialize(sync_state(model, model.state_dict(), False))
+        }
+
+    dtypes = {n: BF16 for n in merged()}
+    syncer = Syncer(tmp_path, model, Schedule(delta="on"))
+    ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    kinds = []
+    for step in range(4):
+        if step:
+            optimizer.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+        path, kind, changed = syncer.save(step)
+        syncer.push(path, dtypes)
+        kinds.append(kind)
+        want = merged()
+        assert syncer.held and set(syncer.held) <= set(want)
+        for name, t in syncer.held.items():
+            assert same_bits(t, want[name]), (step, name)
+        if kind == "delta":
+            with CheckpointReader(path) as reader:
+                names = {n.partition("@")[0] for n in reader.specs()}
+            assert names and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in names)
+    assert kinds == ["complete", "partial", "delta", "delta"]
+    kept = syncer.deltas.reference.names  # what training can change: the merged weights only
+    assert kept and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in kept)
+
+
 def test_reference_diff_is_exact_for_nan_and_signed_zero() -> None:
     ref = Reference()
     t = torch.zeros(100)
