@@ -205,19 +205,23 @@ class PreparedDelta:
     ) -> str | None:
         """Check the full tensor's fingerprint (whole here), or report this worker's part."""
         want = self.wanted[patch.name]
-        old = torch.empty_like(patch.values)
-        taken = torch.zeros(patch.indices.numel(), dtype=torch.bool)
-        for mask, pre in zip(patch.masks, olds, strict=True):  # an element held twice: once
-            fresh = mask & ~taken
-            old[fresh] = pre.cpu()[fresh[mask]]
-            taken |= mask
-        change = fingerprint_change(patch.indices[taken], old[taken], patch.values[taken])
+        if len(olds) == 1 and bool(patch.masks[0].all()):  # one segment holds every element
+            indices, old, values = patch.indices, olds[0].cpu(), patch.values
+        else:
+            old = torch.empty_like(patch.values)
+            taken = torch.zeros(patch.indices.numel(), dtype=torch.bool)
+            for mask, pre in zip(patch.masks, olds, strict=True):  # an element held twice: once
+                fresh = mask & ~taken
+                old[fresh] = pre.cpu()[fresh[mask]]
+                taken |= mask
+            indices, old, values = patch.indices[taken], old[taken], patch.values[taken]
+        change = fingerprint_change(indices, old, values)
         if not patch.whole:
             report.shard_fingerprints[patch.name] = [
                 f"{want:016x}",
                 f"{(base or 0):016x}" if base is not None else "",
                 f"{change:016x}",
-                int(taken.sum()),
+                indices.numel(),
                 patch.indices.numel(),
             ]
             return None
