@@ -22,7 +22,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM034_WHEEL ?= $(firstword $(wildcard ../shared/wheels/vllm-0.34.0+cpu-*.whl \
 	/work/shared/wheels/vllm-0.34.0+cpu-*.whl))
 
-.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench bench-vllm034 explain gpu-check clean
+.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench bench-vllm034 bench-delta explain gpu-check clean
 
 ifeq ($(VLLM),0.34)
 setup: $(STAMP)
@@ -115,6 +115,12 @@ bench: setup
 bench-vllm034:
 	test -x .venv-vllm034/bin/python || $(MAKE) setup VLLM=0.34
 	.venv-vllm034/bin/python -m benchmarks --only vllm034 --reps 5 --out bench/results-vllm034.json
+
+# Delta sync alone (`make bench` runs it too): a real Trainer's deltas into a bf16 engine against
+# complete bf16 syncs, AdamW at lr 1e-6 and 1e-5, the 100m Llama and SmolLM2, and vLLM's own
+# sparse patches applying the same deltas in the same engine (docs/benchmarks.md#delta-sync).
+bench-delta: setup
+	$(PY) -m benchmarks --only delta --out bench/results-delta.json
 
 explain: setup
 	$(PY) -m weight_bridge.explain $(MODEL)

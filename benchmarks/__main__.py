@@ -40,6 +40,9 @@ median with min/max and quartiles:
 * sync end to end (:mod:`benchmarks.sync`, ``--sync-sizes``, ``--sync-reps``; ``--only sync``
   runs it alone and merges it into ``--out``): the callback's save and push in a real Trainer, by
   default and with each lever on its own, against two memory copies of the model;
+* delta sync (:mod:`benchmarks.delta`, ``--delta-sizes``, ``--delta-lrs``; ``--only delta``
+  runs it alone): a real Trainer's deltas into a bf16 engine against complete bf16 syncs, and
+  vLLM's own sparse patches applying the same deltas in the same engine;
 * generation speed of the CPU linear modes (``cpu_linear`` repack / torch, repack with glibc's
   default allocator, and vLLM's own engine), multi-process engines alive together and
   measured round-robin (``--gen-sizes`` only).
@@ -87,6 +90,7 @@ from .config import (
     REAL_MODEL,
     TARGETS,
 )
+from .delta import add_delta_arguments
 from .machine import CpuLoad, fs_type, machine_info, versions
 from .measure import bench_inprocess, bench_multiprocess, build_models, describe_checkpoint
 from .plot import render_plot
@@ -209,6 +213,8 @@ def bench_sync_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
 def _only_sections() -> dict[str, tuple[Callable, Callable[[dict], str]]]:
     """``--only`` sections: name -> (run(args, workdir), render(section))."""
+    from .delta import delta_section
+    from .delta_report import render_delta
     from .sync import render_sync
     from .vllm034 import bench_vllm034, render_vllm034
 
@@ -217,7 +223,11 @@ def _only_sections() -> dict[str, tuple[Callable, Callable[[dict], str]]]:
             workdir, args.reps, lambda m: print(f"[bench vllm034] {m}", flush=True)
         )
 
-    return {"sync": (bench_sync_section, render_sync), "vllm034": (vllm034, render_vllm034)}
+    return {
+        "sync": (bench_sync_section, render_sync),
+        "vllm034": (vllm034, render_vllm034),
+        "delta": (delta_section, render_delta),
+    }
 
 
 def _run_only(args: argparse.Namespace) -> int:
@@ -323,9 +333,10 @@ def _parser() -> argparse.ArgumentParser:
         help="syncs timed per variant of 'sync end to end' (more than --reps: on 2 cores a "
         "sync moves by 1x of the two-copy limit from one to the next)",
     )
+    add_delta_arguments(p)
     p.add_argument(
         "--only",
-        choices=["sync", "vllm034"],
+        choices=["sync", "vllm034", "delta"],
         default=None,
         help="run this section alone and merge it into --out under its key",
     )
@@ -344,9 +355,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.inflight_size, args.inflight_pushes = QUICK_SIZES[0], min(args.inflight_pushes, 2)
         args.recipe_steps = 0  # the recipes' own tests run them
         args.sync_sizes = "none"
+        args.delta_sizes = "none"
     args.sizes = _sizes(args.sizes)
     args.gen_sizes = _sizes(args.gen_sizes)
     args.sync_sizes = _sizes(args.sync_sizes)
+    args.delta_sizes = _sizes(args.delta_sizes)
+    args.delta_lrs = [float(x) for x in _sizes(args.delta_lrs)]
     args.http_sizes = args.sizes if args.http_sizes is None else _sizes(args.http_sizes)
     args.fsdp_size = None if args.fsdp_size in ("", "none") else args.fsdp_size
     args.inflight_size = None if args.inflight_size in ("", "none") else args.inflight_size
@@ -382,6 +396,9 @@ def _header(args: argparse.Namespace, raw_argv: list[str], workdir: Path) -> dic
             "fsdp_size": args.fsdp_size,
             "fsdp_reps": args.fsdp_reps,
             "sync_reps": args.sync_reps,
+            "delta_sizes": args.delta_sizes,
+            "delta_lrs": args.delta_lrs,
+            "delta_steps": args.delta_steps,
             "inflight_size": args.inflight_size,
             "inflight_pushes": args.inflight_pushes,
             "recipe_steps": args.recipe_steps,
@@ -429,6 +446,13 @@ def _summarise(results: dict[str, Any], sizes: list[str]) -> None:
         for k, t in s["targets"].items()
         if t["met"] is False
     ]
+    delta = results.get("delta")
+    if isinstance(delta, dict):
+        from .delta_report import missed
+
+        errors = [f"delta {n}: {s['error']}" for n, s in delta["sizes"].items() if "error" in s]
+        results["errors"] += errors
+        results["targets_missed"] += [f"delta {m}" for m in missed(delta)]
 
 
 def _run(args: argparse.Namespace, raw_argv: list[str]) -> dict[str, Any]:
@@ -451,6 +475,10 @@ def _run(args: argparse.Namespace, raw_argv: list[str]) -> dict[str, Any]:
             results["inflight"] = bench_inflight_section(args, workdir)
         if args.sync_sizes:
             results["sync"] = bench_sync_section(args, workdir)
+        if args.delta_sizes:
+            from .delta import delta_section
+
+            results["delta"] = delta_section(args, workdir)
     finally:
         if own_workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

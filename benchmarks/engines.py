@@ -52,11 +52,12 @@ class StockEngine:
     """vLLM's ``LLM`` as vLLM ships it (no ``weight_transfer_config``, so the plugin leaves
     it alone): the same engine arguments and worker extension as the bridged engines."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, **kwargs: Any) -> None:
         from vllm import LLM
 
         started = time.perf_counter()
-        self.llm = LLM(model=str(model), worker_extension_cls=BENCH_EXTENSION, **ENGINE_KWARGS)
+        args = {**ENGINE_KWARGS, **kwargs}
+        self.llm = LLM(model=str(model), worker_extension_cls=BENCH_EXTENSION, **args)
         self.startup_s = time.perf_counter() - started
 
     def generate(self, prompts: Any, sampling_params: Any = None) -> list:
@@ -75,8 +76,9 @@ class StockEngine:
             shutdown(llm)
 
 
-def start_stock_engine(model: Path) -> StockEngine:
-    return StockEngine(model)
+def start_stock_engine(model: Path, **kwargs: Any) -> StockEngine:
+    """vLLM's own engine on ``model``; ``kwargs`` override the benchmark's engine arguments."""
+    return StockEngine(model, **kwargs)
 
 
 def greedy(engine: Any, max_tokens: int = PARITY_TOKENS) -> list:

@@ -8,8 +8,10 @@ import os
 import time
 from typing import Any
 
+from .delta_worker import DeltaWorkerMixin
 
-class BenchWorkerExtension:
+
+class BenchWorkerExtension(DeltaWorkerMixin):
     """The benchmark's worker methods (``self`` is vLLM's worker).
 
     Methods are called by name through ``collective_rpc``, so they run inside the worker that

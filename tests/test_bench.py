@@ -78,7 +78,7 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     _timed(ip["cold_restart"])
     # --quick leaves out the sections that start more engines (generation speed and vLLM's own
     # engine, vllm serve, FSDP2 jobs): make bench runs them
-    assert "generation" not in mp and "http" not in mp and "fsdp" not in r
+    assert "generation" not in mp and "http" not in mp and "fsdp" not in r and "delta" not in r
     pauses = r["inflight"]["pauses"]
     for mode in ("idle", "none", "recompute", "keep", "drain"):
         assert pauses[mode]["n"] == 2 and 0 < pauses[mode]["median_s"] <= pauses[mode]["p95_s"]
@@ -194,3 +194,55 @@ def test_design_md_generation_speeds_match_results() -> None:
     repack += f"{tok['stock']:.1f} tok/s)"
     torch_ = f"{tok['torch'] / tok['stock']:.2f}x stock ({tok['torch']:.1f} tok/s)"
     assert repack in design and torch_ in design
+
+
+# The delta sync section's own results (`make bench-delta`), and what the docs quote of them.
+
+RESULTS_DELTA = ROOT / "bench" / "results-delta.json"
+
+
+def _delta() -> dict:
+    return json.loads(RESULTS_DELTA.read_text())["delta"]
+
+
+def test_results_delta_md_is_the_rendering_of_results_delta_json() -> None:
+    code = (
+        "import json, sys; from benchmarks.delta_report import render_delta; "
+        "sys.stdout.write(render_delta(json.load(open(sys.argv[1]))['delta']))"
+    )
+    cmd = [sys.executable, "-c", code, str(RESULTS_DELTA)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == (ROOT / "bench" / "results-delta.md").read_text()
+
+
+def test_benchmarks_md_quotes_the_delta_results() -> None:
+    """Every table line of docs/benchmarks.md#delta-sync is a line of bench/results-delta.md,
+    every (size, lr) run and target is there, and the header gives that run's date."""
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = doc.split("\n## Delta sync\n", 1)[1].split("\n## ", 1)[0]
+    rendered = set((ROOT / "bench" / "results-delta.md").read_text().splitlines())
+    tables = [line for line in section.splitlines() if line.startswith("|")]
+    assert [line for line in tables if line not in rendered] == []
+    d = _delta()
+    runs = [(size, lr) for size, s in d["sizes"].items() for lr in s["runs"]]
+    assert len(runs) == 4
+    targets = sum(len(d["sizes"][size]["runs"][lr]["targets"]) for size, lr in runs)
+    assert len(tables) == 3 * 2 + 2 * len(runs) + len(runs) + targets
+    assert d["started"][:16].replace("T", " ") in " ".join(section.split())
+    assert "--only delta --out bench/results-delta.json" in d["command"]
+
+
+def test_readme_delta_numbers_match_results() -> None:
+    d = _delta()
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [x for x in readme.splitlines() if x.startswith("Delta sync (`make bench-delta`")]
+    for size, label in (("100m", "100m"), ("smollm2", "SmolLM2")):
+        slow, fast = d["sizes"][size]["runs"]["1e-06"], d["sizes"][size]["runs"]["1e-05"]
+        assert f"{100 * slow['ratios']['bytes_largest']:.1f} % ({label})" in line
+        met = "met" if slow["targets"]["vllm_patches"]["met"] else "missed"
+        assert f"{slow['ratios']['vllm_patches']:.2f}x ({label}: {met})" in line
+        assert f"{fast['ratios']['vllm_patches']:.2f}x for both at lr 1e-5" in line
+        assert f"{slow['ratios']['save_apply']:.2f}x ({label})" in line
+        assert slow["targets"]["bytes"]["met"] and not slow["targets"]["save_apply"]["met"]
+        assert all(r["targets"]["zero_drift"]["met"] for r in (slow, fast))  # "zero drift: met"
