@@ -83,7 +83,7 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 def train_every_two_steps(models, engine, tmp_path: Path) -> tuple[Recorder, CSVLogger]:
     sync = VLLMWeightSync(
         engine=engine,
-        schedule=Schedule(every_n_train_steps=2),
+        schedule=Schedule(every_n_train_steps=2, delta="off"),  # each file: the full weights
         files=CheckpointFiles(keep_last_k=10),
     )
     recorder = Recorder(sync, outputs=True)
@@ -221,7 +221,8 @@ def test_keeps_the_last_k_and_never_the_served_one(models, shared_engine, tmp_pa
     class ShortHistory(VLLMWeightSync):
         history_limit = 3
 
-    sync = ShortHistory(engine=engine, files=CheckpointFiles(dirpath=str(out), keep_last_k=2))
+    files = CheckpointFiles(dirpath=str(out), keep_last_k=2)
+    sync = ShortHistory(engine=engine, schedule=Schedule(delta="off"), files=files)
     seen: list[list[str]] = []
 
     class Watch(Callback):
@@ -413,7 +414,7 @@ def test_canary_logs_the_logprob_gap_and_fails_when_the_engine_serves_something_
 
 def test_resumed_run_pushes_its_restored_weights_first(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
-    every_2 = Schedule(every_n_train_steps=2)
+    every_2 = Schedule(every_n_train_steps=2, delta="off")  # step 4's file: the full weights
     first = VLLMWeightSync(
         engine=engine, schedule=every_2, files=CheckpointFiles(dirpath=str(tmp_path / "one"))
     )
@@ -431,7 +432,7 @@ def test_resumed_run_pushes_its_restored_weights_first(models, shared_engine, tm
     engine.push(models["llama_B"], version="elsewhere")  # as a fresh engine would serve
     second = VLLMWeightSync(
         engine=engine,
-        schedule=Schedule(every_n_train_steps=2, push_on_train_start=False),  # resumed: pushes
+        schedule=Schedule(every_n_train_steps=2, push_on_train_start=False, delta="off"),
         files=CheckpointFiles(dirpath=str(tmp_path / "two")),
     )
     recorder = Recorder(second, outputs=True)
@@ -562,7 +563,7 @@ def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
     sync = VLLMWeightSync(
         model_path=str(models["llama_A"]),
         engine_kwargs=ENGINE_KWARGS,
-        schedule=Schedule(every_n_train_steps=2),
+        schedule=Schedule(every_n_train_steps=2, delta="off"),  # final.safetensors: complete
         files=CheckpointFiles(ram_dir=True),
     )
     module = TinyLM(str(models["llama_A"]), rollout=True)
