@@ -374,7 +374,7 @@ def test_keyframe_past_the_byte_budget() -> None:
 
 
 def test_auto_waits_for_an_engine_that_accepts_and_off_never_deltas() -> None:
-    auto = SyncClock(Schedule())
+    auto = SyncClock(Schedule(delta="auto"))
     auto.at_train_start(0, resumed=False)
     assert walk(auto, False, 4) == "CPPP"  # no report of dtypes: partial syncs as before
     assert not auto.has_base
