@@ -28,6 +28,7 @@ _LOW = 1 << 16
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ROWS = 64  # rows of 65536 elements widened to int64 at a time (32 MiB)
 _A: dict[torch.device, torch.Tensor] = {}
+_B: dict[torch.device, torch.Tensor] = {}  # B[0:n] for the largest n asked so far
 
 
 def _splitmix(x: torch.Tensor) -> torch.Tensor:
@@ -48,13 +49,23 @@ def _low_weights(device: torch.device) -> torch.Tensor:
 
 
 def _high_weights(first: int, count: int, device: torch.device) -> torch.Tensor:
-    return _splitmix(torch.arange(first, first + count, dtype=torch.int64, device=device) + _LOW)
+    """``B[first:first + count]``, from a table kept per device (a tensor of n elements has
+    n / 65536 of them, so the table stays small; hashing each changed element's high part
+    instead costs a dozen int64 passes)."""
+    b = _B.get(device)
+    if b is None or b.numel() < first + count:
+        size = max(first + count, 2 * (b.numel() if b is not None else 0), 1024)
+        b = _splitmix(torch.arange(size, dtype=torch.int64, device=device) + _LOW)
+        _B[device] = b
+    return b[first : first + count]
 
 
 def weights_at(indices: torch.Tensor) -> torch.Tensor:
-    """``w(i)`` for each flat index (int64)."""
-    low = _low_weights(indices.device)[indices & (_LOW - 1)]
-    return low * _splitmix((indices >> 16) + _LOW)
+    """``w(i)`` for each flat index (int64): two table look-ups."""
+    if not indices.numel():
+        return torch.empty(0, dtype=torch.int64, device=indices.device)
+    high = _high_weights(0, int(indices.max()) // _LOW + 1, indices.device)
+    return _low_weights(indices.device)[indices & (_LOW - 1)] * high[indices >> 16]
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:

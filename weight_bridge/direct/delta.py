@@ -43,7 +43,7 @@ from .session import PreparedReload, ReloadReport, prepare_direct_reload
 from .snapshot import addresses
 from .state import bridge_state
 from .validate import find_nonfinite, preflight
-from .write_map import WriteMap
+from .write_map import Held, WriteMap
 
 __all__ = ["PreparedDelta", "UndoLog", "prepare_delta"]
 
@@ -62,7 +62,7 @@ class _Scatter:
 
 @dataclass
 class _Patch:
-    """One tensor of the delta on this worker: its scatters, and for each the mask of the
+    """One tensor of the delta on this worker: its scatters, and for each which of the
     changed elements (of ``indices``) it holds; ``whole``: this worker holds all the tensor."""
 
     name: str
@@ -70,7 +70,7 @@ class _Patch:
     indices: torch.Tensor
     values: torch.Tensor
     scatters: list[_Scatter]
-    masks: list[torch.Tensor]
+    held: list[Held]
     whole: bool
 
 
@@ -205,12 +205,14 @@ class PreparedDelta:
     ) -> str | None:
         """Check the full tensor's fingerprint (whole here), or report this worker's part."""
         want = self.wanted[patch.name]
-        if len(olds) == 1 and bool(patch.masks[0].all()):  # one segment holds every element
+        n = patch.indices.numel()
+        if len(olds) == 1 and patch.held[0].covers(n):  # one segment holds every element
             indices, old, values = patch.indices, olds[0].cpu(), patch.values
         else:
             old = torch.empty_like(patch.values)
-            taken = torch.zeros(patch.indices.numel(), dtype=torch.bool)
-            for mask, pre in zip(patch.masks, olds, strict=True):  # an element held twice: once
+            taken = torch.zeros(n, dtype=torch.bool)
+            for held, pre in zip(patch.held, olds, strict=True):  # an element held twice: once
+                mask = held.full_mask(n)
                 fresh = mask & ~taken
                 old[fresh] = pre.cpu()[fresh[mask]]
                 taken |= mask
@@ -278,18 +280,18 @@ def _patch(
 ) -> _Patch:
     """Map ``indices`` of checkpoint tensor ``name`` onto the live elements of this worker."""
     scatters: list[_Scatter] = []
-    masks: list[torch.Tensor] = []
+    helds: list[Held] = []
     for seg in write_map.segments[name]:
-        mask, where = seg.locate(indices)
-        if not bool(mask.any()):
+        held, where = seg.locate(indices)
+        if not where.numel():
             continue
         device = seg.storage.device
-        scatters.append(_Scatter(seg.storage, where.to(device), values[mask].to(device)))
-        masks.append(mask)
+        scatters.append(_Scatter(seg.storage, where.to(device), held.take(values).to(device)))
+        helds.append(held)
     numel = 1
     for n in shape:
         numel *= n
-    return _Patch(name, shape, indices, values, scatters, masks, write_map.whole(name, numel))
+    return _Patch(name, shape, indices, values, scatters, helds, write_map.whole(name, numel))
 
 
 def _usable_map(model: torch.nn.Module, now: object) -> WriteMap:

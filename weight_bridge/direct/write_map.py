@@ -27,7 +27,7 @@ import torch
 
 from ..layout import byte_span, storage_ptr
 
-__all__ = ["Segment", "WriteMap", "learn_write_map"]
+__all__ = ["Held", "Segment", "WriteMap", "learn_write_map"]
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,27 @@ class Segment:
             n *= s
         return n
 
-    def locate(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def linear(self) -> bool:
+        """Whether the segment copies one run of consecutive checkpoint elements into one run
+        of consecutive live elements, in order (a whole tensor, a tensor-parallel shard along
+        the first dimension, a slice of a fused qkv or gate_up): element ``src_offset + k``
+        lands on ``dst_offset + k``."""
+        return _contiguous(self.shape, self.src_stride) and _contiguous(
+            self.shape, self.dst_stride
+        )
+
+    def locate(self, flat: torch.Tensor) -> tuple[Held, torch.Tensor]:
         """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
-        holds (a bool mask) and, for those, the live element they land on (int64)."""
-        rel = flat - self.src_offset
-        ok = (rel >= 0) & (rel < self.extent)
+        holds and, for those, the live element they land on (int64). Sorted indices put the
+        ones a segment can hold in one range (two binary searches); a linear segment holds
+        all of that range and shifts it, any other is solved coordinate by coordinate."""
+        bounds = torch.tensor([self.src_offset, self.src_offset + self.extent], dtype=flat.dtype)
+        lo, hi = (int(i) for i in torch.searchsorted(flat, bounds))
+        rel = flat[lo:hi] - self.src_offset
+        if self.linear:
+            return Held(lo, hi, None), rel.add_(self.dst_offset)
+        ok = torch.ones_like(rel, dtype=torch.bool)
         dst = torch.full_like(rel, self.dst_offset)
         order = sorted(range(len(self.shape)), key=lambda d: -self.src_stride[d])
         for d in order:  # nested strides: each coordinate is the quotient, greedily
@@ -68,7 +84,46 @@ class Segment:
             rel = rel - m * self.src_stride[d]
             dst += m * self.dst_stride[d]
         ok &= rel == 0
-        return ok, dst[ok]
+        return Held(lo, hi, ok), dst[ok]
+
+
+@dataclass(frozen=True)
+class Held:
+    """Which of a sorted index list a segment holds: positions ``lo:hi``, of those the ones
+    ``mask`` keeps (None: all)."""
+
+    lo: int
+    hi: int
+    mask: torch.Tensor | None
+
+    @property
+    def count(self) -> int:
+        return self.hi - self.lo if self.mask is None else int(self.mask.sum())
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The held elements of ``t`` (aligned with the index list): a view when unmasked."""
+        part = t[self.lo : self.hi]
+        return part if self.mask is None else part[self.mask]
+
+    def covers(self, n: int) -> bool:
+        """Whether it holds all ``n`` indices."""
+        return self.lo == 0 and self.hi == n and (self.mask is None or bool(self.mask.all()))
+
+    def full_mask(self, n: int) -> torch.Tensor:
+        """As a bool mask over all ``n`` indices."""
+        out = torch.zeros(n, dtype=torch.bool)
+        out[self.lo : self.hi] = True if self.mask is None else self.mask.cpu()
+        return out
+
+
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a view of ``shape`` with ``stride`` is row-major without gaps."""
+    expected = 1
+    for n, st in reversed(list(zip(shape, stride, strict=True))):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
 
 
 @dataclass
