@@ -61,9 +61,7 @@ class Segment:
         of consecutive live elements, in order (a whole tensor, a tensor-parallel shard along
         the first dimension, a slice of a fused qkv or gate_up): element ``src_offset + k``
         lands on ``dst_offset + k``."""
-        return _contiguous(self.shape, self.src_stride) and _contiguous(
-            self.shape, self.dst_stride
-        )
+        return _contiguous(self.shape, self.src_stride) and _contiguous(self.shape, self.dst_stride)
 
     def locate(self, flat: torch.Tensor) -> tuple[Held, torch.Tensor]:
         """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
