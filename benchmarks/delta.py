@@ -33,12 +33,8 @@ the trainer's final cast (:func:`~benchmarks.delta_checks.against_cold`).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +53,7 @@ from .delta_checks import (
 from .delta_report import render_delta, summarise_run
 from .engines import start_engine
 from .machine import CpuLoad
+from .per_size import child_main, run_sizes
 
 __all__ = [
     "DELTA_LRS",
@@ -253,17 +250,8 @@ def bench_delta(
         "lrs": lrs,
         "sizes": {},
     }
-    for size in sizes:
-        out = workdir / f"delta-{size}.json"
-        cmd = [sys.executable, "-m", "benchmarks.delta", "--size", size, "--steps", str(steps)]
-        cmd += ["--lrs", ",".join(f"{lr:g}" for lr in lrs), "--workdir", str(workdir)]
-        cmd += ["--shm-dir", str(shm), "--out", str(out)]
-        log(" ".join(cmd))
-        done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=False)
-        if done.returncode == 0 and out.exists():
-            result["sizes"][size] = json.loads(out.read_text())
-        else:
-            result["sizes"][size] = {"error": f"exit code {done.returncode}"}
+    options = ["--steps", str(steps), "--lrs", ",".join(f"{lr:g}" for lr in lrs)]
+    result["sizes"] = run_sizes("benchmarks.delta", sizes, options, workdir, shm, log)
     result["load"] = load.report()
     return result
 
@@ -306,32 +294,16 @@ def delta_section(args: Any, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """One size of the section (what :func:`bench_delta` runs in a child)."""
-    import argparse
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.delta")
-    p.add_argument("--size", required=True)
-    p.add_argument("--steps", type=int, default=7)
-    p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in DELTA_LRS))
-    p.add_argument("--workdir", type=Path, required=True)
-    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users get it
-    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    def options(p: Any) -> None:
+        p.add_argument("--steps", type=int, default=7)
+        p.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in DELTA_LRS))
 
-    def log(msg: str) -> None:
-        print(f"[bench delta] {msg}", flush=True)
+    def run(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
+        lrs = [float(x) for x in args.lrs.split(",")]
+        return _bench_size(args.size, args.workdir, args.steps, lrs, args.shm_dir, log)
 
-    load = CpuLoad()
-    lrs = [float(x) for x in args.lrs.split(",")]
-    with contextlib.suppress(FileNotFoundError):
-        args.out.unlink()
-    result = _bench_size(args.size, args.workdir, args.steps, lrs, args.shm_dir, log)
-    result["load"] = load.report()
-    args.out.write_text(json.dumps(result, default=str))
-    return 0
+    return child_main("benchmarks.delta", argv, options, run)
 
 
 if __name__ == "__main__":

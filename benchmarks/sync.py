@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .machine import CpuLoad, RssSampler, fs_type
+from .per_size import child_main, run_sizes
 from .stats import stats
 
 __all__ = ["SYNC_SIZES", "bench_sync", "render_sync"]
@@ -420,56 +421,27 @@ def bench_sync(
 ) -> dict[str, Any]:
     """The "sync end to end" section: every size, every variant (see the module docstring),
     each size in a process of its own (what a run leaves allocated goes with it)."""
-    import json
-    import subprocess
-    import sys
-
     load = CpuLoad()
     result: dict[str, Any] = {
         "what": __doc__.split("\n\n")[2].replace("\n", " ") if __doc__ else "",
         "reps": reps,
         "sizes": {},
     }
-    for size in sizes:
-        out = workdir / f"sync-{size}.json"
-        cmd = [sys.executable, "-m", "benchmarks.sync", "--size", size, "--reps", str(reps)]
-        cmd += ["--workdir", str(workdir), "--shm-dir", str(shm), "--out", str(out)]
-        log(" ".join(cmd))
-        done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=False)
-        if done.returncode == 0 and out.exists():
-            result["sizes"][size] = json.loads(out.read_text())
-        else:
-            result["sizes"][size] = {"error": f"exit code {done.returncode}"}
-        log(f"{size}: load {os.getloadavg()}")
+    result["sizes"] = run_sizes("benchmarks.sync", sizes, ["--reps", str(reps)], workdir, shm, log)
     result["load"] = load.report()
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     """One size of the section (what :func:`bench_sync` runs in a child)."""
-    import argparse
-    import json
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sync")
-    p.add_argument("--size", required=True)
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--workdir", type=Path, required=True)
-    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default, as users get it
-    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    def options(p: Any) -> None:
+        p.add_argument("--reps", type=int, default=7)
 
-    def log(msg: str) -> None:
-        print(f"[bench sync] {msg}", flush=True)
+    def run(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
+        return _bench_size(args.size, args.workdir, args.reps, args.shm_dir, log)
 
-    load = CpuLoad()
-    result = _bench_size(args.size, args.workdir, args.reps, args.shm_dir, log)
-    result["load"] = load.report()
-    args.out.write_text(json.dumps(result, default=str))
-    return 0
+    return child_main("benchmarks.sync", argv, options, run)
 
 
 def render_sync(section: dict[str, Any]) -> str:
