@@ -298,3 +298,52 @@ def test_a_tensor_its_loader_transforms_is_written_whole_or_refused(tmp_path) ->
     assert_bits(m, b)
     assert report.tensors == 4
     reader.close()
+
+
+def _splitmix64(x: int) -> int:
+    """The documented weight hash in plain Python (weight_bridge.exact's module docstring)."""
+    m = (1 << 64) - 1
+    x = (x + 0x1E3779B97F4A7C15) & m  # the golden ratio's, top bit cleared
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return (x ^ (x >> 31)) | 1
+
+
+def test_the_fingerprint_weights_are_the_documented_hash_at_any_index() -> None:
+    """The format pins ``w(i) = A[i mod 65536] * B[i // 65536]`` (a delta written by one
+    version is checked by another): the engine's table look-ups equal the hash computed
+    from its definition, past the table's first size (1024 blocks) too."""
+    from weight_bridge.exact import fingerprint_change, weights_at
+
+    idx = [0, 1, 65535, 65536, 1 << 26, (1 << 26) + 12345, (3 << 26) + 7, (1 << 31) + 5]
+    low, mask = 1 << 16, (1 << 64) - 1
+    want = [(_splitmix64(i % low) * _splitmix64(i // low + low)) & mask for i in idx]
+    got = [w & mask for w in weights_at(torch.tensor(idx, dtype=torch.int64)).tolist()]
+    assert got == want
+    old = torch.zeros(len(idx), dtype=torch.bfloat16)
+    new = torch.ones(len(idx), dtype=torch.bfloat16)
+    one = int(new[0].view(torch.int16))
+    assert fingerprint_change(torch.tensor(idx), old, new) == sum(want) * one & mask
+
+
+@pytest.mark.parametrize("linear", [True, False])
+def test_a_segment_maps_sorted_indices_to_their_live_elements(linear: bool) -> None:
+    """A linear segment (a first-dimension slice) shifts the indices it holds; any other (a
+    column slice, as a row-parallel shard) is solved coordinate by coordinate. Either way the
+    live elements written from the located indices equal the loader's own copy of the view."""
+    from weight_bridge.direct.write_map import Segment
+
+    src = torch.arange(48, dtype=torch.float32).view(8, 6)
+    view = src[2:5] if linear else src[:, 1:4]
+    live = torch.zeros(64)
+    dst = live[10 : 10 + view.numel()].view(view.shape)
+    seg = Segment(live, view.storage_offset(), view.stride(), 10, dst.stride(), view.shape)
+    assert seg.linear is linear
+    flat = torch.tensor([0, 3, 7, 13, 14, 17, 20, 26, 29, 40, 47])  # some held, some not
+    held, where = seg.locate(flat)
+    live[where] = held.take(src.view(-1)[flat])
+    expected = torch.zeros(64)
+    expected[10 : 10 + view.numel()].view(view.shape).copy_(view)
+    hit = live != 0
+    assert torch.equal(live[hit], expected[hit]) and int(hit.sum()) == held.count
+    assert held.count == sum(bool((view == float(i)).any()) for i in flat.tolist() if i)
