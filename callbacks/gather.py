@@ -25,19 +25,22 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint, retention
+from weight_bridge.checkpoint.delta_sink import OpenSink, Sink
+from weight_bridge.checkpoint.delta_state import DeltaState
+from weight_bridge.checkpoint.keyframes import EngineDtypes
 from weight_bridge.checkpoint.mapping import TransportMaps
 from weight_bridge.checkpoint.retention import estimate_bytes
 from weight_bridge.checkpoint.space import create_reserved
 
 from .changed import sync_state
 from .collective import Collective
-from .delta_sink import OpenSink, Sink
 from .dtensor import ShardGather, is_dtensor
 from .names import CheckpointNames, SyncEntry
 
@@ -48,7 +51,7 @@ __all__ = ["GatherPlan", "Gatherer"]
 class GatherPlan:
     """The checkpoint to write, from metadata; ``sharded``: every rank takes part;
     ``tracked``: the names a delta may later touch (None: every entry), for the reference copy
-    a keyframe refreshes (:mod:`callbacks.reference`)."""
+    a keyframe refreshes (:mod:`weight_bridge.checkpoint.reference`)."""
 
     entries: list[SyncEntry]
     partial: bool
@@ -89,7 +92,7 @@ class Gatherer:
         self.spare: Path | None = None  # a file whose pages the writer reuses (RAM transport)
         self.maps: TransportMaps | None = None  # the files' maps, kept across syncs (same)
         self.owner: int | None = None  # holds the RAM transport's directory while the run lives
-        self.engine_dtypes: dict[str, str] = {}  # name -> the engine's dtype (names.dtype="engine")
+        self.engine = EngineDtypes()  # what the engine reported holding (names.dtype="engine")
 
     def writer_options(self) -> dict[str, Any]:
         """How every file of a sync is written (a keyframe's, a delta's, a plain one's)."""
@@ -177,10 +180,10 @@ class Gatherer:
         if not sharded and not writer:
             return GatherPlan([], False, "", False)
         selected = sync_state(root, state, changing_only)
-        entries, source_dtype = self.names.entries(selected, self.engine_dtypes)
+        entries, source_dtype = self.names.entries(selected, self.engine.known)
         tracked = None
         if track and not changing_only:
-            changing = self.names.entries(sync_state(root, state, True), self.engine_dtypes)[0]
+            changing = self.names.entries(sync_state(root, state, True), self.engine.known)[0]
             tracked = frozenset(e.name for e in changing)
         return GatherPlan(entries, selected.partial, source_dtype, sharded, tracked)
 
@@ -189,6 +192,16 @@ class Gatherer:
     ) -> Sink:
         """The plain sink: the checkpoint writer, streaming each tensor to its offset."""
         return CheckpointWriter(path, specs, metadata, **self.writer_options())
+
+    def opener(
+        self, deltas: DeltaState, kind: str, based: bool, plan: GatherPlan
+    ) -> OpenSink | None:
+        """The sink of this sync when deltas run: a delta's, or a keyframe's refreshing the
+        reference copy of ``plan.tracked`` (:meth:`DeltaState.open`); None: the plain writer."""
+        if kind != "delta" and not based:
+            return None
+        options = self.writer_options()
+        return partial(deltas.open, kind=kind, based=based, options=options, tracked=plan.tracked)
 
     def stream(
         self,
@@ -200,8 +213,8 @@ class Gatherer:
         open_sink: OpenSink | None = None,
     ) -> SavedCheckpoint | None:
         """Write ``plan`` to ``path`` (None: this rank does not write) through the sink
-        ``open_sink`` makes (default :meth:`open_writer`; a delta's: :mod:`callbacks.
-        delta_sink`). Sharded plans need every rank here; a failure anywhere raises
+        ``open_sink`` makes (default :meth:`open_writer`; a delta's: :mod:`weight_bridge.
+        checkpoint.delta_sink`). Sharded plans need every rank here; a failure anywhere raises
         ``StepFailed`` on every rank at the same tensor."""
         if plan.sharded:
             collective.same("save (the checkpoint's tensors)", plan.digest())

@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weight_bridge.checkpoint.keyframes import castable_dtype
+
 from .changed import Item, SyncState
 
 __all__ = ["ENGINE", "CheckpointNames", "SyncEntry", "parse_dtype"]
 
 ENGINE = "engine"  # CheckpointNames.dtype: each tensor in the dtype the engine holds it in
-# What an engine may report holding a tensor in that a plain cast reproduces (an fp8 weight
-# comes with scales: not a cast, so such a tensor keeps the trainer's dtype).
-_CASTABLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
 @dataclass(frozen=True)
@@ -92,15 +91,9 @@ class CheckpointNames:
             dtype = first.dtype
             if dtype.is_floating_point:
                 source_dtype = source_dtype or str(dtype).removeprefix("torch.")
-                dtype = cast or _engine_dtype(held.get(new)) or dtype
+                dtype = cast or castable_dtype(held.get(new)) or dtype
             out.append(SyncEntry(new, tuple(first.shape), dtype, item))
         return out, source_dtype
-
-
-def _engine_dtype(name: str | None) -> torch.dtype | None:
-    """A dtype the engine reported, if a plain cast reproduces it."""
-    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
-    return dtype if dtype in _CASTABLE else None
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -5,17 +5,18 @@ nested YAML mapping); :class:`SyncClock` is its state over one run. Neither know
 ranks or engines: the callback asks the clock whether a step is due and what kind the next sync
 is (:meth:`SyncClock.kind`), and tells it how each sync ended. Every rank keeps its own clock and
 feeds it only what every rank agreed on (the outcome of each step, rank zero's byte counts), so
-every rank picks the same kind: sharded trainers must all plan the same checkpoint.
+every rank picks the same kind: sharded trainers must all plan the same checkpoint. The keyframe
+policy itself (which kind, the delta options) is the library's, shared with
+``WeightBridgeTrainer``: :mod:`weight_bridge.checkpoint.keyframes`; the clock adds the steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DELTA_EVERY_K", "DELTA_MODES", "Schedule", "SyncClock"]
+from weight_bridge.checkpoint.keyframes import KeyframeClock, delta_mode
 
-DELTA_MODES = ("auto", "on", "off")
-DELTA_EVERY_K = 64  # a keyframe every 64 syncs while deltas run, unless full_every_k says
+__all__ = ["Schedule", "SyncClock"]
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,14 @@ class Schedule:
     after a failed one, and every ``full_every_k``-th (if set) are complete.
 
     ``delta``: whether a sync may be an exact *delta* (only the values that changed since the
-    last push, bit for bit in the engine's dtype; :mod:`callbacks.delta_sink`). ``"auto"``: when the
+    last push, bit for bit in the engine's dtype). ``"auto"``: when the
     engine says it can apply one (its report of the last complete push lists the dtypes it holds
     each tensor in; an engine that does not report cannot); ``"on"``: even so (an engine that cannot
     refuses by name); ``"off"`` (or ``False``, the default for now: tests and tools that read each
     sync's file as the full weights, or bound the files an engine holds to five, assume complete and
     partial syncs): never. Deltas rest on *keyframes* (complete or partial syncs, which also refresh
     the trainer's reference copy): the first sync of a run (a resume included), the first after a
-    failed one, every ``full_every_k``-th sync (complete; :data:`DELTA_EVERY_K` = 64 while deltas
+    failed one, every ``full_every_k``-th sync (complete; ``DELTA_EVERY_K`` = 64 while deltas
     run and ``full_every_k`` is None), and the next sync once the deltas since the last keyframe
     add up to more than ``delta_budget`` times its bytes. With ``skip_frozen`` a delta covers
     only what training can change, like a partial sync.
@@ -64,16 +65,8 @@ class Schedule:
         if any(s < 0 for s in steps):
             raise ValueError(f"at_steps must be non-negative, not {list(self.at_steps)}")
         object.__setattr__(self, "at_steps", steps)  # normalised: sorted, unique, a tuple
-        if self.full_every_k is not None and self.full_every_k < 1:
-            raise ValueError(f"full_every_k must be >= 1 or None, not {self.full_every_k}")
-        delta = self.delta
-        if isinstance(delta, bool):  # YAML's on/off/true/false arrive as booleans
-            delta = "on" if delta else "off"
-        if delta not in DELTA_MODES:
-            raise ValueError(f"delta must be one of {DELTA_MODES} (or a bool), not {delta!r}")
-        object.__setattr__(self, "delta", delta)
-        if not self.delta_budget > 0:
-            raise ValueError(f"delta_budget must be > 0, not {self.delta_budget}")
+        delta = delta_mode(self.delta, self.full_every_k, self.delta_budget)
+        object.__setattr__(self, "delta", delta)  # YAML's booleans: "on" / "off"
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a step the cadence asks for."""
@@ -81,23 +74,18 @@ class Schedule:
         return (n is not None and step % n == 0) or step in self.at_steps
 
 
-class SyncClock:
-    """A :class:`Schedule` over one run: which steps to sync, and what kind each sync is.
+class SyncClock(KeyframeClock):
+    """A :class:`Schedule` over one run: which steps to sync, and what kind each sync is (the
+    keyframe policy: :class:`~weight_bridge.checkpoint.keyframes.KeyframeClock`).
 
-    ``last_pushed_step`` is the step of the last successful sync (restored on resume);
-    ``partials_in_row`` counts the syncs since the last complete one (partial ones and deltas),
-    None while the next sync must be complete. ``has_base``: the last push left a reference copy
-    a delta can be diffed against (a keyframe written while deltas were on, or a delta);
-    ``delta_bytes``: the bytes of the deltas since the last keyframe, of ``keyframe_bytes``.
+    ``last_pushed_step`` is the step of the last successful sync (restored on resume).
     """
 
     def __init__(self, schedule: Schedule) -> None:
+        s = schedule
+        super().__init__(s.delta, s.full_every_k, s.delta_budget, s.skip_frozen)
         self.schedule = schedule
         self.last_pushed_step: int | None = None
-        self.partials_in_row: int | None = None
-        self.has_base = False
-        self.delta_bytes = 0
-        self.keyframe_bytes = 0
         self._seen_step: int | None = None
 
     def at_train_start(self, step: int, resumed: bool) -> bool:
@@ -116,55 +104,9 @@ class SyncClock:
     def at_train_end(self, step: int) -> bool:
         return self.schedule.push_on_train_end and step != self.last_pushed_step
 
-    def delta_on(self, engine_accepts: bool) -> bool:
-        """Whether deltas run: ``delta="on"``, or ``"auto"`` with an engine that accepts them."""
-        mode = self.schedule.delta
-        return mode == "on" or (mode == "auto" and engine_accepts)
-
-    def kind(self, engine_accepts: bool = False) -> str:
-        """The next sync: ``"complete"``, ``"partial"`` (what can change, whole) or ``"delta"``.
-
-        ``engine_accepts``: the engine's last complete push said it can apply deltas."""
-        s = self.schedule
-        deltas = self.delta_on(engine_accepts)
-        every = s.full_every_k if s.full_every_k is not None or not deltas else DELTA_EVERY_K
-        if self.partials_in_row is None or (
-            every is not None and self.partials_in_row + 1 >= every
-        ):
-            return "complete"
-        if deltas and self.has_base and not self.over_budget():
-            return "delta"
-        return "partial" if s.skip_frozen else "complete"
-
-    def over_budget(self) -> bool:
-        """The deltas since the last keyframe add up past ``delta_budget`` of its bytes."""
-        return self.delta_bytes > self.schedule.delta_budget * self.keyframe_bytes
-
-    def partial_due(self) -> bool:
-        """Whether the next sync may leave out what cannot change (deltas off)."""
-        return self.kind() == "partial"
-
     def synced(
         self, step: int, partial: bool, delta: bool = False, nbytes: int = 0, based: bool = False
     ) -> None:
-        """A sync succeeded on every rank: ``partial`` (what cannot change left out),
-        ``delta``, its ``nbytes``; ``based``: a keyframe that refreshed the reference copy."""
+        """A sync of ``step`` succeeded on every rank (:meth:`KeyframeClock.pushed`)."""
         self.last_pushed_step = step
-        complete = not partial and not delta
-        self.partials_in_row = 0 if complete else (self.partials_in_row or 0) + 1
-        if delta:
-            self.delta_bytes += nbytes
-            return
-        self.keyframe_bytes, self.delta_bytes, self.has_base = nbytes, 0, based
-
-    def failed(self) -> None:
-        """After a failed sync the engine may serve another base, and the trainer's reference
-        copy is not trusted: the next sync is complete."""
-        self.partials_in_row = None
-        self.rebase()
-
-    def rebase(self) -> None:
-        """No delta until the next keyframe (the reference copy is gone or stale, or the
-        engine's dtypes changed)."""
-        self.has_base = False
-        self.delta_bytes = 0
+        self.pushed(partial, delta, nbytes, based)

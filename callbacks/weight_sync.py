@@ -9,9 +9,10 @@ after a push is exactly what a fresh engine on that file would serve.
 The callback only wires the parts together: :class:`~callbacks.schedule.SyncClock` decides when
 (and whether a sync is complete, partial or a delta), :class:`~callbacks.gather.Gatherer` what
 is sent and how each tensor reaches the writer (DTensors of sharded trainers one at a time),
-:class:`~callbacks.deltas.DeltaState` what the engine reported and the writer's reference copy,
-:class:`~callbacks.collective.Collective` makes each step fail on every rank or none, and the
-engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`) is pushed.
+:class:`~weight_bridge.checkpoint.delta_state.DeltaState` what the engine reported and the
+writer's reference copy, :class:`~callbacks.collective.Collective` makes each step fail on every
+rank or none, and the engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`)
+is pushed.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, retention
+from weight_bridge.checkpoint.delta_state import DeltaState
 from weight_bridge.vllm.clients.bridge_client import EngineClient
 from weight_bridge.vllm.clients.by_name import ENGINE_MODES, client_for, connect, start_engine
 
 from .canary import CanaryCheck
 from .collective import Collective, StepFailed
-from .deltas import DeltaState
 from .directory import open_dir
 from .gather import Gatherer
-from .names import CheckpointNames
+from .names import ENGINE, CheckpointNames
 from .records import Saved, sync_line, sync_metrics, sync_record
 from .schedule import Schedule, SyncClock
 
@@ -83,10 +84,10 @@ class VLLMWeightSync(Callback):
     ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every rank with an
     engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather one tensor at
     a time, every rank taking part. With deltas (``schedule.delta``) a sync between keyframes
-    writes only the values that changed (:mod:`callbacks.deltas`). Only ``fit`` builds an
-    engine and pushes. Metrics ``weight_sync/{save_s,push_s,bytes,version,delta}`` (and
-    ``changed_fraction`` for a delta) go to the trainer's loggers; ``history`` holds the last
-    ``history_limit`` syncs (:func:`~callbacks.records.sync_record`).
+    writes only the values that changed (:mod:`weight_bridge.checkpoint.delta_state`). Only
+    ``fit`` builds an engine and pushes. Metrics (to the trainer's loggers):
+    ``weight_sync/{save_s,push_s,bytes,version,delta}`` (and ``changed_fraction`` for a delta);
+    ``history`` holds the last ``history_limit`` syncs (:func:`~callbacks.records.sync_record`).
     """
 
     history_limit = 256
@@ -138,7 +139,7 @@ class VLLMWeightSync(Callback):
         self.verify_hash = verify_hash
         self.clock = SyncClock(schedule)
         self.gatherer = Gatherer(names, module_attr, source, fsync=files.durable)
-        self.deltas = DeltaState(self.gatherer, self.clock)
+        self.deltas = DeltaState(self.clock, self.gatherer.engine, names.dtype == ENGINE)
         self.last_checkpoint: str | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
@@ -335,7 +336,7 @@ class VLLMWeightSync(Callback):
         if plan.partial or kind == "delta":
             metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
         where = path if writer else None
-        sink = self.deltas.opener(kind, based, plan)
+        sink = self.gatherer.opener(self.deltas, kind, based, plan)
         saved = self.gatherer.stream(plan, where, metadata, collective, self._writers, sink)
         delta, changed = kind == "delta", self.deltas.changed_fraction()
         return Saved(saved.bytes if saved else 0, plan.partial, str(path), delta, changed, based)
@@ -365,8 +366,7 @@ class VLLMWeightSync(Callback):
         """Every rank: the next sync is complete (a keyframe: the reference copy is not trusted);
         then raise this rank's error (or say another rank failed), or warn with
         ``on_error="warn"``."""
-        self.clock.failed()
-        self.deltas.failed()
+        self.deltas.failed()  # the clock (a keyframe next) and the reference copy
         assert failed is not None
         error = failed.error
         if error is None:

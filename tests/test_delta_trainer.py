@@ -22,13 +22,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-import callbacks.reference as reference_mod
+import weight_bridge.checkpoint.reference as reference_mod
 from callbacks import CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
 from callbacks.collective import Collective
-from callbacks.deltas import DeltaState
 from callbacks.gather import Gatherer
-from callbacks.reference import Reference
-from callbacks.schedule import DELTA_EVERY_K, SyncClock
+from callbacks.names import ENGINE
+from callbacks.schedule import SyncClock
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
 from weight_bridge.checkpoint.delta import (
     DELTA_KEY,
@@ -37,6 +36,9 @@ from weight_bridge.checkpoint.delta import (
     read_delta,
     sparse_bytes,
 )
+from weight_bridge.checkpoint.delta_state import DeltaState
+from weight_bridge.checkpoint.keyframes import DELTA_EVERY_K
+from weight_bridge.checkpoint.reference import Reference
 from weight_bridge.exact import bits_of, exact_fingerprint, format_fingerprint
 
 BF16 = "bfloat16"
@@ -94,7 +96,7 @@ class Syncer:
         self.module = SimpleNamespace(model=model)
         self.gatherer = Gatherer(CheckpointNames(), "model", None, fsync=False)
         self.clock = SyncClock(schedule)
-        self.deltas = DeltaState(self.gatherer, self.clock)
+        self.deltas = DeltaState(self.clock, self.gatherer.engine)
         self.collective = Collective(None)  # replicated, one rank: no agreement is asked for
         self.held: dict[str, torch.Tensor] = {}
         self.version: str | None = None
@@ -109,7 +111,7 @@ class Syncer:
         if plan.partial or kind == "delta":
             metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
         path = self.dir / f"step-{step:08d}.safetensors"
-        sink = self.deltas.opener(kind, based, plan)
+        sink = self.gatherer.opener(self.deltas, kind, based, plan)
         saved = self.gatherer.stream(plan, path, metadata, self.collective, [0], sink)
         assert saved is not None
         changed = self.deltas.changed_fraction()
@@ -296,7 +298,7 @@ def test_an_aborted_delta_leaves_no_file_and_the_next_sync_is_a_keyframe(tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.is_file() and "00000001" in p.name]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary
     assert syncer.deltas.reference.names == []
-    syncer.clock.failed()  # what the callback does on any failed sync
+    syncer.deltas.failed()  # what the callback does on any failed sync
     path, kind, _ = syncer.save(2)
     assert kind == "complete"
     syncer.push(path, {})
@@ -391,12 +393,12 @@ def test_auto_waits_for_an_engine_that_accepts_and_off_never_deltas() -> None:
 def test_a_change_of_the_engines_dtypes_makes_the_next_sync_a_keyframe() -> None:
     gatherer = Gatherer(CheckpointNames(), "model", None)
     clock = SyncClock(Schedule(delta="on"))
-    deltas = DeltaState(gatherer, clock)
+    deltas = DeltaState(clock, gatherer.engine, gatherer.names.dtype == ENGINE)
     clock.at_train_start(0, resumed=False)
     clock.synced(0, False, False, 100, based=True)
     assert clock.kind() == "delta"
     deltas.pushed("complete", {"w": BF16})  # the first report: a cast in another dtype
-    assert gatherer.engine_dtypes == {"w": BF16} and deltas.accepts
+    assert gatherer.engine.known == {"w": BF16} and deltas.accepts
     assert clock.kind() == "partial"
     clock.synced(1, True, False, 50, based=True)
     deltas.pushed("complete", {"w": BF16})  # the same: nothing to redo
@@ -405,12 +407,157 @@ def test_a_change_of_the_engines_dtypes_makes_the_next_sync_a_keyframe() -> None
     assert not deltas.accepts
 
 
+# -- vLLM's trainer API (WeightBridgeTrainer) into a real engine ---------------------------------
+
+
+def _api_sender(engine, directory: Path, model: nn.Module, rank: int = 0, **deltas):
+    """vLLM's trainer side over ``model`` (vLLM's own ``ModuleSource``), pushing into
+    ``engine``; ``deltas``: the init info's delta options."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from weight_bridge.vllm.clients.trainer_api import (
+        WeightBridgeTrainer,
+        WeightBridgeTrainerInitInfo,
+    )
+
+    info = WeightBridgeTrainerInitInfo(directory=str(directory), rank=rank, **deltas)
+    return WeightBridgeTrainer.trainer_init(info, client=engine, source=ModuleSource(model))
+
+
+def _nudge(model: nn.Module, seed: int, scale: float = 2e-4) -> None:
+    """A small step on the fp32 weights: a few percent of their bf16 casts change."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + scale * torch.randn(p.shape, generator=g))
+
+
+def _assert_holds_bf16_cast(engine, model: nn.Module) -> None:
+    """The engine's fingerprint of every tensor it holds is that of the trainer's bf16 cast."""
+    (held,) = engine.fingerprints()
+    params = dict(model.named_parameters())
+    assert held and set(held) <= set(params), sorted(set(held) - set(params))
+    for name, fp in held.items():
+        want = exact_fingerprint(params[name].detach().to(torch.bfloat16))
+        assert fp == format_fingerprint(want), name
+
+
+def _file(path: Path) -> tuple[dict[str, str], dict[str, torch.dtype], int]:
+    """A sent file's metadata, its tensors' dtypes, and its size."""
+    with CheckpointReader(path) as reader:
+        meta = dict(reader.metadata)
+        dtypes = {n: t.dtype for n, t in reader.tensors()}
+    return meta, dtypes, path.stat().st_size
+
+
+def test_the_trainer_api_init_info_checks_its_delta_options() -> None:
+    from weight_bridge.vllm.clients.trainer_api import WeightBridgeTrainerInitInfo
+
+    assert WeightBridgeTrainerInitInfo(rank=0).delta == "auto"
+    assert WeightBridgeTrainerInitInfo(rank=0, delta=True).delta == "on"  # type: ignore[arg-type]
+    for bad in ({"delta": "sometimes"}, {"full_every_k": 0}, {"delta_budget": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            WeightBridgeTrainerInitInfo(rank=0, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.every_vllm
+def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
+    models, shared_engine, tmp_path
+):
+    """``WeightBridgeTrainer`` (vLLM's trainer API, ``delta="auto"`` by default) on a float32
+    Llama whose weights move a little before each send, into a bf16 engine: a complete send in
+    fp32 (nothing reported yet), a bf16 keyframe (every tensor's fingerprint in its header),
+    then delta files on the version the engine stamped last, far smaller than the keyframe;
+    after every send the engine holds the trainer's bf16 cast bit for bit. A delta whose base
+    the engine no longer serves, and one with a NaN, are refused by name; the next send is a
+    keyframe and lands. A partial send is a plain file, and a keyframe follows it. With
+    ``delta="off"`` every send is a complete file. A non-sender rank writes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from weight_bridge.direct import DirectReloadError
+    from weight_bridge.direct.errors import BaseVersionError
+
+    llama_a = models["llama_A"]
+    engine = shared_engine("llama_A", dtype=BF16)
+    model = AutoModelForCausalLM.from_pretrained(llama_a, dtype=torch.float32)
+    sender = _api_sender(engine, tmp_path / "api", model)
+    numel = sum(p.numel() for p in model.parameters())
+    step = 0
+
+    def send(kind: str, **kwargs) -> tuple[dict[str, str], dict[str, torch.dtype], int]:
+        nonlocal step
+        step += 1
+        _nudge(model, step)
+        path = sender.send_weights(version=kwargs.pop("version", f"s{step}"), **kwargs)
+        assert path is not None and sender.last_version == engine.version
+        meta, dtypes, size = _file(path)
+        got = "delta" if is_delta(meta) else "keyframe" if FINGERPRINTS_KEY in meta else "plain"
+        assert got == kind, (step, got, kind)
+        assert sender.last_report is not None and sender.last_report.delta == (kind == "delta")
+        _assert_holds_bf16_cast(engine, model)
+        return meta, dtypes, size
+
+    _, dtypes, first = send("plain")  # no report yet: the trainer's dtype
+    assert set(dtypes.values()) == {torch.float32}
+    _, dtypes, keyframe = send("keyframe")  # the engine's dtype from now on
+    assert set(dtypes.values()) == {torch.bfloat16}
+    assert math.isclose(first / keyframe, 2.0, rel_tol=0.05)
+    assert sender.deltas.reference.nbytes == 2 * numel  # one bf16 copy of every tensor sent
+    for _ in range(3):
+        before = engine.version
+        meta, _, size = send("delta")
+        assert meta[BASE_VERSION_KEY] == before and size < keyframe / 4, (size, keyframe)
+    meta, _, _ = send("delta", version=None)  # labelled by its file name, as any checkpoint
+    assert "version" not in meta and engine.version == f"step-{sender.rounds:08d}"
+
+    # a delta on a base the engine does not serve: refused, nothing written; then a keyframe
+    engine.push(llama_a / "model.safetensors", version="elsewhere")
+    with pytest.raises(BaseVersionError):
+        send("delta")
+    assert engine.version == "elsewhere"
+    send("keyframe")
+    send("delta")
+
+    # a NaN in a delta: refused by name, the engine keeps its version; then a keyframe
+    name, weight = next((n, p) for n, p in model.named_parameters() if p.ndim == 2)
+    served = engine.version
+    with torch.no_grad():
+        good = weight[0, 0].item()
+        weight[0, 0] = float("nan")
+    with pytest.raises(DirectReloadError) as refused:
+        sender.send_weights(version="nan")
+    assert name in refused.value.problems and engine.version == served
+    with torch.no_grad():
+        weight[0, 0] = good
+    send("keyframe")
+
+    # a partial send is a plain file on the last version; the next complete send a keyframe
+    part = sender.send_weights(version="part", names=[name])
+    assert part is not None and engine.version == "part"
+    meta, _, _ = _file(part)
+    assert not is_delta(meta) and FINGERPRINTS_KEY not in meta and BASE_VERSION_KEY in meta
+    _assert_holds_bf16_cast(engine, model)
+    send("keyframe")
+    send("delta")
+
+    other = _api_sender(engine, tmp_path / "api", model, rank=1)  # takes part, writes nothing
+    assert other.deltas is None and other.send_weights(version="x") is None
+    assert engine.version == f"s{step}"
+
+    sender = _api_sender(engine, tmp_path / "off", model, delta="off")
+    _, dtypes, _ = send("plain")
+    assert set(dtypes.values()) == {torch.float32}  # a new trainer: nothing reported yet
+    _, dtypes, _ = send("plain")
+    assert set(dtypes.values()) == {torch.bfloat16} and sender.deltas.reference.nbytes == 0
+    sender.shutdown()
+
+
 # -- a real Trainer into a real engine -----------------------------------------------------
 
 
 @pytest.mark.parametrize("steps", [6, pytest.param(200, marks=pytest.mark.slow)])
 def test_a_trainer_pushes_deltas_a_bf16_engine_holds_bit_for_bit(
-    models, engine_factory, tmp_path, steps
+    models, shared_engine, engine_factory, tmp_path, steps
 ):
     """AdamW at lr 1e-5 on a float32 Llama, a bf16 engine, ``delta="on"``: a complete push
     (fp32: nothing reported yet), a bf16 keyframe, then deltas only (no keyframe is due in 200
@@ -423,7 +570,7 @@ def test_a_trainer_pushes_deltas_a_bf16_engine_holds_bit_for_bit(
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-5)
 
-    engine = engine_factory(models["llama_A"], dtype="bfloat16")
+    engine = shared_engine("llama_A", dtype=BF16)  # shared: the first sync is complete anyway
     sync = VLLMWeightSync(
         engine=engine,
         schedule=Schedule(delta="on", full_every_k=10_000, delta_budget=1e6),
@@ -438,7 +585,7 @@ def test_a_trainer_pushes_deltas_a_bf16_engine_holds_bit_for_bit(
             record = sync.history[-1]
             (held,) = engine.fingerprints()
             state = pl_module.model.state_dict()
-            dtypes = sync.gatherer.engine_dtypes
+            dtypes = sync.gatherer.engine.known
             for name, fp in held.items():
                 t = state[name]
                 dtype = getattr(torch, dtypes.get(name, BF16)) if t.is_floating_point() else t.dtype
@@ -477,7 +624,7 @@ class DeltaRankReport(Callback):
         (sync,) = [cb for cb in trainer.callbacks if isinstance(cb, VLLMWeightSync)]
         engine = pl_module.vllm_engine
         (held,) = engine.fingerprints()
-        dtypes = sync.gatherer.engine_dtypes
+        dtypes = sync.gatherer.engine.known
         state = pl_module.model.state_dict()
         wrong = [
             name

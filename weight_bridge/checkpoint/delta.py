@@ -135,13 +135,17 @@ def stored_parts(name: str, new: torch.Tensor, changed: torch.Tensor) -> dict[st
 
 
 def delta_metadata(
-    base: str, version: str, fingerprints: Mapping[str, int], shapes: Mapping[str, list[int]]
+    base: str,
+    version: str | None,
+    fingerprints: Mapping[str, int],
+    shapes: Mapping[str, list[int]],
 ) -> dict[str, str]:
-    """A delta's header metadata; ``shapes``: the full shape of each sparse tensor."""
+    """A delta's header metadata; ``shapes``: the full shape of each sparse tensor. ``version``
+    None: none in the file (the engine labels it by the file's name, as any checkpoint)."""
     return {
         DELTA_KEY: "1",
         BASE_VERSION_KEY: str(base),
-        VERSION_KEY: str(version),
+        **({VERSION_KEY: str(version)} if version is not None else {}),
         FINGERPRINTS_KEY: json.dumps({n: format_fingerprint(v) for n, v in fingerprints.items()}),
         SHAPES_KEY: json.dumps({n: list(s) for n, s in shapes.items()}),
     }

@@ -55,6 +55,27 @@ step files of ``directory`` besides every one the engine serves, as the engine a
 With no ``version`` the file carries none and none is sent: the engine labels the weights by
 its one rule (:func:`~weight_bridge.checkpoint.version_of`: the file name, ``step-00000001``),
 and the label it stamped is the base of the next partial send.
+
+**Deltas**, as the Lightning callback sends them, through the same machinery
+(:mod:`~weight_bridge.checkpoint.delta_state`, :mod:`~weight_bridge.checkpoint.keyframes`).
+Every checkpoint follows the engine's dtype: each floating tensor is cast (as the engine's loader
+rounds) to the dtype the engine reported holding it in after the last complete push
+(``report.dtypes``; before the first report, and for a tensor it does not report, the trainer's
+dtype). With ``delta`` (``"auto"``: once the engine reports it can apply them; ``"on"``;
+``"off"``) a complete send is either a *keyframe* (a complete file whose header carries every
+tensor's exact fingerprint; it refreshes the reference copy) or, between keyframes, a *delta*
+on top of the version the engine stamped last (``last_version``): only the elements whose
+bits changed (a tensor the engine did not report as patchable goes dense; an unchanged one is
+left out). Keyframes: the first send, the first after a failed one (any exception while writing
+or pushing), after a partial send, after the engine's dtypes changed, every ``full_every_k``-th
+send (64 while deltas run and it is None) and once the deltas since the last keyframe add up
+past ``delta_budget`` times its bytes. A partial send (``names=``) is a plain partial file (in
+the engine's dtypes too) and leaves the reference untrusted, so the next complete send is a
+keyframe. The reference copy lives on the sender (rank 0) only, in host memory (pinned for a
+trainer on an accelerator): **one copy of every sent tensor in the engine's dtype** (a bf16
+engine: 2 bytes per element, half of fp32 master weights), refreshed in place; other ranks hold
+nothing and still iterate the source (its gathers are collective). It is freed by
+:meth:`~WeightBridgeTrainer.shutdown` and never saved: a restarted trainer starts with a keyframe.
 """
 
 from __future__ import annotations
@@ -65,6 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -72,8 +94,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file
+from ...checkpoint.delta_sink import Sink
+from ...checkpoint.delta_state import DeltaState
+from ...checkpoint.keyframes import KeyframeClock, delta_mode
 from ...checkpoint.retention import prune, unused_step
-from ...checkpoint.write import CheckpointWriter
+from ...checkpoint.write import SavedCheckpoint
 from ..internals import full_tensors, sender_gaps, source_metadata
 from ..options import BACKEND
 from ..report import PushReport
@@ -123,20 +148,30 @@ class IncompleteSourceError(ValueError):
 class WeightBridgeTrainerInitInfo(TrainerInitInfo):
     """Where the trainer saves checkpoints (under the engine's checkpoint root), how many it
     keeps, the session options sent to the engine (see
-    :data:`~weight_bridge.vllm.options.SESSION_FIELDS`) and the pushes' in-flight mode (None:
-    no pause, as vLLM's trainer API; see :mod:`~weight_bridge.vllm.clients.bridge_client`)."""
+    :data:`~weight_bridge.vllm.options.SESSION_FIELDS`), the pushes' in-flight mode (None:
+    no pause, as vLLM's trainer API; see :mod:`~weight_bridge.vllm.clients.bridge_client`) and
+    deltas (``delta``, ``full_every_k``, ``delta_budget``: as the callback's ``Schedule``; see
+    the module)."""
 
     backend: ClassVar[str] = BACKEND
     directory: str = "."
     keep_last_k: int = 2
     session: dict[str, Any] = field(default_factory=dict)
     inflight: str | None = None
+    delta: str = "auto"
+    full_every_k: int | None = None
+    delta_budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.delta = delta_mode(self.delta, self.full_every_k, self.delta_budget)
 
 
 class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInfo]):
     """Save, then push the path with the one push routine: vLLM's trainer engine for the
     ``weight_bridge`` backend. ``bridge``: the bridge client the sender pushes with (None on
-    the other ranks); ``last_report``: the report of the last send."""
+    the other ranks); ``last_report``: the report of the last send; ``deltas``: the sender's
+    delta state (what the engine reported, the keyframe clock, the reference copy; None on the
+    other ranks)."""
 
     init_info_cls = WeightBridgeTrainerInitInfo
 
@@ -148,6 +183,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         self.last_version: str | None = None  # the label the engine stamped on the last send
         self.last_report: PushReport | None = None
         self.rounds = 0  # sends so far: the step of the next file
+        self.deltas = _delta_state(self.info) if is_sender else None
 
     @classmethod
     def trainer_init(
@@ -156,6 +192,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         check_inflight(init_info.inflight)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
+        engine.deltas = _delta_state(init_info) if engine.is_sender else None
         if engine.is_sender:
             _open_session(client, engine.bridge, dict(init_info.session))
         return engine
@@ -166,10 +203,11 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         names: Iterable[str] | None = None,
         base_version: str | None = None,
     ) -> Path | None:
-        """One update: the source saved as a checkpoint (only ``names``: a partial one on top
-        of ``base_version``), pushed; the path on the sender, None elsewhere. With no
-        ``version`` the engine labels the weights by the file's name (see the module). A
-        refusal or failure raises the bridge's typed error (the engine keeps its version)."""
+        """One update: the source saved as a checkpoint (a keyframe or a delta, see the module;
+        only ``names``: a partial one on top of ``base_version``), pushed; the path on the
+        sender, None elsewhere. With no ``version`` the engine labels the weights by the file's
+        name (see the module). A refusal or failure raises the bridge's typed error (the engine
+        keeps its version) and makes the next send a keyframe."""
         if self.source is None:
             raise ValueError("WeightBridgeTrainer needs a WeightSource (source=...)")
         wanted = set(names) if names is not None else None
@@ -186,38 +224,63 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                 raise ValueError("a partial send needs a base_version (no version was sent yet)")
             metadata[BASE_VERSION_KEY] = str(base)
         path = step_file(Path(self.info.directory), self.rounds)
-        if not self._write(path, metas, wanted, metadata):
+        if self.deltas is None:  # not the sender: take part in the source's gathers
+            self._write(path, metas, wanted, None)
             return None
-        sent = None if version is None else str(version)
-        report = self.bridge.push(path, sent, inflight=self.info.inflight)
+        try:
+            kind, based, sink = self._open(path, metas, metadata, partial=wanted is not None)
+            saved = self._write(path, metas, wanted, sink)
+            assert saved is not None  # the sender's
+            sent = None if version is None else str(version)
+            report = self.bridge.push(path, sent, inflight=self.info.inflight)
+        except BaseException:
+            self.deltas.failed()  # the reference is not trusted: a keyframe next
+            raise
         self.last_report = report
         self.last_version = None if report.version is None else str(report.version)
+        self.deltas.clock.pushed(kind == "partial", kind == "delta", saved.bytes, based)
+        self.deltas.pushed(kind, dict(getattr(report, "dtypes", None) or {}))
         # what the engine serves, as it answered, is never deleted
         prune(path.parent, path, max(self.info.keep_last_k, 1), report.served)
         return path
 
+    def _open(
+        self, path: Path, metas: list[Any], metadata: dict[str, str], partial: bool
+    ) -> tuple[str, bool, Sink]:
+        """The sender's kind of send, whether it refreshes the reference copy (a keyframe), and
+        its sink: ``"partial"`` (a plain file), or what the clock says: ``"delta"`` (on the
+        version the engine stamped last) or ``"complete"`` (a keyframe while deltas run).
+        Floating tensors are written in the engine's dtypes."""
+        deltas = self.deltas
+        assert deltas is not None
+        if self.last_version is None:
+            deltas.clock.rebase()  # no version stamped yet: nothing a delta could name as base
+        kind, based = ("partial", False) if partial else deltas.kind()
+        if kind == "delta":
+            metadata = {**metadata, BASE_VERSION_KEY: str(self.last_version)}
+        dtype = deltas.engine.dtype
+        specs = [
+            (m.name, torch.empty(m.shape, dtype=dtype(m.name, m.dtype), device="meta"))
+            for m in metas
+        ]
+        return kind, based, deltas.open(path, specs, metadata, kind=kind, based=based, options={})
+
     def _write(
-        self, path: Path, metas: list[Any], wanted: set[str] | None, metadata: dict[str, str]
-    ) -> bool:
+        self, path: Path, metas: list[Any], wanted: set[str] | None, sink: Sink | None
+    ) -> SavedCheckpoint | None:
         """Stream the source's full tensors (every rank: a ``DTensor`` is gathered
-        collectively) into ``path`` (the sender only); whether this rank wrote it. A tensor
-        that comes other than whole (a source whose ``iter_full`` yields a piece, or whose
-        cached metadata no longer describes the model) is refused by name; the writer then
-        leaves no file."""
+        collectively) into ``sink`` (the sender's; None elsewhere). A tensor that comes other
+        than whole (a source whose ``iter_full`` yields a piece, or whose cached metadata no
+        longer describes the model) is refused by name; the sink then leaves no file."""
         assert self.source is not None
         shapes = {m.name: tuple(m.shape) for m in metas}
         stream = full_tensors(self.source)
-        writer = (
-            CheckpointWriter(path, [(m.name, m) for m in metas], metadata)
-            if self.is_sender
-            else None
-        )
         try:
             for name, tensor in stream:
                 if wanted is not None and name not in wanted:
                     continue
                 full = materialize_full_tensor(tensor)  # collective for a DTensor: every rank
-                if writer is not None and full is not None:  # None: 0.32, a name not held here
+                if sink is not None and full is not None:  # None: 0.32, a name not held here
                     if tuple(full.shape) != shapes.get(name, tuple(full.shape)):
                         raise IncompleteSourceError(
                             {
@@ -226,21 +289,28 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
                                 "metadata: a module changed after its first read lands here)"
                             }
                         )
-                    writer.write(name, full.detach().cpu())
+                    # cast to the file's dtype, chunk by chunk (a delta: diffed as it arrives)
+                    sink.write(name, full.detach(), cast=True)
                 del full
-            if writer is None:
-                return False
-            writer.finish()
+            return sink.finish() if sink is not None else None
         except BaseException:
-            if writer is not None:
-                writer.abort()
+            if sink is not None:
+                sink.abort()
             raise
-        return True
 
     def shutdown(self) -> None:
-        """Close the bridge client this trainer built (never one it was given)."""
+        """Close the bridge client this trainer built (never one it was given); the reference
+        copy's host memory goes."""
+        if self.deltas is not None:
+            self.deltas.release()
         if self._owns_bridge:
             self.bridge.close()
+
+
+def _delta_state(info: WeightBridgeTrainerInitInfo) -> DeltaState:
+    """The sender's delta state: the keyframe clock of ``info``'s delta options (no
+    ``skip_frozen``: a send between keyframes is a delta or complete, never partial by itself)."""
+    return DeltaState(KeyframeClock(info.delta, info.full_every_k, info.delta_budget))
 
 
 def bridge_client_of(client: Any) -> Any:

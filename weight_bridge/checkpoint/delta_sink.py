@@ -1,15 +1,16 @@
 """Where a sync's tensors go on the writer when deltas run: a keyframe or a delta file.
 
-:class:`~callbacks.gather.Gatherer` hands each tensor, as it is gathered, to a *sink*
-(:class:`Sink`: ``write`` in header order, then ``finish`` or ``abort``). Without deltas the sink
-is the :class:`~weight_bridge.checkpoint.CheckpointWriter` itself. With them:
+The writer of a sync (the Lightning callback's gatherer, ``WeightBridgeTrainer``'s sender)
+hands each tensor, as it is gathered, to a *sink* (:class:`Sink`: ``write`` in header order,
+then ``finish`` or ``abort``). Without deltas the sink is the
+:class:`~weight_bridge.checkpoint.CheckpointWriter` itself. With them:
 
 * :class:`KeyframeSink` (a complete or partial sync): the plain streamed file, whose header also
   carries every tensor's exact fingerprint (:data:`~weight_bridge.checkpoint.delta.
   FINGERPRINTS_KEY`: the engine's base fingerprints). The header is written before any tensor
   is gathered, so it holds a placeholder of the same length, filled in before the rename
   (:class:`FingerprintedWriter`). Each tracked tensor is cast into the reference copy
-  (:mod:`callbacks.reference`) and written from there: one cast, one copy off the device.
+  (:mod:`.reference`) and written from there: one cast, one copy off the device.
 * :class:`DeltaSink`: the header depends on what changed, so nothing is written until every
   tensor was diffed; it keeps each tensor's encoded change (O(changed); a dense one is the
   reference's own tensor) and writes the delta file at :meth:`~DeltaSink.finish`, with the same
@@ -28,13 +29,12 @@ from typing import Any, Protocol
 
 import torch
 
-from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint
-from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY, delta_metadata, part_name
-from weight_bridge.checkpoint.format import BASE_VERSION_KEY, VERSION_KEY
-from weight_bridge.checkpoint.header_plan import plan_header
-from weight_bridge.exact import format_fingerprint
-
+from ..exact import format_fingerprint
+from .delta import FINGERPRINTS_KEY, delta_metadata, part_name
+from .format import BASE_VERSION_KEY, VERSION_KEY
+from .header_plan import plan_header
 from .reference import Change, Reference, cast_fingerprint
+from .write import CheckpointWriter, SavedCheckpoint
 
 __all__ = ["DeltaSink", "FingerprintedWriter", "KeyframeSink", "OpenSink", "Sink"]
 
@@ -212,7 +212,7 @@ class DeltaSink:
             else:
                 continue  # unchanged: not in the file
             prints[name] = change.fingerprint
-        base, version = self.metadata[BASE_VERSION_KEY], self.metadata.get(VERSION_KEY, "")
+        base, version = self.metadata[BASE_VERSION_KEY], self.metadata.get(VERSION_KEY)
         return tensors, {**self.metadata, **delta_metadata(base, version, prints, shapes)}
 
     def finish(self) -> SavedCheckpoint:

@@ -2,18 +2,19 @@
 
 Why: a delta is the difference between what the engine holds and the trainer's current cast,
 and an engine never sends its weights back. So the writer keeps, for every tensor a delta may
-touch, the cast it last pushed (in the dtype of the checkpoint, which is the engine's: see
-:class:`~callbacks.names.CheckpointNames`) and the exact fingerprint of it
-(:mod:`weight_bridge.exact`). A delta compares bit patterns (NaN and -0.0 compare exactly that
-way), writes what differs, and updates the copy in place; the fingerprint of the new full tensor
-follows in O(changed) from the old one.
+touch, the cast it last pushed (in the dtype of the checkpoint, which is the engine's: each
+floating tensor in the dtype the engine reported holding it in, :mod:`.keyframes`) and the exact
+fingerprint of it (:mod:`weight_bridge.exact`). A delta compares bit patterns (NaN and -0.0
+compare exactly that way), writes what differs, and updates the copy in place; the fingerprint
+of the new full tensor follows in O(changed) from the old one.
 
 Where, and what it costs: **host memory**, one copy of the tracked tensors in the checkpoint's
 dtype (a bf16 engine: 2 bytes per element, half the trainer's fp32 master weights). For a trainer
 on an accelerator the copy is *pinned* host memory, not device memory: device memory is what the
 trainer is short of, and every sync copies its cast off the device anyway (into the file, or
-here to be compared), which pinned memory takes at the link's speed. Only the writer rank holds
-it; it is not saved in a Lightning checkpoint (a resumed run starts with a keyframe).
+here to be compared), which pinned memory takes at the link's speed. Only the writer holds it:
+the Lightning callback's writer rank, ``WeightBridgeTrainer``'s sender (rank 0). It is never
+saved (a resumed run, a restarted trainer, starts with a keyframe).
 
 The tensors are walked :data:`CHUNK` elements at a time, so the extra memory is one chunk and
 the changed elements' indices and values, never a full-size cast.
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_bridge.checkpoint.delta import encode_sparse, sparse_bytes
-from weight_bridge.exact import bits_of, exact_fingerprint, fingerprint_change
+from ..exact import bits_of, exact_fingerprint, fingerprint_change
+from .delta import encode_sparse, sparse_bytes
 
 __all__ = ["CHUNK", "Change", "Reference", "cast_fingerprint"]
 
