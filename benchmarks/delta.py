@@ -44,6 +44,7 @@ from .delta_checks import (
     ENGINE_DTYPE,
     against_cold,
     cold_start,
+    diff_floor,
     drift,
     replay,
     report_fields,
@@ -196,6 +197,7 @@ def _run_lr(
     log(f"  lr {lr:g}: delta run ({steps} steps)")
     sync, module = _fit(model_dir, root, steps, lr, engine, delta=True)
     out: dict[str, Any] = {"lr": lr, "delta": _records(sync), "drift": sync.drift}
+    out["diff_floor_s"] = diff_floor(module)
     cast = trainer_cast(module)
     seen = {"bridge": samples(engine)}
     out["replay"] = replay(engine, sync.kept, log)

@@ -53,6 +53,31 @@ def trainer_cast(module: Any) -> dict[str, Any]:
     }
 
 
+def diff_floor(module: Any, reps: int = 3) -> list[float]:
+    """Seconds the writer's diff takes when *nothing* changed: every tensor of ``module`` cast
+    to the engine's dtype and compared, bit for bit, with a reference equal to that cast (the
+    callback's own :class:`~weight_bridge.checkpoint.reference.Reference`). Any delta's save
+    does at least this (it must read every value to find the few that changed), so it bounds
+    what a delta save can cost against a complete sync's."""
+    import torch
+
+    from weight_bridge.checkpoint.reference import Reference
+
+    dtype = getattr(torch, ENGINE_DTYPE)
+    tensors = {n: t.detach() for n, t in module.model.state_dict().items()}
+    reference = Reference()
+    out = []
+    for _ in range(reps):
+        for name, t in tensors.items():
+            reference.store(name, t, dtype)
+        start = time.perf_counter()
+        for name, t in tensors.items():
+            reference.diff(name, t, dtype)
+        out.append(time.perf_counter() - start)
+    reference.clear()
+    return out
+
+
 def drift(engine: Any, cast: dict[str, Any]) -> dict[str, Any]:
     """The engine's exact fingerprint of every tensor it holds against the trainer's cast."""
     from weight_bridge.exact import exact_fingerprint, format_fingerprint

@@ -99,6 +99,9 @@ def summarise_run(run: dict[str, Any]) -> dict[str, Any]:
         "vllm_patches": ratio(
             s["replay"]["vllm_apply_s"]["median"], s["replay"]["bridge_apply_s"]["median"]
         ),
+        "diff_floor": ratio(
+            stats(run.get("diff_floor_s", []))["median"], s["complete"]["save_apply_s"]["median"]
+        ),
         "push_with_repack": ratio(
             s["delta"]["push_s"]["median"], s["complete"]["push_s"]["median"]
         ),
@@ -215,6 +218,23 @@ def _spread(runs: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
     ]
 
 
+def _floor(runs: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    cells = [
+        f"{size} lr {lr}: {stats(run['diff_floor_s'])['median']:.3f} s = "
+        f"{run['ratios']['diff_floor']:.2f}x"
+        for size, lr, run in runs
+        if run.get("diff_floor_s") and run["ratios"].get("diff_floor") is not None
+    ]
+    if not cells:
+        return []
+    return [
+        "",
+        "The diff alone, with nothing changed (the trainer's weights cast and compared with a "
+        "reference equal to that cast: what every delta save reads), against a complete bf16 "
+        "sync's save + write, median of 3: " + "; ".join(cells) + ".",
+    ]
+
+
 def render_delta(section: dict[str, Any]) -> str:
     """The section as markdown tables."""
     syncs, replay, targets = list(SYNCS_HEAD), list(REPLAY_HEAD), list(TARGETS_HEAD)
@@ -230,4 +250,4 @@ def render_delta(section: dict[str, Any]) -> str:
             for name, t in run["targets"].items():
                 targets.append(f"| {size} | {lr} | {name} | {t['what']} | {_verdict(t)} |")
     load = ["", f"Load during the section: {section.get('load', {})}", ""]
-    return "\n".join(syncs + replay + targets + _spread(runs) + load)
+    return "\n".join(syncs + replay + targets + _floor(runs) + _spread(runs) + load)

@@ -163,10 +163,9 @@ def encode_sparse(
 
 def decode_indices(blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Sorted flat indices (int64) from the stored blocks and offsets (counts not checked)."""
-    block_ids = torch.repeat_interleave(
-        torch.arange(blocks.numel(), dtype=torch.int64), blocks.to(torch.int64)
-    )
-    return block_ids * BLOCK + (offsets.to(torch.int64) & (BLOCK - 1))
+    starts = torch.arange(0, blocks.numel() * BLOCK, BLOCK, dtype=torch.int64)
+    flat = torch.repeat_interleave(starts, blocks.to(torch.int64))  # each index's block start
+    return flat.add_(offsets.to(torch.int32).bitwise_and_(BLOCK - 1))  # its low 16 bits
 
 
 def _json(path: str, metadata: Mapping[str, str], key: str) -> dict:
