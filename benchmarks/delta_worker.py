@@ -128,8 +128,8 @@ class DeltaWorkerMixin:
     def bench_vllm_check(self, path: str) -> dict[str, Any]:
         """What vLLM's patches left: each touched tensor's exact fingerprint (live storage)
         against the trainer's (recorded in the delta), and parameters written outside it."""
-        from weight_bridge.direct.delta import held_tensor
         from weight_bridge.direct.state import bridge_state
+        from weight_bridge.direct.write_map import held_tensor
         from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
         model = self.model_runner.get_model()

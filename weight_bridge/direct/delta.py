@@ -27,7 +27,8 @@ carries it dense, and refused by name when sparse.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -36,18 +37,21 @@ from ..exact import bits_of, exact_fingerprint, fingerprint_change
 from ..layout import TensorSpec
 from .derived import refresh_derived_state
 from .errors import DirectReloadError
+from .parallel import run_split
 from .plan import plan_direct_reload
 from .proof import module_of
 from .record import require_layout
 from .session import PreparedReload, ReloadReport, prepare_direct_reload
 from .snapshot import addresses
 from .state import bridge_state
+from .undo import UndoLog
 from .validate import find_nonfinite, preflight
-from .write_map import Held, WriteMap
+from .write_map import Held, WriteMap, held_tensor
 
-__all__ = ["PreparedDelta", "UndoLog", "prepare_delta"]
+__all__ = ["PreparedDelta", "prepare_delta"]
 
 APPLYING = "a delta started writing and did not finish"
+R = TypeVar("R")
 
 
 @dataclass
@@ -74,32 +78,26 @@ class _Patch:
     whole: bool
 
 
-@dataclass
-class UndoLog:
-    """The pre-images of every element a delta wrote, in write order: restoring them in
-    reverse gives back the previous bits exactly, with no file. ``modules``: whose derived
-    state to refresh afterwards; ``fingerprints``: the served fingerprints before."""
-
-    entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    modules: dict[str, str] = field(default_factory=dict)
-    fingerprints: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(w.numel() * 8 + p.numel() * p.element_size() for _, w, p in self.entries)
-
-    def undo(self, model: torch.nn.Module) -> None:
-        """Restore every pre-image (newest first), re-derive, and put the fingerprints back."""
-        for storage, where, pre in reversed(self.entries):
-            storage[where] = pre
-        state = bridge_state(model)
-        refresh_derived_state(model, self.modules)
-        state.fingerprints.update(self.fingerprints)
-
-
 def _scatter(storage: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
     """One scattered write (a function of its own: the fault-injection tests replace it)."""
     storage[where] = values
+
+
+def _write_patch(patch: _Patch) -> None:
+    for scatter in patch.scatters:
+        _scatter(scatter.storage, scatter.where, scatter.values)
+
+
+def _cost(patch: _Patch) -> int:
+    return patch.indices.numel()
+
+
+def _results(results: list[R | BaseException]) -> list[R]:
+    """The per-item results of :func:`~.parallel.run_split`, or the first failure raised."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
 
 
 class PreparedDelta:
@@ -174,29 +172,35 @@ class PreparedDelta:
 
     def _write(self, undo: UndoLog, report: ReloadReport) -> None:
         """Every pre-image first (two names never share an element, but a re-read after a
-        write would see it), then the scatters, each logged before it is written."""
-        self._pre = [[s.storage[s.where] for s in p.scatters] for p in self.patches]
+        write would see it), all logged before the first write, then the scatters; each step
+        split by tensor between this thread and the push's helper threads (:mod:`.parallel`:
+        the CPUs a worker leaves to its engine core, which waits during a push)."""
+        pre = run_split(self.patches, _cost, lambda p: [s.storage[s.where] for s in p.scatters])
+        self._pre = _results(pre)
         for patch, olds in zip(self.patches, self._pre, strict=True):
             for scatter, old in zip(patch.scatters, olds, strict=True):
                 undo.entries.append((scatter.storage, scatter.where, old))
-                _scatter(scatter.storage, scatter.where, scatter.values)
                 report.bytes += scatter.values.numel() * scatter.values.element_size()
                 report.changed += scatter.values.numel()
+        _results(run_split(self.patches, _cost, _write_patch))
 
     def _check(self, report: ReloadReport) -> dict[str, str]:
-        """Read back every changed element, then the fingerprints."""
+        """Read back every changed element, then the fingerprints (split as the writes)."""
         t0 = time.perf_counter()
-        problems: dict[str, str] = {}
-        state = bridge_state(self.model)
-        for patch, olds in zip(self.patches, self._pre, strict=True):
+        served = bridge_state(self.model).fingerprints
+
+        def check(item: tuple[_Patch, list[torch.Tensor]]) -> str | None:
+            patch, olds = item
             for scatter in patch.scatters:
                 got = scatter.storage[scatter.where]
                 if not torch.equal(bits_of(got), bits_of(scatter.values)):
-                    problems[patch.name] = "read back after the delta differs from its values"
-            report.verified_writes += len(patch.scatters)
-            why = self._fingerprint(patch, olds, state.fingerprints.get(patch.name), report)
-            if why:
-                problems.setdefault(patch.name, why)
+                    return "read back after the delta differs from its values"
+            return self._fingerprint(patch, olds, served.get(patch.name), report)
+
+        items = list(zip(self.patches, self._pre, strict=True))
+        found = _results(run_split(items, lambda item: _cost(item[0]), check))
+        problems = {patch.name: why for (patch, _), why in zip(items, found, strict=True) if why}
+        report.verified_writes += sum(len(p.scatters) for p in self.patches)
         report.readback_s = time.perf_counter() - t0
         return problems
 
@@ -254,21 +258,6 @@ class PreparedDelta:
             return False
         state.undefined = was
         return True
-
-
-def held_tensor(write_map: WriteMap | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The full checkpoint tensor ``name`` as live storage holds it (this worker holds it
-    whole), gathered through its segments."""
-    assert write_map is not None
-    segments = write_map.segments[name]
-    numel = 1
-    for s in shape:
-        numel *= s
-    out = torch.empty(numel, dtype=segments[0].storage.dtype, device=segments[0].storage.device)
-    for seg in segments:
-        view = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
-        out.as_strided(seg.shape, seg.src_stride, seg.src_offset).copy_(view)
-    return out.view(shape)
 
 
 def _patch(

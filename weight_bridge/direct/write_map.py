@@ -27,7 +27,7 @@ import torch
 
 from ..layout import byte_span, storage_ptr
 
-__all__ = ["Held", "Segment", "WriteMap", "learn_write_map"]
+__all__ = ["Held", "Segment", "WriteMap", "held_tensor", "learn_write_map"]
 
 
 @dataclass(frozen=True)
@@ -230,3 +230,18 @@ def learn_write_map(
     for name in out.unpatchable:
         out.dtypes.pop(name, None)
     return out
+
+
+def held_tensor(write_map: WriteMap | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full checkpoint tensor ``name`` as live storage holds it (this worker holds it
+    whole), gathered through its segments."""
+    assert write_map is not None
+    segments = write_map.segments[name]
+    numel = 1
+    for s in shape:
+        numel *= s
+    out = torch.empty(numel, dtype=segments[0].storage.dtype, device=segments[0].storage.device)
+    for seg in segments:
+        view = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
+        out.as_strided(seg.shape, seg.src_stride, seg.src_offset).copy_(view)
+    return out.view(shape)

@@ -13,10 +13,10 @@ from dataclasses import asdict
 from typing import Any
 
 from ...direct import ReloadPlan
-from ...direct.delta import held_tensor
 from ...direct.proof import module_of
 from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, undefined_reason
+from ...direct.write_map import held_tensor
 from ...exact import exact_fingerprint, format_fingerprint
 from ..internals import config_of, transfer_engine, worker_model
 from ..options import bridge_options

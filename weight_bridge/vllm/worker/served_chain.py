@@ -21,7 +21,7 @@ from typing import Any
 from ...checkpoint import CheckpointError, CheckpointReader
 from ...checkpoint.delta import split_name
 from ...checkpoint.held import HeldFile
-from ...direct.delta import UndoLog
+from ...direct.undo import UndoLog
 
 __all__ = ["ServedCheckpoint", "compact", "hold"]
 
