@@ -263,11 +263,14 @@ class PreparedDelta:
 def _patch(
     name: str,
     shape: tuple[int, ...],
-    indices: torch.Tensor,
+    indices: torch.Tensor | None,
     values: torch.Tensor,
     write_map: WriteMap,
 ) -> _Patch:
-    """Map ``indices`` of checkpoint tensor ``name`` onto the live elements of this worker."""
+    """Map ``indices`` (None: every element) of checkpoint tensor ``name`` onto the live
+    elements of this worker."""
+    if indices is None:
+        indices = torch.arange(values.numel(), dtype=torch.int64)
     scatters: list[_Scatter] = []
     helds: list[Held] = []
     for seg in write_map.segments[name]:
@@ -324,12 +327,11 @@ def prepare_delta(
         sparse = [(n, s.values) for n, s in delta.sparse.items()]
         targets = {n: spec.dtype for n, spec in layout.checkpoint.items()}
         problems.update(find_nonfinite([*delta.dense, *sparse], targets))
-    patches: list[_Patch] = []
     whole: list[tuple[str, torch.Tensor]] = []
+    todo: list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]] = []
     for name, t in delta.dense:
         if name in write_map.segments and t.dtype == write_map.dtypes.get(name):
-            every = torch.arange(t.numel(), dtype=torch.int64)
-            patches.append(_patch(name, tuple(t.shape), every, t.reshape(-1), write_map))
+            todo.append((name, tuple(t.shape), None, t.reshape(-1)))  # every element
         else:
             whole.append((name, t))  # its loader transforms it, or a cast: written whole
     for name, sp in delta.sparse.items():
@@ -344,7 +346,8 @@ def prepare_delta(
         elif sp.values.dtype != held:
             problems[name] = f"its values are {sp.values.dtype}, the engine holds it in {held}"
         else:
-            patches.append(_patch(name, sp.shape, sp.indices, sp.values, write_map))
+            todo.append((name, sp.shape, sp.indices, sp.values))
+    patches = _results(run_split(todo, lambda a: a[3].numel(), lambda a: _patch(*a, write_map)))
     refresh = _refresh_of(model, patches, write_map, problems, now)
     if problems:
         raise DirectReloadError("delta rejected (nothing was written)", problems)
