@@ -35,17 +35,19 @@ class Schedule:
     after a failed one, and every ``full_every_k``-th (if set) are complete.
 
     ``delta``: whether a sync may be an exact *delta* (only the values that changed since the
-    last push, bit for bit in the engine's dtype). ``"auto"``: when the
-    engine says it can apply one (its report of the last complete push lists the dtypes it holds
-    each tensor in; an engine that does not report cannot); ``"on"``: even so (an engine that cannot
-    refuses by name); ``"off"`` (or ``False``, the default for now: tests and tools that read each
-    sync's file as the full weights, or bound the files an engine holds to five, assume complete and
-    partial syncs): never. Deltas rest on *keyframes* (complete or partial syncs, which also refresh
-    the trainer's reference copy): the first sync of a run (a resume included), the first after a
-    failed one, every ``full_every_k``-th sync (complete; ``DELTA_EVERY_K`` = 64 while deltas
-    run and ``full_every_k`` is None), and the next sync once the deltas since the last keyframe
-    add up to more than ``delta_budget`` times its bytes. With ``skip_frozen`` a delta covers
-    only what training can change, like a partial sync.
+    last push, bit for bit in the engine's dtype). ``"auto"`` (the
+    default): when the engine says it can apply one (its report of the last complete push lists
+    the dtypes it holds each tensor in; an engine that does not report cannot); ``"on"``: even
+    so (an engine that cannot refuses by name); ``"off"`` (or ``False``): never, for whatever
+    reads each sync's file as the full weights. Deltas rest on *keyframes* (complete or partial
+    syncs, which also refresh the trainer's reference copy): the first sync of a run (a resume
+    included), the first after a failed one, every ``full_every_k``-th sync (complete;
+    ``DELTA_EVERY_K`` = 64 while deltas run and ``full_every_k`` is None), and the next
+    sync once the deltas since the last keyframe add up to more than ``delta_budget`` times its
+    bytes. The engine's served chain holds the keyframe and every sparse delta since, so these
+    bound it: ``full_every_k`` files, and deltas of ``delta_budget`` x the keyframe's bytes plus
+    the one that passed it. With ``skip_frozen`` a delta covers only what training can change,
+    like a partial sync.
     """
 
     every_n_train_steps: int | None = 1
@@ -54,7 +56,7 @@ class Schedule:
     push_on_train_end: bool = True
     skip_frozen: bool = True
     full_every_k: int | None = None
-    delta: str = "off"
+    delta: str = "auto"
     delta_budget: float = 1.0
 
     def __post_init__(self) -> None:

@@ -8,6 +8,8 @@ engine (as in data-parallel rollouts). Each rank prints ``RESULT {json}``: its e
 the checkpoint it serves and its greedy outputs. ``--fail-rank`` kills that rank's engine-core
 process after the first push, to show the other rank is not left hanging. ``--nodes 2`` (one
 process per simulated node) uses the multi-node layout: each node writes and reads its own copy.
+``--weights PATH``: global rank zero saves the weights it trained there at the end (with deltas,
+the default, the last sync's file holds only what changed).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument(
         "--nodes", type=int, default=1, help="simulated nodes, one process each (NODE_RANK set)"
     )
+    parser.add_argument("--weights", help="global rank 0 saves its trained weights here")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -39,6 +42,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+    from weight_bridge.checkpoint import save_checkpoint
 
     class Policy(pl.LightningModule):
         def __init__(self) -> None:
@@ -80,6 +84,9 @@ def main() -> None:
                 print(f"rank {trainer.global_rank} killed engine core {killed}", flush=True)
 
         def on_train_end(self, trainer, pl_module):
+            if args.weights and trainer.global_rank == 0:
+                state = pl_module.model.state_dict()
+                save_checkpoint({n: t.detach().clone() for n, t in state.items()}, args.weights)
             engine = pl_module.vllm_engine
             result.update(
                 rank=trainer.global_rank,

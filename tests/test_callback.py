@@ -22,6 +22,7 @@ from helpers import (
     close_engine,
     crash_before_rename,
     greedy,
+    model_dir_with,
     trainer,
 )
 from lightning.pytorch.callbacks import Callback
@@ -29,8 +30,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from callbacks import CanaryCheck, CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
 from callbacks.canary import CanaryError
-from weight_bridge.checkpoint import HASH_KEY, CheckpointReader
+from weight_bridge.checkpoint import BASE_VERSION_KEY, HASH_KEY, CheckpointReader
 from weight_bridge.checkpoint.retention import prune
+from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
 
 class Recorder(PushWatcher):
@@ -131,6 +133,45 @@ def test_every_push_serves_like_a_cold_start(models, shared_engine, cold, tmp_pa
     ]
     for push, reference in zip(recorder.pushes, cold.many(references), strict=True):
         assert_parity(push["greedy"], reference)
+
+
+def test_the_default_schedule_sends_deltas_the_engine_holds_bit_for_bit(
+    models, shared_engine, cold, tmp_path
+) -> None:
+    """``Schedule()`` as it comes (``delta="auto"``; the tests above pin ``"off"`` to read each
+    file as the full weights): a complete sync, a keyframe once the engine reported its dtypes,
+    then deltas, each on the step synced before it and smaller than a complete file. After
+    every push the engine holds the trainer's weights bit for bit (its fingerprint of every
+    tensor it holds), and at the end it answers as a cold start on them."""
+    engine = shared_engine("llama_A")
+    sync = VLLMWeightSync(
+        engine=engine,
+        schedule=Schedule(every_n_train_steps=2),
+        files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=10),
+    )
+
+    class Held(PushWatcher):
+        def seen(self, trainer, pl_module, record) -> dict:
+            (held,) = engine.fingerprints()
+            state = pl_module.model.state_dict()
+            fp = {n: format_fingerprint(exact_fingerprint(state[n].detach())) for n in held}
+            return {"step": record["step"], "held": len(held), "wrong": fp != held}
+
+    watch = Held(sync)
+    module = TinyLM(str(models["llama_A"]))
+    trainer(tmp_path, [sync, watch], max_steps=6).fit(module)
+    assert sync.schedule.delta == "auto" and engine.version == 6
+    assert [(p["step"], p["wrong"]) for p in watch.pushes] == [(s, False) for s in (0, 2, 4, 6)]
+    assert all(p["held"] == len(module.model.state_dict()) for p in watch.pushes)
+    history = sync.history
+    assert [h["delta"] for h in history] == [False, False, True, True]
+    for before, h in zip(history[1:], history[2:], strict=False):
+        with CheckpointReader(h["checkpoint"]) as reader:
+            assert reader.is_delta and reader.metadata[BASE_VERSION_KEY] == str(before["step"])
+        assert h["bytes"] < history[0]["bytes"] and 0 < h["changed"] < 1
+    weights = {n: t.detach().clone() for n, t in module.model.state_dict().items()}
+    trained = model_dir_with(models["llama_A"], weights, tmp_path / "trained")
+    assert_parity(greedy(engine), cold(trained))
 
 
 def test_gradient_accumulation_keeps_the_cadence_in_optimizer_steps(

@@ -5,8 +5,9 @@
   pushed back equals A as first served (greedy text and tokens, top-3 logprobs of every generated
   token and of every prompt token, to 1e-4), every address unchanged.
 * ``VLLMWeightSync`` in a real Lightning ``Trainer`` fine-tuning the real model and pushing its
-  checkpoints every step: the last checkpoint holds the trainer's weights (tied embedding once) and
-  the engine then answers exactly as a cold start on that checkpoint.
+  checkpoints every step, deltas after the keyframe (the default): every file writes the tied
+  embedding once, the engine then holds the trainer's weights bit for bit (fingerprints) and
+  answers exactly as a cold start on them.
 
 Prompts are chat questions in the model's own chat template (real tokenizer). One engine start per
 scenario, plus one cold start each: a few minutes on 2 cores.
@@ -252,10 +253,12 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     import torch
     from helpers import close_engine
     from lightning.pytorch.callbacks import Callback
-    from safetensors.torch import load_file
     from torch.utils.data import DataLoader
 
     from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+    from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
+    from weight_bridge.checkpoint.delta import split_name
+    from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
     close_engine()  # one in-process engine at a time in this process
 
@@ -293,6 +296,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
             self.first: list[dict] | None = None
             self.last: list[dict] | None = None
             self.weights: dict[str, torch.Tensor] = {}
+            self.held: dict[str, str] = {}
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.first = answers(self.sync.engine, model_a)
@@ -301,6 +305,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
             self.last = answers(self.sync.engine, model_a)
             state = pl_module.model.state_dict()  # type: ignore[union-attr, operator]
             self.weights = {k: v.detach().clone() for k, v in state.items()}
+            (self.held,) = self.sync.engine.fingerprints()  # type: ignore[union-attr]
 
     sync = VLLMWeightSync(
         model_path=str(model_a),
@@ -326,11 +331,26 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     assert {h["mode"] for h in sync.history} == {"direct"}
     last = Path(sync.last_checkpoint or "")
     assert last.name == "step-00000003.safetensors"
-    saved = load_file(str(last))
-    assert "lm_head.weight" not in saved  # tied to the embedding: written once
-    assert saved.keys() == record.weights.keys() - {"lm_head.weight"}
-    for name, tensor in saved.items():
-        assert torch.equal(tensor, record.weights[name]), name
+    # The default schedule: a complete sync, a keyframe once the engine reported its dtypes,
+    # then deltas (only what changed since the step before).
+    assert [h["delta"] for h in sync.history] == [False, False, True, True]
+    with CheckpointReader(last) as reader:
+        assert reader.is_delta and reader.metadata[BASE_VERSION_KEY] == "2"
+    # Every file left (the served chain's: its complete base among them) writes the tied
+    # embedding once, and a complete one every other weight of the trainer's.
+    untied = record.weights.keys() - {"lm_head.weight"}
+    complete = 0
+    for path in sorted((tmp_path / "checkpoints").glob("step-*.safetensors")):
+        with CheckpointReader(path) as reader:
+            names = {split_name(n)[0] for n in reader.specs()}
+            assert names <= untied, path
+            complete += not reader.is_delta
+            assert reader.is_delta or names == untied, path
+    assert complete >= 1
+    # After the last push the engine holds the trainer's weights bit for bit, every one.
+    assert record.held.keys() == untied
+    for name, fingerprint in record.held.items():
+        assert fingerprint == format_fingerprint(exact_fingerprint(record.weights[name])), name
 
     # Training moved the policy the engine serves, and it serves it exactly.
     assert record.first is not None and record.last is not None
@@ -340,7 +360,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     for f in model_a.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             (cold_dir / f.name).symlink_to(f)
-    (cold_dir / "model.safetensors").symlink_to(last)
+    save_checkpoint({n: record.weights[n] for n in untied}, cold_dir / "model.safetensors")
     cold = run_scenario("cold", str(cold_dir), multiprocess=False, tmp_path=tmp_path)["cold"]
     assert_same_answers(record.last, cold)
     push_s = [round(h["push_s"], 3) for h in sync.history]

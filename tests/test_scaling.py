@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from helpers import TESTS, assert_differs, assert_parity, run_engine_check
@@ -84,12 +83,17 @@ def test_ddp_failure_on_one_rank_does_not_hang_the_other(models, tmp_path) -> No
 
 @pytest.mark.slow
 def test_two_simulated_nodes_each_write_and_read_a_node_local_copy(models, cold, tmp_path):
-    """Multi-node layout: node-local rank zero writes <dir>/node<k>; ranks read their node's."""
+    """Multi-node layout: node-local rank zero writes <dir>/node<k>; ranks read their node's.
+    With the default schedule the syncs after the keyframe are deltas, each node writing its
+    own copy of every one; each engine ends on the trained weights."""
     import socket
+
+    from weight_bridge.checkpoint import CheckpointReader
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    weights = tmp_path / "trained.safetensors"
     procs = [
         subprocess.Popen(
             [
@@ -99,9 +103,12 @@ def test_two_simulated_nodes_each_write_and_read_a_node_local_copy(models, cold,
                 str(tmp_path / "sync"),
                 "--nodes",
                 "2",
+                "--weights",
+                str(weights),
             ],
             env={
                 **os.environ,
+                "PYTHONPATH": str(TESTS.parent),  # this checkout's code, whatever is installed
                 "NODE_RANK": str(k),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
@@ -118,13 +125,16 @@ def test_two_simulated_nodes_each_write_and_read_a_node_local_copy(models, cold,
         json.loads(ln[7:]) for o, _ in outs for ln in o.splitlines() if ln.startswith("RESULT")
     ]
     served = {r["rank"]: r["checkpoint"] for r in results}
-    assert served == {
-        k: str(tmp_path / "sync" / f"node{k}" / "step-00000004.safetensors") for k in (0, 1)
-    }
-    node0, node1 = (Path(served[k]).read_bytes() for k in (0, 1))
-    assert node0 == node1
+    nodes = [tmp_path / "sync" / f"node{k}" for k in (0, 1)]
+    assert served == {k: str(nodes[k] / "step-00000004.safetensors") for k in (0, 1)}
+    with CheckpointReader(served[0]) as reader:
+        assert reader.is_delta  # the default: only what changed since step 2
+    names = sorted(p.name for p in nodes[0].glob("step-*"))
+    assert names == sorted(p.name for p in nodes[1].glob("step-*")) and len(names) == 3
+    for name in names:  # every sync: the same file on each node
+        assert (nodes[0] / name).read_bytes() == (nodes[1] / name).read_bytes(), name
     model_dir = tmp_path / "last"
-    shutil.copytree(models["llama_A"], model_dir)
-    shutil.copy(served[0], model_dir / "model.safetensors")
+    shutil.copytree(models["llama_A"], model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copy(weights, model_dir / "model.safetensors")
     for r in results:
         assert_parity(r["greedy"], cold(model_dir))
