@@ -215,9 +215,9 @@ MUTANTS = [
         "label",
         "per-token label/weights agreement",
         "weight_bridge/vllm/core/updates.py",
-        "core.set_weight_version(_label(asked, results))",
+        "core.set_weight_version(label)",
         "pass",
-        "`core.set_weight_version(...)` in `_update` (the label set with the weights)",
+        "`core.set_weight_version(label)` in `_update` (the label set with the weights)",
         [
             ["tests/test_serve.py", "-k", "every_label and None"],
             ["tests/test_native_api.py", "-k", "labels"],
