@@ -94,10 +94,6 @@ class Held:
     hi: int
     mask: torch.Tensor | None
 
-    @property
-    def count(self) -> int:
-        return self.hi - self.lo if self.mask is None else int(self.mask.sum())
-
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The held elements of ``t`` (aligned with the index list): a view when unmasked."""
         part = t[self.lo : self.hi]
