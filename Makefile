@@ -22,7 +22,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM034_WHEEL ?= $(firstword $(wildcard ../shared/wheels/vllm-0.34.0+cpu-*.whl \
 	/work/shared/wheels/vllm-0.34.0+cpu-*.whl))
 
-.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench bench-vllm034 bench-delta explain gpu-check clean
+.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench bench-vllm034 bench-delta bench-default explain gpu-check clean
 
 ifeq ($(VLLM),0.34)
 setup: $(STAMP)
@@ -121,6 +121,12 @@ bench-vllm034:
 # sparse patches applying the same deltas in the same engine (docs/benchmarks.md#delta-sync).
 bench-delta: setup
 	$(PY) -m benchmarks --only delta --out bench/results-delta.json
+
+# The default sync (delta="auto") against complete syncs and deltas, one run (`make bench` runs
+# it too): RAM transport at lr 1e-4 (fp32 and bf16 engines) and a disk at lr 1e-6
+# (docs/benchmarks.md#default-sync).
+bench-default: setup
+	$(PY) -m benchmarks --only default --out bench/results.json
 
 explain: setup
 	$(PY) -m weight_bridge.explain $(MODEL)

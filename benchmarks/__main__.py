@@ -213,6 +213,7 @@ def bench_sync_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any
 
 def _only_sections() -> dict[str, tuple[Callable, Callable[[dict], str]]]:
     """``--only`` sections: name -> (run(args, workdir), render(section))."""
+    from .default_sync import default_section, render_default
     from .delta import delta_section
     from .delta_report import render_delta
     from .sync import render_sync
@@ -227,6 +228,7 @@ def _only_sections() -> dict[str, tuple[Callable, Callable[[dict], str]]]:
         "sync": (bench_sync_section, render_sync),
         "vllm034": (vllm034, render_vllm034),
         "delta": (delta_section, render_delta),
+        "default": (default_section, render_default),
     }
 
 
@@ -335,8 +337,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_delta_arguments(p)
     p.add_argument(
+        "--default-sizes",
+        default="100m",
+        help="sizes of the 'default sync' section (benchmarks.default_sync; 'none': skip)",
+    )
+    p.add_argument(
         "--only",
-        choices=["sync", "vllm034", "delta"],
+        choices=["sync", "vllm034", "delta", "default"],
         default=None,
         help="run this section alone and merge it into --out under its key",
     )
@@ -356,10 +363,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.recipe_steps = 0  # the recipes' own tests run them
         args.sync_sizes = "none"
         args.delta_sizes = "none"
+        args.default_sizes = "none"
     args.sizes = _sizes(args.sizes)
     args.gen_sizes = _sizes(args.gen_sizes)
     args.sync_sizes = _sizes(args.sync_sizes)
     args.delta_sizes = _sizes(args.delta_sizes)
+    args.default_sizes = _sizes(args.default_sizes)
     args.delta_lrs = [float(x) for x in _sizes(args.delta_lrs)]
     args.http_sizes = args.sizes if args.http_sizes is None else _sizes(args.http_sizes)
     args.fsdp_size = None if args.fsdp_size in ("", "none") else args.fsdp_size
@@ -399,6 +408,7 @@ def _header(args: argparse.Namespace, raw_argv: list[str], workdir: Path) -> dic
             "delta_sizes": args.delta_sizes,
             "delta_lrs": args.delta_lrs,
             "delta_steps": args.delta_steps,
+            "default_sizes": args.default_sizes,
             "inflight_size": args.inflight_size,
             "inflight_pushes": args.inflight_pushes,
             "recipe_steps": args.recipe_steps,
@@ -479,6 +489,10 @@ def _run(args: argparse.Namespace, raw_argv: list[str]) -> dict[str, Any]:
             from .delta import delta_section
 
             results["delta"] = delta_section(args, workdir)
+        if args.default_sizes:
+            from .default_sync import default_section
+
+            results["default"] = default_section(args, workdir)
     finally:
         if own_workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

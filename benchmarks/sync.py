@@ -53,7 +53,7 @@ SYNC_SIZES = ("100m", "smollm2")
 TARGET_X = 6.0  # default sync (save + push) within 6x the two-copy limit
 
 
-def _model_dir(workdir: Path, size: str) -> Path:
+def model_dir_of(workdir: Path, size: str) -> Path:
     from weight_bridge.testing.models import build_tiny_model
     from weight_bridge.testing.real_model import real_model_dir
 
@@ -64,7 +64,7 @@ def _model_dir(workdir: Path, size: str) -> Path:
     )
 
 
-def _module(model_dir: Path) -> Any:
+def _module(model_dir: Path, lr: float = 1e-4) -> Any:
     import lightning.pytorch as pl
     import torch
 
@@ -80,7 +80,7 @@ def _module(model_dir: Path) -> Any:
             return self.model(input_ids=ids, labels=ids).loss
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return torch.optim.AdamW(self.parameters(), lr=lr)
 
         def train_dataloader(self) -> Any:
             g = torch.Generator().manual_seed(0)
@@ -194,14 +194,24 @@ def _measured_sync(memory_step: int, **kwargs: Any) -> Any:
     return MeasuredSync(**kwargs)
 
 
-def _fit(model_dir: Path, root: Path, reps: int, **sync_kwargs: Any) -> tuple[Any, Any]:
+def fit_measured(
+    model_dir: Path,
+    root: Path,
+    reps: int,
+    lr: float = 1e-4,
+    delta: str = "auto",
+    **sync_kwargs: Any,
+) -> tuple[Any, Any]:
+    """A real Trainer (AdamW at ``lr``) with the measured callback (``delta``, the rest of
+    ``sync_kwargs``) syncing after every step; the callback and the module."""
     import lightning.pytorch as pl
 
     from callbacks import Schedule
 
     # syncs: at train start (first-touch costs, not counted), after steps 1..reps (timed),
     # after step reps + 1 (memory sampled)
-    sync = _measured_sync(reps + 1, schedule=Schedule(every_n_train_steps=1), **sync_kwargs)
+    schedule = Schedule(every_n_train_steps=1, delta=delta)
+    sync = _measured_sync(reps + 1, schedule=schedule, **sync_kwargs)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -213,12 +223,12 @@ def _fit(model_dir: Path, root: Path, reps: int, **sync_kwargs: Any) -> tuple[An
         default_root_dir=str(root),
         callbacks=[sync],
     )
-    module = _module(model_dir)
+    module = _module(model_dir, lr)
     trainer.fit(module)
     return sync, module
 
 
-def _free() -> None:
+def free_memory() -> None:
     """Drop what a finished run left (its model, optimizer state, copies): hand it back."""
     import ctypes
     import gc
@@ -228,7 +238,8 @@ def _free() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _summary(sync: Any) -> dict[str, Any]:
+def summarise(sync: Any) -> dict[str, Any]:
+    """A measured run's syncs: times against the two-copy limit, memory, each kind sent."""
     # the first sync pays first-touch costs; the last one ran with the memory samplers
     steady = [h for h in sync.history[1:] if h["step"] != sync.memory.get("step")]
     save = [h["save_s"] for h in steady]
@@ -257,6 +268,8 @@ def _summary(sync: Any) -> dict[str, Any]:
         "peak_anon_extra_bytes": mem.get("peak_extra_anon"),
         "peak_dir_bytes": mem.get("dir_peak_bytes"),
         "dir_after_bytes": mem.get("dir_after_bytes"),
+        "deltas": [h["delta"] for h in sync.history],
+        "choices": [h["choice"].get("why") for h in sync.history],
     }
 
 
@@ -335,16 +348,16 @@ def _bench_size(
 
     from .config import ENGINE_KWARGS
 
-    model_dir = _model_dir(workdir, size)
+    model_dir = model_dir_of(workdir, size)
     out: dict[str, Any] = {"size": size, "model_dir": str(model_dir), "variants": {}}
     log(f"{size}: default (the callback builds its engine)")
-    sync, module = _fit(
+    sync, module = fit_measured(
         model_dir, workdir / f"run_{size}_default", reps,
         model_path=str(model_dir), engine_kwargs=dict(ENGINE_KWARGS),
     )  # fmt: skip
-    out["variants"]["default"] = _summary(sync)
+    out["variants"]["default"] = summarise(sync)
     del module, sync
-    _free()
+    free_memory()
     log(f"{size}: the writer alone")
     out["writer"] = _writer_levers(model_dir, shm / f"writer-{size}", reps)
     from weight_bridge.vllm import ColocatedEngine
@@ -387,17 +400,17 @@ def _bench_size(
                 for other in engines.values():  # one engine at a time: memory is shared
                     other.close()
                 engines.clear()
-                _free()
+                free_memory()
                 log(f"{size}: engine with its checkpoint root in {fs_type(root)} ({root}) {env}")
                 with engine_environment((), env):  # its processes read it when they start
                     engines[key] = ColocatedEngine(
                         str(model_dir), checkpoint_root=str(root), **ENGINE_KWARGS
                     )
             log(f"{size}: {name}")
-            sync = _fit(model_dir, root, reps, engine=engines[key], **kwargs)[0]
-            out["variants"][name] = _summary(sync)
+            sync = fit_measured(model_dir, root, reps, engine=engines[key], **kwargs)[0]
+            out["variants"][name] = summarise(sync)
             del sync
-            _free()
+            free_memory()
     finally:
         for engine in engines.values():
             engine.close()

@@ -24,10 +24,18 @@ class Saved(NamedTuple):
 
 
 def sync_record(
-    step: int, path: Path, saved: Saved, times: list[float], report: Any, gap: float | None
+    step: int,
+    path: Path,
+    saved: Saved,
+    times: list[float],
+    report: Any,
+    gap: float | None,
+    choice: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One history entry. ``delta``: the file held only what changed since the last push;
-    ``changed``: the fraction of its tensors' elements that did (None for a keyframe)."""
+    ``changed``: the fraction of its tensors' elements that did (None for a keyframe);
+    ``choice``: why it is a delta or not, with the costs measured so far
+    (:meth:`~weight_bridge.checkpoint.delta_choice.DeltaChoice.describe`)."""
     return {
         "step": step,
         "checkpoint": str(path),
@@ -41,6 +49,7 @@ def sync_record(
         "inflight": getattr(report, "inflight", None),
         "paused_s": getattr(report, "paused_s", None),
         "canary_gap": gap,
+        "choice": dict(choice or {}),
     }
 
 

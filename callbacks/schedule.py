@@ -35,18 +35,24 @@ class Schedule:
     after a failed one, and every ``full_every_k``-th (if set) are complete.
 
     ``delta``: whether a sync may be an exact *delta* (only the values that changed since the
-    last push, bit for bit in the engine's dtype). ``"auto"`` (the
-    default): when the engine says it can apply one (its report of the last complete push lists
-    the dtypes it holds each tensor in; an engine that does not report cannot); ``"on"``: even
-    so (an engine that cannot refuses by name); ``"off"`` (or ``False``): never, for whatever
-    reads each sync's file as the full weights. Deltas rest on *keyframes* (complete or partial
-    syncs, which also refresh the trainer's reference copy): the first sync of a run (a resume
-    included), the first after a failed one, every ``full_every_k``-th sync (complete;
-    ``DELTA_EVERY_K`` = 64 while deltas run and ``full_every_k`` is None), and the next
-    sync once the deltas since the last keyframe add up to more than ``delta_budget`` times its
-    bytes. The engine's served chain holds the keyframe and every sparse delta since, so these
-    bound it: ``full_every_k`` files, and deltas of ``delta_budget`` x the keyframe's bytes plus
-    the one that passed it. With ``skip_frozen`` a delta covers only what training can change,
+    last push, bit for bit in the engine's dtype). ``"auto"`` (the default): where deltas are
+    measured cheaper, with an engine that can apply one (its report of the last complete push
+    lists the dtypes it holds each tensor in; an engine that does not report cannot); never where
+    host memory carries every byte (a tmpfs directory, no accelerator: a delta reads every value
+    to find what changed, so it costs more than the full sync it replaces); elsewhere, a full
+    sync and a delta are each timed in the run and the cheaper kept, re-checked every so often
+    (:mod:`weight_bridge.checkpoint.delta_choice`; each sync's record says why: ``choice``).
+    ``"on"``: deltas between keyframes (an engine that cannot refuses by name); ``"off"`` (or
+    ``False``): never, for whatever reads each sync's file as the full weights. Deltas rest on
+    *keyframes* (complete or partial syncs, which also refresh the trainer's reference copy):
+    the first sync of a run (a resume included), the first after a failed one, every
+    ``full_every_k``-th sync (complete; ``DELTA_EVERY_K`` = 64 while deltas run and
+    ``full_every_k`` is None), and the next sync once the deltas since the last keyframe add up
+    to more than ``delta_budget`` times its bytes. The engine's served chain holds the keyframe
+    and every sparse delta since, so these bound it: ``full_every_k`` files, and deltas of
+    ``delta_budget`` x the keyframe's bytes plus the one that passed it. The complete keyframes
+    are the run's loadable checkpoints (``VLLMWeightSync.last_checkpoint`` names the newest).
+    With ``skip_frozen`` a delta covers only what training can change,
     like a partial sync.
     """
 
@@ -107,8 +113,14 @@ class SyncClock(KeyframeClock):
         return self.schedule.push_on_train_end and step != self.last_pushed_step
 
     def synced(
-        self, step: int, partial: bool, delta: bool = False, nbytes: int = 0, based: bool = False
+        self,
+        step: int,
+        partial: bool,
+        delta: bool = False,
+        nbytes: int = 0,
+        based: bool = False,
+        seconds: float | None = None,
     ) -> None:
         """A sync of ``step`` succeeded on every rank (:meth:`KeyframeClock.pushed`)."""
         self.last_pushed_step = step
-        self.pushed(partial, delta, nbytes, based)
+        self.pushed(partial, delta, nbytes, based, seconds)

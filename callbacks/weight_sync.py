@@ -141,6 +141,7 @@ class VLLMWeightSync(Callback):
         self.gatherer = Gatherer(names, module_attr, source, fsync=files.durable)
         self.deltas = DeltaState(self.clock, self.gatherer.engine, names.dtype == ENGINE)
         self.last_checkpoint: str | None = None
+        self._choice: dict[str, Any] = {}  # why the sync being sent is a delta or not
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
         self._in_ram = False
@@ -253,7 +254,8 @@ class VLLMWeightSync(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         resumed = step > 0 or trainer.ckpt_path is not None
-        self.deltas.start()  # a new run: a keyframe first, in the trainer's dtype
+        if self._dir is not None:  # a new run: a keyframe first, in the trainer's dtype
+            self.deltas.start(self._dir)
         if self.enabled and self.clock.at_train_start(step, resumed):
             self._sync(trainer, pl_module, step)
 
@@ -309,12 +311,15 @@ class VLLMWeightSync(Callback):
                 self.gatherer.discard(path, self._engine)
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
-        self.clock.synced(step, saved.partial, saved.delta, saved.nbytes, saved.based)
-        dtypes = trainer.strategy.broadcast(dict(getattr(report, "dtypes", None) or {}), src=0)
+        # rank zero's: every rank feeds its clock the same, so every rank picks the same kind
+        reported = (dict(getattr(report, "dtypes", None) or {}), times[2] - times[0])
+        dtypes, seconds = trainer.strategy.broadcast(reported, src=0)
+        self.clock.synced(step, saved.partial, saved.delta, saved.nbytes, saved.based, seconds)
         kind = "delta" if saved.delta else "partial" if saved.partial else "complete"
         self.deltas.pushed(kind, dtypes)
-        self.last_checkpoint = str(path)
-        record = sync_record(step, path, saved, times, report, gap)
+        if kind == "complete":  # loadable on its own: vLLM and transformers start on it
+            self.last_checkpoint = str(path)
+        record = sync_record(step, path, saved, times, report, gap, self._choice)
         self._history.append(record)
         self._report(trainer, record, report is not None)
 
@@ -330,6 +335,7 @@ class VLLMWeightSync(Callback):
         delta between keyframes when deltas run, else complete or partial."""
         writer = self._is_writer(trainer)
         kind, based = self.deltas.kind()
+        self._choice = self.deltas.why(kind)
         changing = kind == "partial" or (kind == "delta" and self.schedule.skip_frozen)
         plan = self.gatherer.plan(trainer, pl_module, changing, writer, based and kind != "delta")
         metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}

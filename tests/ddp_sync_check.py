@@ -63,7 +63,7 @@ def main() -> None:
     sync = VLLMWeightSync(
         model_path=args.model,
         engine_kwargs=dict(ENGINE_KWARGS, max_num_seqs=4),
-        schedule=Schedule(every_n_train_steps=2),
+        schedule=Schedule(every_n_train_steps=2, delta="on"),  # deltas on a disk: pinned
         files=CheckpointFiles(dirpath=args.dirpath, keep_last_k=10, node_local=args.nodes > 1),
     )
     result: dict = {}

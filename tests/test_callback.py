@@ -49,7 +49,7 @@ class Recorder(PushWatcher):
             "step": record["step"],
             "global_step": trainer.global_step,
             "version": engine.version,
-            "checkpoint": self.sync.last_checkpoint,
+            "checkpoint": record["checkpoint"],
             "weights": {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()},
             "greedy": greedy(engine) if self.outputs else None,
         }
@@ -135,14 +135,16 @@ def test_every_push_serves_like_a_cold_start(models, shared_engine, cold, tmp_pa
         assert_parity(push["greedy"], reference)
 
 
-def test_the_default_schedule_sends_deltas_the_engine_holds_bit_for_bit(
+def test_the_default_schedule_measures_a_delta_on_a_disk_and_keeps_the_cheaper_kind(
     models, shared_engine, cold, tmp_path
 ) -> None:
-    """``Schedule()`` as it comes (``delta="auto"``; the tests above pin ``"off"`` to read each
-    file as the full weights): a complete sync, a keyframe once the engine reported its dtypes,
-    then deltas, each on the step synced before it and smaller than a complete file. After
-    every push the engine holds the trainer's weights bit for bit (its fingerprint of every
-    tensor it holds), and at the end it answers as a cold start on them."""
+    """``Schedule()`` as it comes (``delta="auto"``) writing to a disk, where a delta's few
+    bytes may pay: the first sync (the trainer's dtype), a full sync once the engine reported
+    its dtypes (measured), a keyframe that keeps the reference copy, a delta that probes (on
+    the step synced before it, smaller than a complete file), then whichever kind the run
+    measured cheaper, as each record says. After every push the engine holds the trainer's
+    weights bit for bit (its fingerprint of every tensor it holds), and at the end it answers
+    as a cold start on them."""
     engine = shared_engine("llama_A")
     sync = VLLMWeightSync(
         engine=engine,
@@ -159,16 +161,32 @@ def test_the_default_schedule_sends_deltas_the_engine_holds_bit_for_bit(
 
     watch = Held(sync)
     module = TinyLM(str(models["llama_A"]))
-    trainer(tmp_path, [sync, watch], max_steps=6).fit(module)
-    assert sync.schedule.delta == "auto" and engine.version == 6
-    assert [(p["step"], p["wrong"]) for p in watch.pushes] == [(s, False) for s in (0, 2, 4, 6)]
+    trainer(tmp_path, [sync, watch], max_steps=8).fit(module)
+    assert sync.schedule.delta == "auto" and engine.version == 8
+    steps = (0, 2, 4, 6, 8)
+    assert [(p["step"], p["wrong"]) for p in watch.pushes] == [(s, False) for s in steps]
     assert all(p["held"] == len(module.model.state_dict()) for p in watch.pushes)
     history = sync.history
-    assert [h["delta"] for h in history] == [False, False, True, True]
-    for before, h in zip(history[1:], history[2:], strict=False):
-        with CheckpointReader(h["checkpoint"]) as reader:
-            assert reader.is_delta and reader.metadata[BASE_VERSION_KEY] == str(before["step"])
-        assert h["bytes"] < history[0]["bytes"] and 0 < h["changed"] < 1
+    assert [h["delta"] for h in history[:4]] == [False, False, False, True]
+    whys = [h["choice"]["why"] for h in history]
+    assert whys[:4] == [
+        "the engine reported no dtypes yet: it cannot apply a delta",
+        "measuring a full sync first",
+        f"probing a delta against a full sync ({history[2]['choice']['full_s']:.3f} s)",
+        f"probing a delta against a full sync ({history[3]['choice']['full_s']:.3f} s)",
+    ], whys
+    full_s, probe = history[1]["save_s"] + history[1]["push_s"], history[3]
+    assert history[3]["choice"]["full_s"] == pytest.approx(full_s)
+    with CheckpointReader(probe["checkpoint"]) as reader:
+        assert reader.is_delta and reader.metadata[BASE_VERSION_KEY] == str(history[2]["step"])
+    assert probe["bytes"] < history[0]["bytes"] and 0 < probe["changed"] < 1
+    # the fifth: the kind measured cheaper (the probe's save + push against the full sync's)
+    last = history[4]["choice"]
+    assert last["delta_s"] == pytest.approx(probe["save_s"] + probe["push_s"])
+    assert history[4]["delta"] == (last["delta_s"] < full_s) == (last["sent"] == "delta")
+    # last_checkpoint: the newest complete checkpoint (a delta loads nowhere on its own)
+    complete = [h["checkpoint"] for h in history if not h["delta"] and not h["partial"]]
+    assert sync.last_checkpoint == complete[-1]
     weights = {n: t.detach().clone() for n, t in module.model.state_dict().items()}
     trained = model_dir_with(models["llama_A"], weights, tmp_path / "trained")
     assert_parity(greedy(engine), cold(trained))

@@ -100,7 +100,7 @@ class Syncer:
         self.collective = Collective(None)  # replicated, one rank: no agreement is asked for
         self.held: dict[str, torch.Tensor] = {}
         self.version: str | None = None
-        self.deltas.start()
+        self.deltas.start(tmp_path)
         self.clock.at_train_start(0, resumed=False)
 
     def save(self, step: int) -> tuple[Path, str, float | None]:
@@ -341,7 +341,11 @@ def test_engine_dtype_names_and_what_cannot_be_cast() -> None:
 # -- when a keyframe is due --------------------------------------------------------------------
 
 
-def walk(clock: SyncClock, accepts: bool, steps: int, nbytes=lambda kind: 100, fail=()) -> str:
+def walk(
+    clock: SyncClock, accepts: bool, steps: int, nbytes=lambda kind: 100, fail=(), cost=None
+) -> str:
+    """The kinds of ``steps`` syncs (C complete, P partial, d delta; a keyframe that keeps the
+    reference copy in upper case too); ``cost(kind)``: each sync's seconds, as measured."""
     out = ""
     for step in range(steps):
         kind = clock.kind(accepts)
@@ -350,7 +354,8 @@ def walk(clock: SyncClock, accepts: bool, steps: int, nbytes=lambda kind: 100, f
             clock.failed()
             continue
         based = clock.delta_on(accepts) and kind != "delta"
-        clock.synced(step, kind == "partial", kind == "delta", nbytes(kind), based)
+        seconds = cost(kind) if cost is not None else None
+        clock.synced(step, kind == "partial", kind == "delta", nbytes(kind), based, seconds)
     return out
 
 
@@ -375,12 +380,38 @@ def test_keyframe_past_the_byte_budget() -> None:
     assert kinds == "Cddd" + "Pddd" + "Pd"
 
 
-def test_auto_waits_for_an_engine_that_accepts_and_off_never_deltas() -> None:
-    auto = SyncClock(Schedule(delta="auto"))
-    auto.at_train_start(0, resumed=False)
-    assert walk(auto, False, 4) == "CPPP"  # no report of dtypes: partial syncs as before
-    assert not auto.has_base
-    assert walk(auto, True, 3) == "Pdd"  # the first keyframe with a reference, then deltas
+def test_auto_keeps_the_kind_measured_cheaper_and_never_deltas_through_host_memory() -> None:
+    """``delta="auto"`` (the choice is a pure function of the costs the sender measured, so
+    they are given here): after the engine accepts deltas, a full sync is measured, a keyframe
+    keeps the reference, a delta probes; the cheaper kind is kept. A probe that loses sends the
+    run back to full syncs for 2, 4, ... syncs; a delta that costs more than the last full sync
+    ends the deltas. Where host memory carries every byte no delta is ever sent, and no
+    reference copy is kept."""
+
+    def clock() -> SyncClock:
+        auto = SyncClock(Schedule(delta="auto", delta_budget=100.0))
+        auto.at_train_start(0, resumed=False)
+        return auto
+
+    cheap = clock()
+    assert walk(cheap, False, 4) == "CPPP"  # no report of dtypes: partial syncs as before
+    assert not cheap.has_base
+    full_1s = {"partial": 1.0, "complete": 1.0}
+    # a full sync measured, a keyframe keeping the reference, a probe, then deltas
+    assert walk(cheap, True, 6, cost=lambda k: {**full_1s, "delta": 0.5}[k]) == "PPdddd"
+    assert cheap.described("delta")["why"].startswith("a delta measured cheaper (0.500 s")
+    # deltas that grow past the last full sync's cost: back to full syncs, re-probed later
+    assert walk(cheap, True, 4, cost=lambda k: {**full_1s, "delta": 2.0}[k]) == "dPPP"
+    costly = clock()
+    walk(costly, False, 1)
+    kinds = walk(costly, True, 20, cost=lambda k: {**full_1s, "delta": 3.0}[k])
+    assert kinds == "PPd" + "PP" + "Pd" + "PPPP" + "Pd" + "P" * 7, kinds  # waits 2, 4, 8
+    why = costly.described("partial")["why"]
+    assert why.startswith("a full sync measured cheaper (1.000 s against 3.000 s"), why
+    ram = clock()
+    ram.choice.start("host memory carries every byte")
+    assert walk(ram, False, 1) + walk(ram, True, 6, cost=lambda k: 0.001) == "CPPPPPP"
+    assert not ram.has_base and ram.described("partial")["why"] == "host memory carries every byte"
     off = SyncClock(Schedule(delta=False, skip_frozen=False))
     off.at_train_start(0, resumed=False)
     assert walk(off, True, 4) == "CCCC"
@@ -464,7 +495,7 @@ def test_the_trainer_api_init_info_checks_its_delta_options() -> None:
 def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
     models, shared_engine, tmp_path
 ):
-    """``WeightBridgeTrainer`` (vLLM's trainer API, ``delta="auto"`` by default) on a float32
+    """``WeightBridgeTrainer`` (vLLM's trainer API, ``delta="on"``) on a float32
     Llama whose weights move a little before each send, into a bf16 engine: a complete send in
     fp32 (nothing reported yet), a bf16 keyframe (every tensor's fingerprint in its header),
     then delta files on the version the engine stamped last, far smaller than the keyframe;
@@ -480,7 +511,7 @@ def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
     llama_a = models["llama_A"]
     engine = shared_engine("llama_A", dtype=BF16)
     model = AutoModelForCausalLM.from_pretrained(llama_a, dtype=torch.float32)
-    sender = _api_sender(engine, tmp_path / "api", model)
+    sender = _api_sender(engine, tmp_path / "api", model, delta="on")
     numel = sum(p.numel() for p in model.parameters())
     step = 0
 

@@ -310,7 +310,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     sync = VLLMWeightSync(
         model_path=str(model_a),
         engine_kwargs=ENGINE_KWARGS,
-        schedule=Schedule(every_n_train_steps=1),
+        schedule=Schedule(every_n_train_steps=1, delta="on"),  # deltas: measured on a disk
         files=CheckpointFiles(dirpath=str(tmp_path / "checkpoints"), keep_last_k=1),
     )
     record = Record(sync)
@@ -329,13 +329,17 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
 
     assert [h["step"] for h in sync.history] == [0, 1, 2, 3]
     assert {h["mode"] for h in sync.history} == {"direct"}
-    last = Path(sync.last_checkpoint or "")
+    last = Path(sync.history[-1]["checkpoint"])
     assert last.name == "step-00000003.safetensors"
-    # The default schedule: a complete sync, a keyframe once the engine reported its dtypes,
-    # then deltas (only what changed since the step before).
+    # Deltas: a complete sync, a keyframe once the engine reported its dtypes, then deltas
+    # (only what changed since the step before).
     assert [h["delta"] for h in sync.history] == [False, False, True, True]
     with CheckpointReader(last) as reader:
         assert reader.is_delta and reader.metadata[BASE_VERSION_KEY] == "2"
+    # last_checkpoint names the newest complete checkpoint (the keyframe: a delta loads nowhere)
+    assert Path(sync.last_checkpoint or "").name == "step-00000001.safetensors"
+    with CheckpointReader(sync.last_checkpoint) as reader:
+        assert not reader.is_delta and BASE_VERSION_KEY not in reader.metadata
     # Every file left (the served chain's: its complete base among them) writes the tied
     # embedding once, and a complete one every other weight of the trainer's.
     untied = record.weights.keys() - {"lm_head.weight"}

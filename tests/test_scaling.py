@@ -84,8 +84,8 @@ def test_ddp_failure_on_one_rank_does_not_hang_the_other(models, tmp_path) -> No
 @pytest.mark.slow
 def test_two_simulated_nodes_each_write_and_read_a_node_local_copy(models, cold, tmp_path):
     """Multi-node layout: node-local rank zero writes <dir>/node<k>; ranks read their node's.
-    With the default schedule the syncs after the keyframe are deltas, each node writing its
-    own copy of every one; each engine ends on the trained weights."""
+    With ``delta="on"`` the syncs after the keyframe are deltas, each node writing its own copy
+    of every one; each engine ends on the trained weights."""
     import socket
 
     from weight_bridge.checkpoint import CheckpointReader
@@ -128,7 +128,7 @@ def test_two_simulated_nodes_each_write_and_read_a_node_local_copy(models, cold,
     nodes = [tmp_path / "sync" / f"node{k}" for k in (0, 1)]
     assert served == {k: str(nodes[k] / "step-00000004.safetensors") for k in (0, 1)}
     with CheckpointReader(served[0]) as reader:
-        assert reader.is_delta  # the default: only what changed since step 2
+        assert reader.is_delta  # only what changed since step 2
     names = sorted(p.name for p in nodes[0].glob("step-*"))
     assert names == sorted(p.name for p in nodes[1].glob("step-*")) and len(names) == 3
     for name in names:  # every sync: the same file on each node

@@ -112,15 +112,16 @@ def test_estimate_counts_tied_tensors_once_and_the_cast() -> None:
 def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The defaults: deltas once the engine reports its dtypes. The directory holds the chain
-    the engine serves, a spare and nothing else, and goes at teardown with the engine."""
+    """The defaults: the transport in ``/dev/shm``, where host memory carries every byte, so
+    ``delta="auto"`` sends full syncs (each record says why) and keeps no reference copy. The
+    directory holds the served file, a spare and nothing else, and goes at teardown with the
+    engine."""
     fsynced = _FsyncSpy(monkeypatch)
     held: list[list[str]] = []
-    served: list[list[str]] = []
     recycled: list[bool] = []
     hashed: list[bool] = []
-    deltas: list[bool] = []
     kept_maps: list[int] = []
+    references: list[int] = []
 
     class Watch(VLLMWeightSync):
         def _sync(self, trainer, pl_module, step):
@@ -128,13 +129,12 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
             before = spare.stat().st_ino if spare.exists() else None
             super()._sync(trainer, pl_module, step)
             held.append(sorted(os.listdir(self._dir)))
-            served.append([Path(p).name for p in self._engine.served_checkpoints])
             with CheckpointReader(self.last_checkpoint) as reader:
                 hashed.append(HASH_KEY in reader.metadata)
-                deltas.append(reader.is_delta)
             recycled.append(before == (self._dir / f"step-{step:08d}.safetensors").stat().st_ino)
             self.maps = self.gatherer.maps
             kept_maps.append(len(self.maps))
+            references.append(self.deltas.reference.nbytes)
 
     sync = Watch(
         model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
@@ -144,18 +144,17 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
     directory = Path(sync.last_checkpoint).parent
     assert directory.parent == Path("/dev/shm") and directory.name.startswith("weight_bridge-")
     assert [h["step"] for h in sync.history] == [0, 1, 2, 3]
-    # complete, a complete keyframe once the engine reported its dtypes, then deltas
-    assert deltas == [h["delta"] for h in sync.history] == [False, False, True, True]
-    names = [f"step-0000000{s}.safetensors" for s in range(4)]
-    # the chain served: a delta patches the embedding's rows the batch used (sparse), so it
-    # covers no file below it and the chain keeps them all, down to the keyframe
-    assert served == [names[:1], names[1:2], names[1:3], names[1:4]]
-    # the served chain and a spare: made after the first sync, then the previous file, then
-    # made anew while every earlier file is served (the run holds the directory through its
-    # owner file); nothing else
-    assert held == [[".owner", ".spare", *chain] for chain in served]
+    assert sync.schedule.delta == "auto" and not any(h["delta"] for h in sync.history)
+    choices = [h["choice"] for h in sync.history]
+    assert choices[0]["why"].startswith("the engine reported no dtypes yet")
+    for choice in choices[1:]:  # the engine accepts deltas; the transport makes them dearer
+        assert choice["sent"] == "full" and choice["why"].startswith("host memory carries")
+    assert references == [0] * 4  # no reference copy: nothing will be diffed against it
+    # the served file and a spare: made after the first sync, then the previous file (the run
+    # holds the directory through its owner file)
+    assert held == [[".owner", ".spare", f"step-0000000{s}.safetensors"] for s in (0, 1, 2, 3)]
     assert recycled == [False, True, True, True]  # its pages reused by the next write
-    assert kept_maps == [len(h) - 1 for h in held]  # the writer's map of each file, kept
+    assert kept_maps == [2, 2, 2, 2]  # the writer's map of each of the two files, kept
     assert hashed == [False] * 4  # transport: no hash unless the engine is to check it
     assert fsynced.paths == []  # transport: nothing fsynced
     assert not directory.exists()  # released at teardown, with the engine it built

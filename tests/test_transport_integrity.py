@@ -204,8 +204,9 @@ def _assert_bounded(history: list[dict], held: tuple[int, int, list[str]], budge
 def test_two_hundred_syncs_hold_a_bounded_chain(
     trained, models, shared_engine, stock_cold, tmp_path
 ) -> None:
-    """The callback with its defaults, the RAM transport (the engine reads ``/dev/shm``).
-    After the first (complete) sync the engine reports its dtypes and syncs become deltas: a
+    """The callback with its defaults but ``delta="on"`` (``"auto"`` sends none through host
+    memory), the RAM transport (the engine reads ``/dev/shm``). After the first (complete) sync
+    the engine reports its dtypes and syncs become deltas: a
     partial keyframe once the deltas pass ``delta_budget`` of the last keyframe, a complete one
     every ``DELTA_EVERY_K``. A delta's sparse tensors cover nothing, so a chain of sparse
     deltas is kept whole down to its keyframe (training only the embeddings moves a few rows a
@@ -225,12 +226,12 @@ def test_two_hundred_syncs_hold_a_bounded_chain(
     else:
         for name, p in module.model.named_parameters():
             p.requires_grad_(name.startswith(FROZEN) == (trained == "embeddings-only"))
-    sync = VLLMWeightSync(engine=engine, schedule=Schedule(every_n_train_steps=1))
+    sync = VLLMWeightSync(engine=engine, schedule=Schedule(every_n_train_steps=1, delta="on"))
     counter = _Counter(sync, engine)
     fit = trainer(tmp_path, [sync, _counting(counter)], max_steps=199)
     fit.fit(module)
     history, budget = sync.history, sync.schedule.delta_budget
-    assert len(history) == 200 and sync.schedule.delta == "auto"
+    assert len(history) == 200 and sync.schedule.delta == "on"
     assert sync._dir is not None and str(sync._dir).startswith(str(SHM))
     lengths = {n: _assert_bounded(history[:n], counter.at[n], budget) for n in counter.at}
     assert len(lengths) == 199  # after every sync but the first (at train start)
@@ -278,7 +279,7 @@ def second_engine_scenario(model: str, out: str) -> dict:
 
         class Eval(pl.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                step, path = trainer.global_step, sync.last_checkpoint
+                step, path = trainer.global_step, sync.history[-1]["checkpoint"]
                 assert path is not None
                 if step == 1:
                     other.push(path, version="1")

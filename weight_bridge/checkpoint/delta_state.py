@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .delta_choice import host_memory_transport
 from .delta_sink import DeltaSink, KeyframeSink, Sink
 from .keyframes import EngineDtypes, KeyframeClock
 from .reference import Reference
@@ -53,16 +54,22 @@ class DeltaState:
         """The engine's last complete push reported its dtypes (it can apply deltas)."""
         return self.engine.accepts
 
-    def start(self) -> None:
-        """A new run: nothing is known of the engine (the first sync is in the trainer's
-        dtype), and the reference is not trusted."""
+    def start(self, directory: Path | str) -> None:
+        """A new run writing into ``directory``: nothing is known of the engine (the first
+        sync is in the trainer's dtype), the reference is not trusted, and ``delta="auto"``
+        measures afresh on this transport (:func:`~.delta_choice.host_memory_transport`)."""
         self.engine.forget()
         self.reference.invalidate()
+        self.clock.choice.start(host_memory_transport(directory))
 
     def kind(self) -> tuple[str, bool]:
         """The next sync's kind (:meth:`KeyframeClock.kind`), and whether it keeps the reference
         (deltas run: ``delta="on"``, or ``"auto"`` with an engine that accepts them)."""
         return self.clock.kind(self.accepts), self.clock.delta_on(self.accepts)
+
+    def why(self, kind: str) -> dict[str, Any]:
+        """Why the sync :meth:`kind` just chose is ``kind`` (for the sync's record)."""
+        return self.clock.described(kind)
 
     def open(
         self,

@@ -12,7 +12,9 @@ Nothing here knows about files, ranks or engines; each writer feeds it how each 
   refresh the writer's reference copy) come first, after a failure, every ``full_every_k``-th
   sync (complete; :data:`DELTA_EVERY_K` while deltas run and it is None), once the deltas since
   the last keyframe add up past ``delta_budget`` times its bytes, and after the engine's dtypes
-  changed (:meth:`KeyframeClock.rebase`); deltas in between.
+  changed (:meth:`KeyframeClock.rebase`); deltas in between. With ``delta="auto"`` whether
+  deltas run at all is measured (:class:`~.delta_choice.DeltaChoice`: where the bytes go, and
+  what each kind cost in the run).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
+from .delta_choice import DeltaChoice
 
 __all__ = [
     "DELTA_EVERY_K",
@@ -122,15 +126,21 @@ class KeyframeClock:
         self.has_base = False
         self.delta_bytes = 0
         self.keyframe_bytes = 0
+        self.choice = DeltaChoice()  # delta="auto": measured
+        self._accepts = False  # what the engine said when the sync being sent was chosen
 
     def delta_on(self, engine_accepts: bool) -> bool:
-        """Whether deltas run: ``delta="on"``, or ``"auto"`` with an engine that accepts them."""
-        return self.delta == "on" or (self.delta == "auto" and engine_accepts)
+        """Whether deltas run: ``delta="on"``, or ``"auto"`` with an engine that accepts them
+        where they are measured cheaper (:class:`~.delta_choice.DeltaChoice`)."""
+        if self.delta == "auto":
+            return engine_accepts and self.choice.wants_deltas()
+        return self.delta == "on"
 
     def kind(self, engine_accepts: bool = False) -> str:
         """The next sync: ``"complete"``, ``"partial"`` or ``"delta"``.
 
         ``engine_accepts``: the engine's last complete push said it can apply deltas."""
+        self._accepts = engine_accepts
         deltas = self.delta_on(engine_accepts)
         every = self.full_every_k
         if every is None and deltas:
@@ -151,11 +161,25 @@ class KeyframeClock:
         """Whether the next sync may leave out what cannot change (deltas off)."""
         return self.kind() == "partial"
 
+    def described(self, kind: str) -> dict:
+        """Why the sync just chosen (:meth:`kind`) is ``kind``, with the measured costs
+        (:meth:`DeltaChoice.describe`): for its record."""
+        return self.choice.describe(self.delta, self._accepts, kind == "delta")
+
     def pushed(
-        self, partial: bool, delta: bool = False, nbytes: int = 0, based: bool = False
+        self,
+        partial: bool,
+        delta: bool = False,
+        nbytes: int = 0,
+        based: bool = False,
+        seconds: float | None = None,
     ) -> None:
         """A sync succeeded: ``partial`` (what cannot change left out), ``delta``, its
-        ``nbytes``; ``based``: a keyframe that refreshed the reference copy."""
+        ``nbytes``; ``based``: a keyframe that refreshed the reference copy; ``seconds``: what
+        it cost (save + push), measured for ``delta="auto"`` once the engine accepted deltas
+        (a run's first sync, in the trainer's dtype, is not)."""
+        if seconds is not None and self.delta == "auto" and self._accepts:
+            self.choice.measured("delta" if delta else "full", based, seconds)
         complete = not partial and not delta
         self.partials_in_row = 0 if complete else (self.partials_in_row or 0) + 1
         if delta:

@@ -38,6 +38,7 @@ __all__ = [
     "estimate_bytes",
     "free_bytes",
     "held_files",
+    "is_tmpfs",
     "make_dir",
     "place",
     "prune",
@@ -157,12 +158,14 @@ def _ram_candidate(engine_root: str | None, builds_engine: bool) -> Path | None:
     the given engine's checkpoint root when it is on a tmpfs (it reads nowhere else)."""
     if builds_engine:
         return RAM_ROOT
-    if engine_root is not None and _is_tmpfs(Path(engine_root)):
+    if engine_root is not None and is_tmpfs(Path(engine_root)):
         return Path(engine_root)
     return None
 
 
-def _is_tmpfs(path: Path) -> bool:
+def is_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs (its longest mount point's type): files there are host
+    memory."""
     try:
         resolved = path.resolve()
         mounts = Path("/proc/self/mounts").read_text().splitlines()

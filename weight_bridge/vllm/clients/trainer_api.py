@@ -61,7 +61,9 @@ and the label it stamped is the base of the next partial send.
 Every checkpoint follows the engine's dtype: each floating tensor is cast (as the engine's loader
 rounds) to the dtype the engine reported holding it in after the last complete push
 (``report.dtypes``; before the first report, and for a tensor it does not report, the trainer's
-dtype). With ``delta`` (``"auto"``: once the engine reports it can apply them; ``"on"``;
+dtype). With ``delta`` (``"auto"``: once the engine reports it can apply them, where they are
+measured cheaper than full sends, never where host memory carries every byte:
+:mod:`~weight_bridge.checkpoint.delta_choice`, the reason in ``last_choice``; ``"on"``;
 ``"off"``) a complete send is either a *keyframe* (a complete file whose header carries every
 tensor's exact fingerprint; it refreshes the reference copy) or, between keyframes, a *delta*
 on top of the version the engine stamped last (``last_version``): only the elements whose
@@ -81,6 +83,7 @@ nothing and still iterate the source (its gathers are collective). It is freed b
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +172,8 @@ class WeightBridgeTrainerInitInfo(TrainerInitInfo):
 class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInfo]):
     """Save, then push the path with the one push routine: vLLM's trainer engine for the
     ``weight_bridge`` backend. ``bridge``: the bridge client the sender pushes with (None on
-    the other ranks); ``last_report``: the report of the last send; ``deltas``: the sender's
+    the other ranks); ``last_report``: the report of the last send; ``last_choice``: why it
+    was a delta or not, with the costs measured (``delta="auto"``); ``deltas``: the sender's
     delta state (what the engine reported, the keyframe clock, the reference copy; None on the
     other ranks)."""
 
@@ -184,6 +188,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         self.last_report: PushReport | None = None
         self.rounds = 0  # sends so far: the step of the next file
         self.deltas = _delta_state(self.info) if is_sender else None
+        self.last_choice: dict[str, Any] = {}  # why the last send was a delta or not
 
     @classmethod
     def trainer_init(
@@ -227,8 +232,10 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         if self.deltas is None:  # not the sender: take part in the source's gathers
             self._write(path, metas, wanted, None)
             return None
+        started = time.perf_counter()
         try:
             kind, based, sink = self._open(path, metas, metadata, partial=wanted is not None)
+            self.last_choice = self.deltas.why(kind)
             saved = self._write(path, metas, wanted, sink)
             assert saved is not None  # the sender's
             sent = None if version is None else str(version)
@@ -236,9 +243,11 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         except BaseException:
             self.deltas.failed()  # the reference is not trusted: a keyframe next
             raise
+        seconds = time.perf_counter() - started  # what delta="auto" weighs (save + push)
         self.last_report = report
         self.last_version = None if report.version is None else str(report.version)
-        self.deltas.clock.pushed(kind == "partial", kind == "delta", saved.bytes, based)
+        clock = self.deltas.clock
+        clock.pushed(kind == "partial", kind == "delta", saved.bytes, based, seconds)
         self.deltas.pushed(kind, dict(getattr(report, "dtypes", None) or {}))
         # what the engine serves, as it answered, is never deleted
         prune(path.parent, path, max(self.info.keep_last_k, 1), report.served)
@@ -309,8 +318,11 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
 
 def _delta_state(info: WeightBridgeTrainerInitInfo) -> DeltaState:
     """The sender's delta state: the keyframe clock of ``info``'s delta options (no
-    ``skip_frozen``: a send between keyframes is a delta or complete, never partial by itself)."""
-    return DeltaState(KeyframeClock(info.delta, info.full_every_k, info.delta_budget))
+    ``skip_frozen``: a send between keyframes is a delta or complete, never partial by itself),
+    started on ``info.directory`` (``delta="auto"`` weighs where the bytes go)."""
+    state = DeltaState(KeyframeClock(info.delta, info.full_every_k, info.delta_budget))
+    state.start(info.directory)
+    return state
 
 
 def bridge_client_of(client: Any) -> Any:
