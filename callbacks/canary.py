@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from weight_bridge import WeightBridgeError
+
 __all__ = ["CanaryCheck", "CanaryError", "default_probe", "logprob_gap"]
 
 
-class CanaryError(RuntimeError):
+class CanaryError(WeightBridgeError, RuntimeError):
     """After a push, the engine's logprobs of the probe batch differ from the trainer's."""
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from weight_bridge import WeightBridgeError
+
 __all__ = ["Collective", "StepFailed"]
 
 T = TypeVar("T")
 
 
-class StepFailed(Exception):
+class StepFailed(WeightBridgeError):
     """A step failed on at least one rank; every rank raises it at the same point.
 
     ``error`` is this rank's own exception, or None when only another rank failed.

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.checkpoint.retention import CheckpointFiles, make_dir, place
-from weight_bridge.checkpoint.run_dirs import claim
+from weight_bridge.checkpoint import CheckpointFiles, claim, make_dir, place
 
 __all__ = ["open_dir"]
 

@@ -31,13 +31,20 @@ from typing import Any
 
 import torch
 
-from weight_bridge.checkpoint import CheckpointWriter, SavedCheckpoint, retention
-from weight_bridge.checkpoint.delta_sink import OpenSink, Sink
-from weight_bridge.checkpoint.delta_state import DeltaState
-from weight_bridge.checkpoint.keyframes import EngineDtypes
-from weight_bridge.checkpoint.mapping import TransportMaps
-from weight_bridge.checkpoint.retention import estimate_bytes
-from weight_bridge.checkpoint.space import create_reserved
+from weight_bridge.checkpoint import (
+    SPARE,
+    CheckpointWriter,
+    DeltaState,
+    EngineDtypes,
+    OpenSink,
+    SavedCheckpoint,
+    Sink,
+    TransportMaps,
+    create_reserved,
+    discard,
+    estimate_bytes,
+    prune,
+)
 
 from .changed import sync_state
 from .collective import Collective
@@ -107,7 +114,7 @@ class Gatherer:
             self.maps.close()
         if self.owner is not None:
             os.close(self.owner)
-        self.spare = directory / retention.SPARE if directory is not None else None
+        self.spare = directory / SPARE if directory is not None else None
         self.maps = TransportMaps() if directory is not None else None
         self.owner = owner
 
@@ -115,14 +122,14 @@ class Gatherer:
         """After a sync: delete the old files (in RAM the first to go becomes the spare), drop
         the maps of deleted files now (not at the next sync), and, after the first sync, make
         the spare."""
-        retention.prune(directory, current, keep, served, spare=self.spare is not None)
+        prune(directory, current, keep, served, spare=self.spare is not None)
         if self.maps is not None:
             self.maps.drop_unlinked()
         self.prepare_spare(current)
 
     def discard(self, path: Path, engine: Any) -> None:
         """A failed sync's file goes (unless the engine serves it), and its map with it."""
-        retention.discard(path, engine)
+        discard(path, engine)
         if self.maps is not None:
             self.maps.drop_unlinked()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weight_bridge.checkpoint.keyframes import KeyframeClock, delta_mode
+from weight_bridge.checkpoint import KeyframeClock, delta_mode
 
 __all__ = ["Schedule", "SyncClock"]
 

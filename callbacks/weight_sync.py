@@ -30,10 +30,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, retention
-from weight_bridge.checkpoint.delta_state import DeltaState
-from weight_bridge.vllm.clients.bridge_client import EngineClient
-from weight_bridge.vllm.clients.by_name import ENGINE_MODES, client_for, connect, start_engine
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, DeltaState, release
+from weight_bridge.checkpoint import step_file
+from weight_bridge.vllm import ENGINE_MODES, EngineClient, client_for, connect, start_engine
 
 from .canary import CanaryCheck
 from .collective import Collective, StepFailed
@@ -167,14 +166,6 @@ class VLLMWeightSync(Callback):
         return self.gatherer.module_attr
 
     @property
-    def every_n_train_steps(self) -> int | None:
-        return self.schedule.every_n_train_steps
-
-    @property
-    def at_steps(self) -> list[int]:
-        return list(self.schedule.at_steps)
-
-    @property
     def last_pushed_step(self) -> int | None:
         return self.clock.last_pushed_step
 
@@ -244,7 +235,7 @@ class VLLMWeightSync(Callback):
             self._owns_engine = False
             _expose(pl_module, None)
         if self._in_ram and self._dir is not None and self._is_writer(trainer):
-            retention.release(self._dir, self._engine.served_checkpoints if self._engine else ())
+            release(self._dir, self._engine.served_checkpoints if self._engine else ())
         self.gatherer.use_ram(None)  # the writer's maps of the files go too, and its hold
         self.deltas.release()
 
@@ -290,7 +281,7 @@ class VLLMWeightSync(Callback):
         if self._dir is None:
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
         collective = Collective(trainer.strategy)
-        path = retention.step_file(self._dir, step)
+        path = step_file(self._dir, step)
         times = [time.perf_counter()]
         failed: StepFailed | None = None
         saved = None

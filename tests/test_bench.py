@@ -174,7 +174,8 @@ def test_readme_numbers_match_results() -> None:
     assert _x(fsdp["ratios"]["fsdp_vs_ddp_sync_s"], 2) in cell
     assert _x(r["inflight"]["recipe"]["speedup"], 2) in row("async GRPO recipe")[0]
     pauses = r["inflight"]["pauses"]
-    inflight = readme.split("| `inflight` |", 1)[1].split("\n\n", 1)[0]
+    modes = (ROOT / "docs" / "inflight.md").read_text()
+    inflight = modes.split("| `inflight` |", 1)[1].split("\n\n", 1)[0]
     for mode, key in (
         ("recompute", "recompute"),
         ("keep", "keep"),
@@ -183,7 +184,7 @@ def test_readme_numbers_match_results() -> None:
     ):
         (line,) = [x for x in inflight.splitlines() if x.startswith(f"| `{mode}`")]
         assert f"| {pauses[key]['median_s']:.3f} s |" in line, mode
-    assert f"idle engine: {pauses['idle']['median_s']:.3f} s" in readme
+    assert f"idle engine: {pauses['idle']['median_s']:.3f} s" in modes
 
 
 def test_design_md_generation_speeds_match_results() -> None:
@@ -248,3 +249,26 @@ def test_readme_delta_numbers_match_results() -> None:
         assert all(r["targets"]["zero_drift"]["met"] for r in (slow, fast))  # "zero drift: met"
     floors = [r["ratios"]["diff_floor"] for s in d["sizes"].values() for r in s["runs"].values()]
     assert f"{min(floors):.2f}x to {max(floors):.2f}x" in line  # the diff with nothing changed
+
+
+def test_readme_default_sync_numbers_match_results() -> None:
+    """The README's line on the default sync (``make bench-default``) quotes the section: the
+    default against a complete sync and two memory copies through ``/dev/shm``, deltas there,
+    and where deltas win (a disk at lr 1e-6)."""
+    d = _results()["default"]
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [x for x in readme.splitlines() if x.startswith("Default sync (`make bench-default`")]
+    cases = d["sizes"]["100m"]["cases"]
+    fp32, bf16, disk = (
+        cases[c] for c in ("ram_fp32_lr1e-4", "ram_bf16_lr1e-4", "disk_bf16_lr1e-6")
+    )
+    assert d["started"][:10] in line
+    for case, label in ((fp32, "fp32"), (bf16, "bf16")):
+        assert sum(case["variants"]["default"]["deltas"]) == 0  # "sends no delta"
+        assert f"{_x(case['default_vs_complete'], 2)} ({label})" in line
+        assert f"{_x(case['default_x_two_copies'], 1)} ({label})" in line
+        assert f"{_x(case['delta_vs_complete'], 1)} ({label})" in line
+    met = all(c["target"]["met"] for c in (fp32, bf16))
+    assert f"(targets 1.1x and 4.7x: {'met' if met else 'missed'})" in line
+    assert f"deltas cost {_x(disk['delta_vs_complete'], 2)}" in line
+    assert f"the default {_x(disk['default_vs_complete'], 2)}" in line

@@ -373,7 +373,6 @@ def test_options_are_grouped_and_flat_keywords_are_refused(models) -> None:
         canary=CanaryCheck(prompts=[[1, 2, 3]]),
     )
     assert sync.schedule == Schedule(every_n_train_steps=None, at_steps=(1, 4), full_every_k=2)
-    assert sync.every_n_train_steps is None and sync.at_steps == [1, 4]  # read from the groups
     assert sync.files == CheckpointFiles(dirpath="x", keep_last_k=3)
     assert sync.names == CheckpointNames(strip_prefix="model.", dtype="bfloat16")
     assert sync.canary == CanaryCheck(prompts=[[1, 2, 3]])
@@ -569,7 +568,7 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
     assert not sync_of(cli("--trainer.callbacks.init_args.enabled=false")).enabled
     override = sync_of(cli("--trainer.callbacks.init_args.files.keep_last_k=7"))  # one field
     assert override.files == CheckpointFiles(ram_dir=True, keep_last_k=7)
-    assert override.every_n_train_steps == 2
+    assert override.schedule.every_n_train_steps == 2
     with pytest.raises(SystemExit):  # a flat keyword is not an option of the callback
         cli("--trainer.callbacks.init_args.keep_last_k=7")
     monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "off")
@@ -578,7 +577,7 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
 
     c = cli()
     sync = sync_of(c)
-    assert sync.enabled and sync.every_n_train_steps == 2 and sync.engine is None
+    assert sync.enabled and sync.schedule.every_n_train_steps == 2 and sync.engine is None
     c.trainer.fit(c.model)
     assert c.model.rollout_versions == ["0", "0", "2"]  # each step: the newest push's label
     assert [h["step"] for h in sync.history] == [0, 2, 3]

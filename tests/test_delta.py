@@ -19,7 +19,7 @@ from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY, part_name, read_del
 from weight_bridge.direct import DirectReloadError, direct_reload, record_checkpoint_layout
 from weight_bridge.direct.delta import prepare_delta
 from weight_bridge.direct.state import bridge_state
-from weight_bridge.exact import exact_fingerprint
+from weight_bridge.exact import bits_of, exact_fingerprint, fingerprint_change
 from weight_bridge.layout import TensorSpec
 
 NAMES = ("q", "k", "v", "out")
@@ -348,3 +348,27 @@ def test_a_segment_maps_sorted_indices_to_their_live_elements(linear: bool) -> N
     assert torch.equal(live[hit], expected[hit]) and int(hit.sum()) == where.numel()
     in_view = [i for i in flat.tolist() if i and bool((view == float(i)).any())]
     assert held.take(flat).numel() == len(in_view)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.float32, torch.bfloat16])
+def test_two_flips_of_a_high_bit_never_cancel_in_the_fingerprint(dtype) -> None:
+    """Sign (top) and exponent (next) bit flips at two random places of a tensor change its
+    fingerprint, for every element size: an 8-byte element weighted whole made any two
+    top-bit flips cancel (2**63 times an odd weight is 2**63); its halves do not. The
+    O(changed) update agrees with a full recomputation."""
+    g = torch.Generator().manual_seed(0)
+    n = 4099
+    t = (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
+    bits = bits_of(t)
+    size = 8 * t.element_size()
+    before = exact_fingerprint(t)
+    for trial in range(100):
+        at = torch.randperm(n, generator=g)[:2].sort().values
+        bit = size - 1 - trial % 2  # the sign bit, then the highest exponent bit
+        flipped = bits.clone()
+        flipped[at] ^= torch.tensor(1, dtype=bits.dtype) << bit
+        new = flipped.view(dtype) if dtype.is_floating_point else flipped
+        after = exact_fingerprint(new)
+        assert after != before, (trial, at.tolist(), bit)
+        change = fingerprint_change(at, t[at], new[at])
+        assert (before + change) & ((1 << 64) - 1) == after

@@ -93,13 +93,20 @@ def test_sync_every_step_is_on_policy_and_checkpoints_hold_the_trainer_weights(
     assert max(gaps) < 1e-3, gaps
 
     assert callback.last_pushed_step == steps
+    # last_checkpoint: the newest complete checkpoint (delta="auto" may send deltas to this
+    # disk where they measure cheaper; those load nowhere on their own), the trained weights
+    # at its step; the final weights when the last sync was a full one
     checkpoint = Path(callback.last_checkpoint)
     assert checkpoint.is_file()
+    (last,) = [h for h in callback.history if h["checkpoint"] == str(checkpoint)]
+    assert not last["delta"] and not last["partial"]
+    assert all(h["delta"] for h in callback.history if h["step"] > last["step"])
     saved = load_file(str(checkpoint))
     state = cli.model.model.state_dict()
     assert set(saved) == set(state)
-    for name, tensor in state.items():
-        assert torch.equal(saved[name], tensor), name
+    if last is callback.history[-1]:
+        for name, tensor in state.items():
+            assert torch.equal(saved[name], tensor), name
     initial = load_file(str(tmp_path / "policy-init" / "model.safetensors"))
     assert any(not torch.equal(initial[n], saved[n]) for n in saved)  # training moved them
 
@@ -141,7 +148,8 @@ def test_lora_overlay_pushes_only_merged_adapted_weights_and_stays_on_policy(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     steps = 4
-    cli, callback = _fit(monkeypatch, tmp_path, steps, "lora.yaml")
+    every_step = {"every_n_train_steps": 1, "skip_frozen": True, "delta": "off"}  # each a file
+    cli, callback = _fit(monkeypatch, tmp_path, steps, "lora.yaml", schedule=every_step)
     history = cli.model.history
     assert [h["policy_version"] for h in history] == list(range(steps))
     # The trainer computes with base + adapters, the engine with the merged weights.
@@ -149,7 +157,7 @@ def test_lora_overlay_pushes_only_merged_adapted_weights_and_stays_on_policy(
     pushes = callback.history
     assert [p["partial"] for p in pushes] == [False] + [True] * steps
     assert all(p["bytes"] < pushes[0]["bytes"] for p in pushes[1:])
-    saved = load_file(str(callback.last_checkpoint))
+    saved = load_file(pushes[-1]["checkpoint"])
     # Only the adapted linears, merged, under the base names: no embeddings, norms, adapters.
     assert saved and all(
         n.startswith("model.layers.") and n.endswith("_proj.weight") for n in saved

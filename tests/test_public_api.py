@@ -125,7 +125,7 @@ def test_one_function_makes_the_same_typed_error_of_an_outcome_on_either_side_of
     from weight_bridge.checkpoint import CheckpointError
     from weight_bridge.direct import DirectReloadError
     from weight_bridge.vllm.outcome import (
-        PushError,
+        PushFailure,
         PushOutcome,
         PushResult,
         outcome_of,
@@ -133,7 +133,7 @@ def test_one_function_makes_the_same_typed_error_of_an_outcome_on_either_side_of
     )
 
     def refused(rank: int, kind: str, problems: dict[str, str], message: str) -> PushResult:
-        error = PushError(kind, message, problems, "refused", "/r/x")
+        error = PushFailure(kind, message, problems, "refused", "/r/x")
         return PushResult(rank=rank, checkpoint="/r/x", error=error)
 
     cases = {

@@ -123,3 +123,64 @@ def test_files_and_functions_stay_small(package: str) -> None:
                     long_functions.append(f"{where}: {length} lines")
     assert not long_files, long_files
     assert not long_functions, long_functions
+
+
+def _exception_classes() -> dict[str, tuple[str, list[str]]]:
+    """Every class of the packages that derives (through the packages' own classes) from a
+    built-in exception: name -> (where, its bases' names)."""
+    import builtins
+
+    classes: dict[str, tuple[str, list[str]]] = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]
+                classes[node.name] = (f"{name}.{node.name}", bases)
+
+    def is_exception(cls: str, seen: frozenset[str] = frozenset()) -> bool:
+        builtin = getattr(builtins, cls, None)
+        if isinstance(builtin, type) and issubclass(builtin, BaseException):
+            return not issubclass(builtin, Warning)
+        return (
+            cls in classes
+            and cls not in seen
+            and any(is_exception(b, seen | {cls}) for b in classes[cls][1])
+        )
+
+    return {c: v for c, v in classes.items() if is_exception(c)}
+
+
+def test_every_exception_derives_from_the_one_base() -> None:
+    """``except WeightBridgeError`` catches every exception the project raises: each class
+    derives from it (through the packages' own classes), and the public ones are named in the
+    API doc."""
+    classes = _exception_classes()
+    assert len(classes) >= 15, sorted(classes)
+
+    def derives(cls: str) -> bool:
+        return cls == "WeightBridgeError" or any(
+            derives(b) for b in classes.get(cls, ("", []))[1] if b in classes
+        )
+
+    assert [where for c, (where, _) in classes.items() if not derives(c)] == []
+    api = (ROOT / "docs" / "api.md").read_text()
+    public = [c for c in classes if not c.startswith("_") and c != "UpdateConflictError"]
+    assert [c for c in public if f"`{c}`" not in api] == []
+
+
+def test_the_callbacks_import_only_the_librarys_faces() -> None:
+    """The callback layer uses the library through its packages' faces (``weight_bridge``,
+    ``weight_bridge.checkpoint``, ``weight_bridge.vllm``, ...), never their inner modules."""
+    inner = []
+    for path in sorted((ROOT / "callbacks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                if node.module.startswith("weight_bridge") and node.module.count(".") > 1:
+                    inner.append(f"{path.name}: {node.module}")
+            elif isinstance(node, ast.Import):
+                inner += [
+                    f"{path.name}: {a.name}"
+                    for a in node.names
+                    if a.name.startswith("weight_bridge") and a.name.count(".") > 1
+                ]
+    assert inner == []

@@ -18,7 +18,9 @@ in both engines). Everything else is a real engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -261,6 +263,51 @@ def test_interrupt_during_a_push_propagates(models, shared_engine, cold) -> None
     engine.push(a, version="A")
     assert engine.undefined is None
     assert_parity(greedy(engine), cold(a))
+
+
+def arm_plan_fault(worker) -> None:
+    """FAULT INJECTION (sent with ``collective_rpc``): the next push's plan raises
+    ``MemoryError``, an allocation failing mid-prepare after the file was opened and held (not
+    something a healthy machine can be made to do on cue). One shot."""
+    transaction = worker.weight_transfer_engine.transaction
+    original = transaction._plan_any
+
+    def faulty(*args, **kwargs):
+        transaction._plan_any = original
+        raise MemoryError("injected: an allocation failed mid-prepare")
+
+    transaction._plan_any = faulty
+
+
+def held_by_worker(worker, path: str) -> dict[str, int]:
+    """What this worker's process still holds of ``path``: open descriptors and mappings."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fds += os.readlink(f"/proc/self/fd/{fd}") == path
+    maps = sum(path in line for line in Path("/proc/self/maps").read_text().splitlines())
+    return {"fds": fds, "maps": maps}
+
+
+def test_an_untyped_error_mid_prepare_holds_nothing(models, shared_engine, tmp_path) -> None:
+    """Any exception while a push is prepared (here ``MemoryError``) releases the file it
+    opened: no descriptor, lock or map is left in the worker, so the file can be recycled and
+    its memory returned; nothing was written and the next push lands."""
+    import shutil
+
+    a, b = models["llama_A"], models["llama_B"]
+    engine = shared_engine("llama_A")
+    engine.push(a, version="A")
+    path = tmp_path / "step-B.safetensors"
+    shutil.copy(b / "model.safetensors", path)
+    engine.llm.collective_rpc(arm_plan_fault)
+    with pytest.raises(Exception, match="injected: an allocation failed mid-prepare"):
+        engine.push(path, version="B")
+    assert engine.version == "A" and engine.undefined is None
+    held = engine.llm.collective_rpc(held_by_worker, args=(str(path.resolve()),))
+    assert held == [{"fds": 0, "maps": 0}] * len(held), held
+    assert engine.push(path, version="B").version == "B"
+    engine.push(a, version="A")
 
 
 if __name__ == "__main__":

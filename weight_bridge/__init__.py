@@ -11,7 +11,8 @@ What a user imports is here (the Lightning callback is ``callbacks.VLLMWeightSyn
   :class:`VersionSpan`);
 * **checkpoints** (:mod:`weight_bridge.checkpoint`): :func:`save_checkpoint`,
   :class:`CheckpointReader`;
-* **errors**: every error a push or a save raises.
+* **errors**: every error a push or a save raises, each derived from
+  :class:`WeightBridgeError` (the base of every exception the project raises).
 
 The direct-reload core (layout records, proofs, plans, sessions; plain PyTorch, no vLLM) is
 :mod:`weight_bridge.direct`. Names from :mod:`weight_bridge.vllm` are imported on first use,
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint import CheckpointError, CheckpointReader, CheckpointWriteError, save_checkpoint
 from .direct import DirectReloadError
+from .errors import WeightBridgeError
 
 if TYPE_CHECKING:  # typed for mypy and IDEs; at run time imported from .vllm on first use
     from .vllm import (
@@ -72,7 +74,8 @@ __all__ = [
     # checkpoints
     "save_checkpoint",
     "CheckpointReader",
-    # errors
+    # errors: every one derives from WeightBridgeError
+    "WeightBridgeError",
     "CheckpointError",
     "CheckpointWriteError",
     "DirectReloadError",
@@ -92,6 +95,7 @@ _FROM_VLLM = {
         "CheckpointError",
         "CheckpointWriteError",
         "DirectReloadError",
+        "WeightBridgeError",
     }
 }
 

@@ -11,8 +11,13 @@ The fingerprint is linear over positions, modulo 2**64::
 
     fp(t) = sum_i bits(t[i]) * w(i)        with w(i) = A[i mod 65536] * B[i // 65536], odd
 
-where ``bits`` is the element's raw bit pattern as a signed integer (a bf16 is its int16). Since
-every ``w(i)`` is odd, changing any one element always changes the fingerprint, and
+where ``bits`` is the element's raw bit pattern as a signed integer (a bf16 is its int16), and
+an 8-byte element (float64, int64) counts as its two 4-byte halves, low then high, at positions
+``2i`` and ``2i + 1``: weighted whole, a flip of its top bit would change the sum by ``2**63 *
+w(i)``, which is ``2**63`` for every odd weight, so any two such flips cancelled (and two flips
+of bit 62 half the time); as halves, two flips cancel only where two weights agree in their
+low 33 bits. Since every ``w(i)`` is odd, changing any one element always changes the
+fingerprint, and
 ``fp(new) = fp(old) + sum over changed i of (new_i - old_i) * w(i)``. It is a check against
 mistakes, not an adversary. Torch's int64 arithmetic wraps, and wrapping addition is associative
 and commutative, so the order of the sums (threads, devices, chunks) does not matter.
@@ -75,11 +80,20 @@ def bits_of(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _words(bits: torch.Tensor) -> torch.Tensor:
+    """The integers the fingerprint weighs, one row per element (flattened: their positions):
+    an 8-byte element's two int32 halves (low, high: little-endian), any other element
+    itself."""
+    if bits.element_size() == 8:
+        return bits.reshape(-1).view(torch.int32).view(-1, 2)
+    return bits.reshape(-1, 1)
+
+
 @torch.no_grad()
 def exact_fingerprint(t: torch.Tensor) -> int:
     """The fingerprint of all of ``t`` (row-major), an unsigned 64-bit integer; one pass, a
     bounded int64 temporary, on the tensor's device."""
-    flat = bits_of(t.detach().reshape(-1))
+    flat = _words(bits_of(t.detach().reshape(-1).contiguous())).reshape(-1)
     n = flat.numel()
     low = _low_weights(flat.device)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
@@ -99,8 +113,11 @@ def fingerprint_change(indices: torch.Tensor, old: torch.Tensor, new: torch.Tens
     ``old`` to ``new`` (same dtype): O(changed)."""
     if not indices.numel():
         return 0
-    diff = bits_of(new).to(torch.int64) - bits_of(old).to(torch.int64)
-    return int((diff * weights_at(indices.to(torch.int64))).sum()) & ((1 << 64) - 1)
+    new_words, old_words = _words(bits_of(new)), _words(bits_of(old))
+    diff = new_words.to(torch.int64) - old_words.to(torch.int64)  # one row per element
+    per = diff.shape[1]  # words per element: their positions per * i + k
+    at = indices.to(torch.int64).reshape(-1, 1) * per + torch.arange(per, device=diff.device)
+    return int((diff * weights_at(at.reshape(-1)).view(-1, per)).sum()) & ((1 << 64) - 1)
 
 
 def format_fingerprint(value: int) -> str:

@@ -423,8 +423,8 @@ class GRPO(pl.LightningModule):
                 f"step {step}: rollouts used policy version {version}, "
                 f"but the last pushed step is {last}"
             )
-        every = getattr(cb, "every_n_train_steps", None) if synced else None
-        bounded = hp.strict_on_policy and every and not getattr(cb, "at_steps", None)
+        every = cb.schedule.every_n_train_steps if synced else None
+        bounded = hp.strict_on_policy and every and not cb.schedule.at_steps
         if bounded and staleness > every - 1:
             raise RuntimeError(f"step {step}: staleness {staleness} > {every - 1}")
         return cb, synced, version, staleness
@@ -697,8 +697,8 @@ class GRPO(pl.LightningModule):
             "reward_last": sum(rewards[-w:]) / w,
             "sync": {
                 "enabled": synced,
-                "every_n_train_steps": getattr(cb, "every_n_train_steps", None) if synced else None,
-                "at_steps": getattr(cb, "at_steps", None) if synced else None,
+                "every_n_train_steps": cb.schedule.every_n_train_steps if synced else None,
+                "at_steps": list(cb.schedule.at_steps) if synced else None,
             },
             "last_checkpoint": str(getattr(cb, "last_checkpoint", None) or ""),
             "plot": str(run_dir / "reward.png"),
@@ -724,6 +724,7 @@ class GRPO(pl.LightningModule):
         )
         print(f"reward plot:     {run_dir / 'reward.png'}")
         print(f"summary:         {run_dir / 'summary.json'}")
+        # the newest complete checkpoint (deltas between keyframes load nowhere on their own)
         print(f"last checkpoint: {summary['last_checkpoint'] or '(none: weight sync was off)'}")
 
 

@@ -30,6 +30,9 @@ Tests that inject faults patch the module that looks the name up
 
 from __future__ import annotations
 
+from .delta_choice import DeltaChoice, host_memory_transport
+from .delta_sink import OpenSink, Sink
+from .delta_state import DeltaState
 from .errors import CheckpointError, CheckpointWriteError
 from .format import BASE_VERSION_KEY, HASH_KEY, VERSION_KEY, version_of
 from .format import DTYPE_NAMES as DTYPE_NAMES
@@ -37,8 +40,22 @@ from .format import DTYPES as DTYPES
 from .format import INDEX_NAME as INDEX_NAME
 from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
+from .keyframes import EngineDtypes, KeyframeClock, castable_dtype, delta_mode
+from .mapping import TransportMaps
 from .read import CheckpointReader, resolve_checkpoint_files
-from .retention import CheckpointFiles, step_file
+from .retention import (
+    SPARE,
+    CheckpointFiles,
+    discard,
+    estimate_bytes,
+    make_dir,
+    place,
+    prune,
+    release,
+    step_file,
+)
+from .run_dirs import claim
+from .space import create_reserved
 from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
 from .write import CheckpointWriter, SavedCheckpoint, save_checkpoint
 
@@ -56,4 +73,27 @@ __all__ = [
     "save_checkpoint",
     "step_file",
     "version_of",
+    # the trainer side's files: where they go, which may go (the callback's and the trainer
+    # API's; :mod:`.retention`, :mod:`.run_dirs`, :mod:`.space`, :mod:`.mapping`)
+    "SPARE",
+    "TransportMaps",
+    "claim",
+    "create_reserved",
+    "discard",
+    "estimate_bytes",
+    "make_dir",
+    "place",
+    "prune",
+    "release",
+    # the trainer side's deltas (:mod:`.delta_state`, :mod:`.keyframes`, :mod:`.delta_choice`,
+    # :mod:`.delta_sink`)
+    "DeltaChoice",
+    "DeltaState",
+    "EngineDtypes",
+    "KeyframeClock",
+    "OpenSink",
+    "Sink",
+    "castable_dtype",
+    "delta_mode",
+    "host_memory_transport",
 ]

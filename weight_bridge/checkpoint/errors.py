@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+from ..errors import WeightBridgeError
+
 __all__ = ["CheckpointError", "CheckpointWriteError"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WeightBridgeError, ValueError):
     """A checkpoint file that cannot be used; names the file, the tensor and the problem."""
 
     def __init__(self, path: str | os.PathLike, problem: str, tensor: str | None = None):
@@ -24,7 +26,7 @@ class CheckpointError(ValueError):
         return {self.tensor: self.problem} if self.tensor is not None else {}
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(WeightBridgeError, OSError):
     """Saving a checkpoint failed (disk full, file too large, I/O error).
 
     The file that was at the path before is untouched and the temporary file is removed.

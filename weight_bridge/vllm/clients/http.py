@@ -31,6 +31,7 @@ from collections.abc import Coroutine, Sequence
 from http import HTTPStatus
 from typing import Any
 
+from ...errors import WeightBridgeError
 from ..errors import UpdateInProgressError
 from ..generation import Generation, prompt_token_ids
 from ..internals.versions import vllm_minor
@@ -47,7 +48,7 @@ _WEIGHT_VERSIONS_SINCE = (0, 33)  # the first vLLM whose /v1/completions returns
 _RETRY_FIRST_S, _RETRY_MOST_S = 0.02, 0.5  # a rejected generate request is sent again this often
 
 
-class RemoteUpdateError(RuntimeError):
+class RemoteUpdateError(WeightBridgeError, RuntimeError):
     """A non-2xx answer of a server that is no outcome of a bridged update (a route missing, a
     request unauthorized, a server that is not bridged...): the HTTP status and the server's
     message. A bridged engine's refusal or failure of an update is raised as the same typed

@@ -102,6 +102,7 @@ from ...checkpoint.delta_state import DeltaState
 from ...checkpoint.keyframes import KeyframeClock, delta_mode
 from ...checkpoint.retention import prune, unused_step
 from ...checkpoint.write import SavedCheckpoint
+from ...errors import WeightBridgeError
 from ..internals import full_tensors, sender_gaps, source_metadata
 from ..options import BACKEND
 from ..report import PushReport
@@ -122,7 +123,7 @@ _HOW = (
 )
 
 
-class IncompleteSourceError(ValueError):
+class IncompleteSourceError(WeightBridgeError, ValueError):
     """Rank 0 would write a partial checkpoint it was not asked for: the source does not give
     it these tensors whole. Raised before anything is written or sent (the engine keeps its
     version): from metadata before any gather, or for a tensor a source yields in part.

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import WeightBridgeError
+
 __all__ = [
     "EngineCoreDeadError",
     "call_core_utility",
@@ -28,7 +30,7 @@ __all__ = [
 POLL_S = 0.05  # how often a waiting call looks for a dead engine core
 
 
-class EngineCoreDeadError(RuntimeError):
+class EngineCoreDeadError(WeightBridgeError, RuntimeError):
     """vLLM's engine core process died (a worker was killed, say); the engine must be restarted."""
 
 

@@ -14,6 +14,8 @@ import logging
 import os
 import re
 
+from ...errors import WeightBridgeError
+
 __all__ = [
     "ALLOW_UNTESTED_ENV",
     "CHECKLIST",
@@ -32,7 +34,7 @@ ALLOW_UNTESTED_ENV = "WEIGHT_BRIDGE_ALLOW_UNTESTED_VLLM"
 _logger = logging.getLogger(__name__)
 
 
-class UntestedVLLMError(RuntimeError):
+class UntestedVLLMError(WeightBridgeError, RuntimeError):
     """The installed vLLM is a minor version the bridge was not tested with."""
 
 

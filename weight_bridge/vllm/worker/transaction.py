@@ -51,7 +51,7 @@ from ...direct.session import refresh_derived_state
 from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
 from ...direct.validate import validate_checkpoint
 from ..options import BridgeOptions
-from ..outcome import PushError, PushResult
+from ..outcome import PushFailure, PushResult
 from .delta_links import link_fingerprints, plan_delta, served_dtypes
 from .layerwise import LayerwiseReprocessor, push_plan
 from .served_chain import ServedCheckpoint, compact, hold
@@ -132,7 +132,11 @@ class PushTransaction:
         except (DirectReloadError, CheckpointError) as exc:
             if reader is not None:
                 reader.close()
-            result.error = PushError.of(exc, "refused", reader)
+            result.error = PushFailure.of(exc, "refused", reader)
+        except BaseException:  # any other: nothing held past it (its descriptor, lock, map)
+            if reader is not None:
+                reader.close()
+            raise
         return self._finished(result)
 
     def _check_base(self, path: str, base: str, served: str | None) -> None:
@@ -230,7 +234,7 @@ class PushTransaction:
             if not pending.partial:
                 result.report.dtypes = served_dtypes(self.model)
         except (DirectReloadError, CheckpointError) as exc:
-            result.error = PushError.of(exc, "after-write", pending.reader)
+            result.error = PushFailure.of(exc, "after-write", pending.reader)
             # a delta that failed restored its undo log: this rank holds the old bits already
             self._undone = pending.delta and undefined_reason(self.model) is None
         finally:
@@ -369,14 +373,15 @@ class PushTransaction:
         """A request that cannot even be prepared (malformed): a refusal, nothing written."""
         self.abandon()
         self.result = PushResult(rank=self.rank)
-        self.result.error = PushError("DirectReloadError", why, {}, "refused")
+        self.result.error = PushFailure("DirectReloadError", why, {}, "refused")
         return self._finished(self.result)
 
     def fail(self, why: str, problems: dict | None = None) -> PushResult:
         """The update written here failed in a later step outside this worker (the engine
         core's cache reset, a delta's fingerprints summed over the ranks): a failure after
         writing, to be rolled back."""
-        self.result.error = PushError("DirectReloadError", why, dict(problems or {}), "after-write")
+        problems = dict(problems or {})
+        self.result.error = PushFailure("DirectReloadError", why, problems, "after-write")
         return self._finished(self.result)
 
     def abandon(self) -> None:
