@@ -198,17 +198,14 @@ def bench_inflight_section(args: argparse.Namespace, workdir: Path) -> dict[str,
 
 def bench_sync_section(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """:mod:`benchmarks.sync`: the callback's sync in a real Trainer, default and each lever."""
+    from .per_size import section_in
     from .sync import bench_sync
 
-    def log(msg: str) -> None:
-        print(f"[bench sync] {msg}", flush=True)
-
-    sync_dir = workdir / "sync"
-    sync_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return bench_sync(sync_dir, args.sync_sizes, args.sync_reps, args.shm_dir, log)
-    finally:
-        shutil.rmtree(sync_dir, ignore_errors=True)
+    return section_in(
+        workdir,
+        "sync",
+        lambda d, log: bench_sync(d, args.sync_sizes, args.sync_reps, args.shm_dir, log),
+    )
 
 
 def _only_sections() -> dict[str, tuple[Callable, Callable[[dict], str]]]:

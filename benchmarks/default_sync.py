@@ -18,7 +18,7 @@ Cases: where the bytes go, the engine's dtype and the learning rate.
 * ``ram_fp32_lr1e-4`` and ``ram_bf16_lr1e-4``: the transport in ``/dev/shm`` (the callback's
   default), AdamW at 1e-4, where nearly every value changes every step: host memory carries
   every byte, so ``auto`` sends full syncs and keeps no reference copy;
-* ``disk_bf16_lr1e-6``: the files on a disk (``ram_dir=False``: the log directory, not
+* ``disk_bf16_lr1e-6``: checkpoints that survive a crash (``durable=True``: on a disk, each
   fsynced), a bf16 engine, AdamW at 1e-6, where about 1 % of the bf16 values change a step:
   bytes cost more than reading them, so ``auto`` measures a full sync, probes a delta and keeps
   the cheaper.
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .machine import CpuLoad, fs_type
-from .per_size import child_main, run_sizes
+from .per_size import reps_child_main, run_sizes, section_in
 from .sync import fit_measured, free_memory, model_dir_of, summarise
 
 __all__ = ["CASES", "DEFAULT_SIZES", "bench_default", "default_section", "render_default"]
@@ -70,7 +70,7 @@ def _bench_case(
 
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     in_ram = fs_type(root) == "tmpfs"
-    files = CheckpointFiles() if in_ram else CheckpointFiles(ram_dir=False)
+    files = CheckpointFiles() if in_ram else CheckpointFiles(durable=True)
     out: dict[str, Any] = {"fs": fs_type(root), "dtype": dtype, "lr": lr, "variants": {}}
     engine = ColocatedEngine(
         str(model_dir), checkpoint_root=str(root), **{**ENGINE_KWARGS, "dtype": dtype}
@@ -152,28 +152,16 @@ def bench_default(
 
 def default_section(args: Any, workdir: Path) -> dict[str, Any]:
     """The section from ``python -m benchmarks``'s arguments (``--default-sizes``)."""
-
-    def log(msg: str) -> None:
-        print(f"[bench default] {msg}", flush=True)
-
-    directory = workdir / "default"
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        return bench_default(directory, args.default_sizes, args.sync_reps, args.shm_dir, log)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    return section_in(
+        workdir,
+        "default",
+        lambda d, log: bench_default(d, args.default_sizes, args.sync_reps, args.shm_dir, log),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """One size of the section (what :func:`bench_default` runs in a child)."""
-
-    def options(p: Any) -> None:
-        p.add_argument("--reps", type=int, default=7)
-
-    def run(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
-        return _bench_size(args.size, args.workdir, args.reps, args.shm_dir, log)
-
-    return child_main("benchmarks.default_sync", argv, options, run)
+    return reps_child_main("benchmarks.default_sync", argv, _bench_size)
 
 
 def render_default(section: dict[str, Any]) -> str:

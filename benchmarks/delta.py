@@ -54,7 +54,7 @@ from .delta_checks import (
 from .delta_report import render_delta, summarise_run
 from .engines import start_engine
 from .machine import CpuLoad
-from .per_size import child_main, run_sizes
+from .per_size import child_main, run_sizes, section_in
 
 __all__ = [
     "DELTA_LRS",
@@ -281,17 +281,10 @@ def add_delta_arguments(p: Any) -> None:
 
 def delta_section(args: Any, workdir: Path) -> dict[str, Any]:
     """The section from ``python -m benchmarks``'s arguments (``--delta-sizes``, ...)."""
-
-    def log(msg: str) -> None:
-        print(f"[bench delta] {msg}", flush=True)
-
-    delta_dir = workdir / "delta"
-    delta_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        sizes, lrs, steps = args.delta_sizes, args.delta_lrs, args.delta_steps
-        return bench_delta(delta_dir, sizes, lrs, steps, args.shm_dir, log)
-    finally:
-        shutil.rmtree(delta_dir, ignore_errors=True)
+    sizes, lrs, steps = args.delta_sizes, args.delta_lrs, args.delta_steps
+    return section_in(
+        workdir, "delta", lambda d, log: bench_delta(d, sizes, lrs, steps, args.shm_dir, log)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 from .machine import CpuLoad
 
-__all__ = ["child_main", "run_sizes"]
+__all__ = ["child_main", "reps_child_main", "run_sizes", "section_in"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,3 +83,37 @@ def child_main(
     result["load"] = load.report()
     args.out.write_text(json.dumps(result, default=str))
     return 0
+
+
+def reps_child_main(
+    prog: str,
+    argv: list[str] | None,
+    bench_size: Callable[[str, Path, int, Path, Callable[[str], None]], dict[str, Any]],
+) -> int:
+    """:func:`child_main` of a section whose one option is ``--reps``:
+    ``bench_size(size, workdir, reps, shm, log)``."""
+
+    def options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--reps", type=int, default=7)
+
+    def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+        return bench_size(args.size, args.workdir, args.reps, args.shm_dir, log)
+
+    return child_main(prog, argv, options, run)
+
+
+def section_in(
+    workdir: Path, name: str, run: Callable[[Path, Callable[[str], None]], dict[str, Any]]
+) -> dict[str, Any]:
+    """``run(directory, log)`` of section ``name`` in a directory of its own under ``workdir``,
+    removed afterwards; ``log`` prints ``[bench name] ...``."""
+
+    def log(msg: str) -> None:
+        print(f"[bench {name}] {msg}", flush=True)
+
+    directory = workdir / name
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(directory, log)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .machine import CpuLoad, RssSampler, fs_type
-from .per_size import child_main, run_sizes
+from .per_size import reps_child_main, run_sizes
 from .stats import stats
 
 __all__ = ["SYNC_SIZES", "bench_sync", "render_sync"]
@@ -447,14 +447,7 @@ def bench_sync(
 
 def main(argv: list[str] | None = None) -> int:
     """One size of the section (what :func:`bench_sync` runs in a child)."""
-
-    def options(p: Any) -> None:
-        p.add_argument("--reps", type=int, default=7)
-
-    def run(args: Any, log: Callable[[str], None]) -> dict[str, Any]:
-        return _bench_size(args.size, args.workdir, args.reps, args.shm_dir, log)
-
-    return child_main("benchmarks.sync", argv, options, run)
+    return reps_child_main("benchmarks.sync", argv, _bench_size)
 
 
 def render_sync(section: dict[str, Any]) -> str:

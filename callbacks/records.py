@@ -21,16 +21,11 @@ class Saved(NamedTuple):
     delta: bool
     changed: float | None  # the fraction of a delta's elements that changed
     based: bool  # a keyframe that refreshed the reference copy deltas are taken against
+    choice: dict[str, Any]  # why it is a delta or not (DeltaChoice.describe)
 
 
 def sync_record(
-    step: int,
-    path: Path,
-    saved: Saved,
-    times: list[float],
-    report: Any,
-    gap: float | None,
-    choice: dict[str, Any] | None = None,
+    step: int, path: Path, saved: Saved, times: list[float], report: Any, gap: float | None
 ) -> dict[str, Any]:
     """One history entry. ``delta``: the file held only what changed since the last push;
     ``changed``: the fraction of its tensors' elements that did (None for a keyframe);
@@ -49,7 +44,7 @@ def sync_record(
         "inflight": getattr(report, "inflight", None),
         "paused_s": getattr(report, "paused_s", None),
         "canary_gap": gap,
-        "choice": dict(choice or {}),
+        "choice": dict(saved.choice),
     }
 
 

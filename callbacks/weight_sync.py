@@ -30,8 +30,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointFiles, DeltaState, release
-from weight_bridge.checkpoint import step_file
+from weight_bridge.checkpoint import (
+    BASE_VERSION_KEY,
+    CheckpointFiles,
+    DeltaState,
+    release,
+    step_file,
+)
 from weight_bridge.vllm import ENGINE_MODES, EngineClient, client_for, connect, start_engine
 
 from .canary import CanaryCheck
@@ -140,7 +145,6 @@ class VLLMWeightSync(Callback):
         self.gatherer = Gatherer(names, module_attr, source, fsync=files.durable)
         self.deltas = DeltaState(self.clock, self.gatherer.engine, names.dtype == ENGINE)
         self.last_checkpoint: str | None = None
-        self._choice: dict[str, Any] = {}  # why the sync being sent is a delta or not
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
         self._in_ram = False
@@ -302,15 +306,14 @@ class VLLMWeightSync(Callback):
                 self.gatherer.discard(path, self._engine)
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
-        # rank zero's: every rank feeds its clock the same, so every rank picks the same kind
         reported = (dict(getattr(report, "dtypes", None) or {}), times[2] - times[0])
-        dtypes, seconds = trainer.strategy.broadcast(reported, src=0)
+        dtypes, seconds = trainer.strategy.broadcast(reported, src=0)  # every rank: rank 0's
         self.clock.synced(step, saved.partial, saved.delta, saved.nbytes, saved.based, seconds)
         kind = "delta" if saved.delta else "partial" if saved.partial else "complete"
         self.deltas.pushed(kind, dtypes)
         if kind == "complete":  # loadable on its own: vLLM and transformers start on it
             self.last_checkpoint = str(path)
-        record = sync_record(step, path, saved, times, report, gap, self._choice)
+        record = sync_record(step, path, saved, times, report, gap)
         self._history.append(record)
         self._report(trainer, record, report is not None)
 
@@ -326,7 +329,6 @@ class VLLMWeightSync(Callback):
         delta between keyframes when deltas run, else complete or partial."""
         writer = self._is_writer(trainer)
         kind, based = self.deltas.kind()
-        self._choice = self.deltas.why(kind)
         changing = kind == "partial" or (kind == "delta" and self.schedule.skip_frozen)
         plan = self.gatherer.plan(trainer, pl_module, changing, writer, based and kind != "delta")
         metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}
@@ -336,7 +338,8 @@ class VLLMWeightSync(Callback):
         sink = self.gatherer.opener(self.deltas, kind, based, plan)
         saved = self.gatherer.stream(plan, where, metadata, collective, self._writers, sink)
         delta, changed = kind == "delta", self.deltas.changed_fraction()
-        return Saved(saved.bytes if saved else 0, plan.partial, str(path), delta, changed, based)
+        nbytes, why = saved.bytes if saved else 0, self.deltas.why(kind)  # why: for the record
+        return Saved(nbytes, plan.partial, str(path), delta, changed, based, why)
 
     def _push(self, path: Path, step: int) -> Any:
         if self._engine is None:

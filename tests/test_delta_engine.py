@@ -59,9 +59,18 @@ def assert_holds(engine, tensors: dict) -> None:
         assert fp == format_fingerprint(exact_fingerprint(tensors[name])), name
 
 
+def undo_logs(worker) -> list[int]:
+    """Sent with ``collective_rpc``: the bytes of each undo log the served chain holds, per
+    link (0: none)."""
+    served = worker.weight_transfer_engine.transaction.served
+    return [link.undo.nbytes if link.undo is not None else 0 for link in served]
+
+
 def push_chain(engine, a: Path, b: Path, tmp_path: Path, fractions: list[float]) -> list[dict]:
     """A complete push of ``a`` (version 1), then a delta per fraction towards ``b``; each
-    checked bit for bit. Returns every version's tensors."""
+    checked bit for bit, the newest delta alone keeping its undo log (pre-images and their
+    positions in 4 bytes: at most 3x what it wrote in bf16, 2x in fp32). Returns every
+    version's tensors."""
     full = engine.push(a / "model.safetensors", version=1)
     assert full.dtypes and not full.delta
     versions = [engine_cast(tensors_of(a), full.dtypes)]
@@ -73,6 +82,8 @@ def push_chain(engine, a: Path, b: Path, tmp_path: Path, fractions: list[float])
         assert report.delta and engine.version == str(k)
         changed = sum(int((new[n] != versions[-1][n]).sum()) for n in new)
         assert report.changed == changed
+        *older, newest = engine.llm.collective_rpc(undo_logs)[0]
+        assert older == [0] * len(older) and newest <= 3 * report.bytes, (older, newest)
         assert_holds(engine, new)
         versions.append(new)
     return versions
@@ -137,7 +148,9 @@ def test_deltas_in_the_multiprocess_tensor_parallel_engine(models, tmp_path) -> 
     linears, fused qkv and gate_up); the engine core sums the ranks' parts of each sharded
     tensor's fingerprint. A delta equals a TP=2 cold start on the trainer's tensors; a delta
     diffed against other bits than those served fails that sum, is undone on both ranks, and
-    the engine still serves the delta before it."""
+    the engine still serves the delta before it, every byte of it: that delta also carries
+    ``model.norm.weight`` dense in bf16 (a cast: written whole through its loader, which keeps
+    no pre-images), and the rollback re-writes it from the chain's files too."""
     a, b = models["qwen2_A"], models["qwen2_B"]
     fp32 = {n: "float32" for n in tensors_of(a)}
     ta, tb = engine_cast(tensors_of(a), fp32), engine_cast(tensors_of(b), fp32)
@@ -146,10 +159,12 @@ def test_deltas_in_the_multiprocess_tensor_parallel_engine(models, tmp_path) -> 
     sharded = [n for n in ta if any(k in n for k in ("q_proj.w", "o_proj", "mlp.", "embed"))]
     elsewhere = {**v1, **{n: mixed(v1, ta, 0.5, seed=2)[n] for n in sharded}}  # never held
     v2 = mixed(elsewhere, tb, 0.05, seed=3)
+    norm = "model.norm.weight"  # replicated; B's whole, in bf16: through its loader
+    elsewhere[norm], v2[norm] = elsewhere[norm].bfloat16(), tb[norm].bfloat16()
     files = [
         keyframe_checkpoint(ta, "0", tmp_path / "k0.safetensors"),
         delta_checkpoint(ta, v1, "0", "1", tmp_path / "d1.safetensors"),
-        delta_checkpoint(elsewhere, v2, "1", "2", tmp_path / "d2.safetensors"),
+        delta_checkpoint(elsewhere, v2, "1", "2", tmp_path / "d2.safetensors", dense={norm}),
     ]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = run_engine_check("pushes", str(a), *map(str, files), "--tp", "2", env=env)

@@ -42,6 +42,16 @@ def test_every_exported_name_resolves() -> None:
         _ = weight_bridge.direct_reload  # the direct-reload machinery lives in .direct
 
 
+def test_the_readme_reads_in_five_minutes() -> None:
+    """At most 200 lines: the two commands, the quick start first, a short section per entry
+    point; the depth lives in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+    assert lines[2].startswith("- **Run the main job**") and "make demo" in lines[2]
+    assert lines[3].startswith("- **Run the tests**") and "make test" in lines[3]
+    assert [x for x in lines if x.startswith("## ")][0] == "## Quick start: a Lightning callback"
+
+
 def test_the_readme_imports_from_at_most_three_modules() -> None:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

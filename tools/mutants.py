@@ -293,6 +293,15 @@ MUTANTS = [
         ],
     ),
     Mutant(
+        "delta-undo-every-writer",
+        "a rolled-back delta undoes every writer that ran, its loader's writes too",
+        "weight_bridge/direct/delta.py",
+        "self.undo_log = undo if self.whole is None else None",
+        "self.undo_log = undo",
+        "the undo log kept only where it covers every write, in `PreparedDelta.run`",
+        [["tests/test_delta_engine.py", "-k", "multiprocess_tensor_parallel"]],
+    ),
+    Mutant(
         "delta-tied-refresh",
         "a delta refreshes every module that uses a tied weight",
         "weight_bridge/direct/delta.py",

@@ -166,7 +166,9 @@ class PreparedDelta:
         state.writing = False
         state.undefined = was
         state.fingerprints.update(self.wanted)
-        self.undo_log = undo
+        # the log undoes the whole delta only when nothing went through a loader (those writes
+        # have no pre-images): otherwise a rollback re-writes the chain from its held files
+        self.undo_log = undo if self.whole is None else None
         report.elapsed_s = self.preflight_s + time.perf_counter() - started
         return report
 
@@ -179,7 +181,7 @@ class PreparedDelta:
         self._pre = _results(pre)
         for patch, olds in zip(self.patches, self._pre, strict=True):
             for scatter, old in zip(patch.scatters, olds, strict=True):
-                undo.entries.append((scatter.storage, scatter.where, old))
+                undo.log(scatter.storage, scatter.where, old)
                 report.bytes += scatter.values.numel() * scatter.values.element_size()
                 report.changed += scatter.values.numel()
         _results(run_split(self.patches, _cost, _write_patch))
@@ -254,7 +256,10 @@ class PreparedDelta:
         except Exception as failed:
             state.undefined = f"{APPLYING}; restoring its undo log failed too: {failed}"
             return False
-        if self._loader_started:
+        if self._loader_started:  # the loader's session cleared its own mark when it finished
+            state.undefined = (
+                f"{APPLYING}; a dense tensor written through its loader has no pre-images"
+            )
             return False
         state.undefined = was
         return True

@@ -29,7 +29,15 @@ class UndoLog:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.numel() * 8 + p.numel() * p.element_size() for _, w, p in self.entries)
+        """What the log holds: positions and pre-images."""
+        return sum(w.nbytes + p.nbytes for _, w, p in self.entries)
+
+    def log(self, storage: torch.Tensor, where: torch.Tensor, pre: torch.Tensor) -> None:
+        """Log the pre-images ``pre`` of ``storage[where]``, positions in 4 bytes where the
+        storage has fewer than 2**31 elements (an int32 index indexes as an int64 one)."""
+        if where.dtype == torch.int64 and storage.numel() < 2**31:
+            where = where.to(torch.int32)
+        self.entries.append((storage, where, pre))
 
     def undo(self, model: torch.nn.Module) -> None:
         """Restore every pre-image (newest first), re-derive, and put the fingerprints back."""

@@ -9,8 +9,9 @@ The chain stays bounded however long a run is: a link whose every tensor a later
 holds whole is dropped (:func:`compact`), so a run of partial checkpoints that each carry every
 trainable tensor keeps its complete base and its newest partial only. A delta's sparse tensors
 patch what is below them, so they cover nothing: a chain of deltas is kept whole, down to its
-keyframe (the trainer's keyframes bound it), and the last delta keeps its undo log (its
-pre-images), so rolling it back is O(delta) and reads no file.
+keyframe (the trainer's keyframes bound it), and the newest delta alone keeps its undo log (its
+pre-images: a rollback of an update undoes only what that update wrote), so rolling it back is
+O(delta) and reads no file, and the logs held never add up over a chain.
 """
 
 from __future__ import annotations

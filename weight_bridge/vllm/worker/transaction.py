@@ -276,6 +276,8 @@ class PushTransaction:
         undo = prepared.undo_log if isinstance(prepared, PreparedDelta) else None
         names = frozenset(n for n, _ in pending.items)
         link = ServedCheckpoint(pending.path, None, reader.take_held(), names, undo)
+        for older in self.served:  # a rollback of this update undoes the new link alone
+            older.undo = None
         chain = [*self.served, link] if pending.partial else [link]
         self.served, _ = compact(chain)  # what is dropped stays held in _before until settle
 
