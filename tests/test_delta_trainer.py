@@ -496,8 +496,8 @@ def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
     models, shared_engine, tmp_path
 ):
     """``WeightBridgeTrainer`` (vLLM's trainer API, ``delta="on"``) on a float32
-    Llama whose weights move a little before each send, into a bf16 engine: a complete send in
-    fp32 (nothing reported yet), a bf16 keyframe (every tensor's fingerprint in its header),
+    Llama whose weights move a little before each send, into a bf16 engine: a keyframe in fp32
+    (nothing reported yet), a bf16 keyframe (every tensor's fingerprint in its header),
     then delta files on the version the engine stamped last, far smaller than the keyframe;
     after every send the engine holds the trainer's bf16 cast bit for bit. A delta whose base
     the engine no longer serves, and one with a NaN, are refused by name; the next send is a
@@ -528,7 +528,7 @@ def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
         _assert_holds_bf16_cast(engine, model)
         return meta, dtypes, size
 
-    _, dtypes, first = send("plain")  # no report yet: the trainer's dtype
+    _, dtypes, first = send("keyframe")  # no report yet: the trainer's dtype, fingerprinted
     assert set(dtypes.values()) == {torch.float32}
     _, dtypes, keyframe = send("keyframe")  # the engine's dtype from now on
     assert set(dtypes.values()) == {torch.bfloat16}
