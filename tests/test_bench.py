@@ -26,6 +26,7 @@ def _timed(d: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     env = {
