@@ -159,8 +159,8 @@ def test_deltas_in_the_multiprocess_tensor_parallel_engine(models, tmp_path) -> 
     sharded = [n for n in ta if any(k in n for k in ("q_proj.w", "o_proj", "mlp.", "embed"))]
     elsewhere = {**v1, **{n: mixed(v1, ta, 0.5, seed=2)[n] for n in sharded}}  # never held
     v2 = mixed(elsewhere, tb, 0.05, seed=3)
-    norm = "model.norm.weight"  # replicated; B's whole, in bf16: through its loader
-    elsewhere[norm], v2[norm] = elsewhere[norm].bfloat16(), tb[norm].bfloat16()
+    norm = "model.norm.weight"  # replicated; scaled (norms start at ones), in bf16: a loader's
+    elsewhere[norm], v2[norm] = elsewhere[norm].bfloat16(), (tb[norm] * 1.5).bfloat16()
     files = [
         keyframe_checkpoint(ta, "0", tmp_path / "k0.safetensors"),
         delta_checkpoint(ta, v1, "0", "1", tmp_path / "d1.safetensors"),
