@@ -247,8 +247,8 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         seconds = time.perf_counter() - started  # what delta="auto" weighs (save + push)
         self.last_report = report
         self.last_version = None if report.version is None else str(report.version)
-        clock = self.deltas.clock
-        clock.pushed(kind == "partial", kind == "delta", saved.bytes, based, seconds)
+        measured = None if kind == "partial" else seconds  # a send of names= is no full one
+        self.deltas.clock.pushed(kind == "partial", kind == "delta", saved.bytes, based, measured)
         self.deltas.pushed(kind, dict(getattr(report, "dtypes", None) or {}))
         # what the engine serves, as it answered, is never deleted
         prune(path.parent, path, max(self.info.keep_last_k, 1), report.served)
