@@ -36,6 +36,7 @@ from weight_bridge.checkpoint.delta import (
     read_delta,
     sparse_bytes,
 )
+from weight_bridge.checkpoint.delta_choice import DeltaChoice
 from weight_bridge.checkpoint.delta_state import DeltaState
 from weight_bridge.checkpoint.keyframes import DELTA_EVERY_K
 from weight_bridge.checkpoint.reference import Reference
@@ -409,7 +410,7 @@ def test_auto_keeps_the_kind_measured_cheaper_and_never_deltas_through_host_memo
     why = costly.described("partial")["why"]
     assert why.startswith("a full sync measured cheaper (1.000 s against 3.000 s"), why
     ram = clock()
-    ram.choice.start("host memory carries every byte")
+    ram.choice = DeltaChoice("host memory carries every byte")
     assert walk(ram, False, 1) + walk(ram, True, 6, cost=lambda k: 0.001) == "CPPPPPP"
     assert not ram.has_base and ram.described("partial")["why"] == "host memory carries every byte"
     off = SyncClock(Schedule(delta=False, skip_frozen=False))

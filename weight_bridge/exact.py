@@ -93,7 +93,7 @@ def _words(bits: torch.Tensor) -> torch.Tensor:
 def exact_fingerprint(t: torch.Tensor) -> int:
     """The fingerprint of all of ``t`` (row-major), an unsigned 64-bit integer; one pass, a
     bounded int64 temporary, on the tensor's device."""
-    flat = _words(bits_of(t.detach().reshape(-1).contiguous())).reshape(-1)
+    flat = _words(bits_of(t.detach().reshape(-1))).reshape(-1)
     n = flat.numel()
     low = _low_weights(flat.device)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
@@ -115,9 +115,11 @@ def fingerprint_change(indices: torch.Tensor, old: torch.Tensor, new: torch.Tens
         return 0
     new_words, old_words = _words(bits_of(new)), _words(bits_of(old))
     diff = new_words.to(torch.int64) - old_words.to(torch.int64)  # one row per element
+    at = indices.to(torch.int64)
     per = diff.shape[1]  # words per element: their positions per * i + k
-    at = indices.to(torch.int64).reshape(-1, 1) * per + torch.arange(per, device=diff.device)
-    return int((diff * weights_at(at.reshape(-1)).view(-1, per)).sum()) & ((1 << 64) - 1)
+    if per > 1:
+        at = (at.reshape(-1, 1) * per + torch.arange(per, device=at.device)).reshape(-1)
+    return int((diff.reshape(-1) * weights_at(at)).sum()) & ((1 << 64) - 1)
 
 
 def format_fingerprint(value: int) -> str:

@@ -47,7 +47,7 @@ def host_memory_transport(directory: Path | str) -> str | None:
     """Why every byte of a sync moves through host memory (None: some may not): the
     checkpoint directory is a tmpfs and this machine has no accelerator, so the trainer's
     tensors and the colocated engine's weights are host memory too."""
-    if _accelerator() is not None:
+    if _has_accelerator():
         return None
     if not is_tmpfs(Path(directory)):
         return None
@@ -57,33 +57,27 @@ def host_memory_transport(directory: Path | str) -> str | None:
     )
 
 
-def _accelerator() -> str | None:
-    """The accelerator's type on this machine, if any (vLLM puts a colocated engine there)."""
+def _has_accelerator() -> bool:
+    """Whether this machine has an accelerator (vLLM puts a colocated engine there)."""
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and accelerator.is_available():
-        current = accelerator.current_accelerator()
-        return current.type if current is not None else "accelerator"
-    return "cuda" if torch.cuda.is_available() else None
+        return True
+    return torch.cuda.is_available()
 
 
 class DeltaChoice:
     """Whether a run with ``delta="auto"`` sends deltas, from where its bytes go and what it
-    measured (see the module). ``host_memory``: why the transport is host memory alone (set
-    by the sender once it knows its directory; None: measure). ``full_s`` / ``delta_s``: the
-    last measured cost of each kind (None: not measured yet)."""
+    measured (see the module); one per run. ``host_memory``: why the transport is host memory
+    alone (:func:`host_memory_transport` of the run's directory; None: measure). ``full_s`` /
+    ``delta_s``: the last measured cost of each kind (None: not measured yet)."""
 
-    def __init__(self) -> None:
-        self.host_memory: str | None = None
+    def __init__(self, host_memory: str | None = None) -> None:
+        self.host_memory = host_memory
         self.full_s: float | None = None
         self.delta_s: float | None = None
         self.deltas_win = False
         self.wait = 0  # full syncs still to measure before the next probe
         self.backoff = 1
-
-    def start(self, host_memory: str | None) -> None:
-        """A new run on a transport (:func:`host_memory_transport`); what was measured goes."""
-        self.__init__()  # type: ignore[misc]
-        self.host_memory = host_memory
 
     def wants_deltas(self) -> bool:
         """Whether the next syncs keep the reference copy and send deltas: deltas measured

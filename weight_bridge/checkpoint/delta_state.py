@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .delta_choice import host_memory_transport
+from .delta_choice import DeltaChoice, host_memory_transport
 from .delta_sink import DeltaSink, KeyframeSink, Sink
 from .keyframes import EngineDtypes, KeyframeClock
 from .reference import Reference
@@ -60,7 +60,7 @@ class DeltaState:
         measures afresh on this transport (:func:`~.delta_choice.host_memory_transport`)."""
         self.engine.forget()
         self.reference.invalidate()
-        self.clock.choice.start(host_memory_transport(directory))
+        self.clock.choice = DeltaChoice(host_memory_transport(directory))
 
     def kind(self) -> tuple[str, bool]:
         """The next sync's kind (:meth:`KeyframeClock.kind`), and whether it keeps the reference

@@ -129,14 +129,12 @@ class PushTransaction:
                 request.served_version,
                 result.delta,
             )
-        except (DirectReloadError, CheckpointError) as exc:
+        except BaseException as exc:  # any: nothing held past it (its descriptor, lock, map)
             if reader is not None:
                 reader.close()
+            if not isinstance(exc, (DirectReloadError, CheckpointError)):
+                raise
             result.error = PushFailure.of(exc, "refused", reader)
-        except BaseException:  # any other: nothing held past it (its descriptor, lock, map)
-            if reader is not None:
-                reader.close()
-            raise
         return self._finished(result)
 
     def _check_base(self, path: str, base: str, served: str | None) -> None:
