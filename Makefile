@@ -70,9 +70,12 @@ lint: setup
 
 # The whole suite on the default vLLM, then the `every_vllm` subset (every guarantee: engine
 # parity, multi-process, labels, rollback, in flight, vllm serve, partial, the callback, the
-# matrix's fast cases) on the other.
+# matrix's fast cases) on the other. Two workers, a test file at a time each (its module's
+# engines shared within it): a serial run leaves one of the two cores idle about half the time
+# (engine starts, subprocess waits, Python between kernels).
+XDIST := -n 2 --dist loadfile
 test: setup lint
-	$(PY) -m pytest -q --durations=40 -m "not bench"
+	$(PY) -m pytest -q --durations=40 -m "not bench" $(XDIST)
 	$(MAKE) test-vllm034
 
 # The 0.34 CPU wheel of ../shared/wheels holds only vLLM's AVX-512 BF16 library (its README):
@@ -80,7 +83,7 @@ test: setup lint
 test-vllm034:
 	@if grep -qw avx512_bf16 /proc/cpuinfo; then \
 		$(MAKE) setup VLLM=0.34 && \
-		.venv-vllm034/bin/python -m pytest -q --durations=20 -m every_vllm; \
+		.venv-vllm034/bin/python -m pytest -q --durations=20 -m every_vllm $(XDIST); \
 	else \
 		echo "SKIPPED the vLLM 0.34 subset: this CPU has no avx512_bf16, which the only library of the 0.34 CPU wheel in ../shared/wheels needs (vllm._C); it runs on a CPU that has it"; \
 	fi
