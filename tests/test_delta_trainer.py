@@ -307,6 +307,32 @@ def test_an_aborted_delta_leaves_no_file_and_the_next_sync_is_a_keyframe(tmp_pat
         assert same_bits(syncer.held[name], t), name
 
 
+def test_after_a_failed_sync_no_file_is_written_in_the_dtypes_the_engine_reported_before(
+    tmp_path,
+):
+    """A failed sync may mean the engine changed (restarted in another dtype, say): what it
+    reported before is forgotten with the reference, so the next file is in the trainer's
+    dtype, and once the engine reports again its new dtypes are the ones written."""
+    model = Policy()
+    syncer = Syncer(tmp_path, model, Schedule(delta="on"))
+    floating = [n for n, t in model.state_dict().items() if t.is_floating_point()]
+    syncer.push(syncer.save(0)[0], dict.fromkeys(floating, BF16))  # a bf16 engine
+    path, kind, _ = syncer.save(1)
+    with CheckpointReader(path) as reader:
+        assert {str(t.dtype) for n, t in reader.tensors() if n in floating} == {"torch.bfloat16"}
+    syncer.deltas.failed()  # e.g. that engine went away; a float16 one took its place
+    path, kind, _ = syncer.save(2)
+    assert kind == "complete"
+    with CheckpointReader(path) as reader:
+        written = {str(t.dtype) for n, t in reader.tensors() if n in floating}
+    assert written == {"torch.float32"}, written  # the trainer's, not the old engine's bf16
+    syncer.held = {}
+    syncer.push(path, dict.fromkeys(floating, "float16"))
+    path, kind, _ = syncer.save(3)
+    with CheckpointReader(path) as reader:
+        assert {str(t.dtype) for n, t in reader.tensors() if n in floating} == {"torch.float16"}
+
+
 def test_a_keyframe_records_every_tensors_fingerprint(tmp_path):
     model = Policy()
     syncer = Syncer(tmp_path, model, Schedule(delta="on"))
@@ -547,7 +573,12 @@ def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
     with pytest.raises(BaseVersionError):
         send("delta")
     assert engine.version == "elsewhere"
-    send("keyframe")
+    # after a failure nothing the engine reported is trusted (it may be another engine): a
+    # keyframe in the trainer's dtype, then one in the dtypes the engine reports again
+    _, dtypes, _ = send("keyframe")
+    assert set(dtypes.values()) == {torch.float32}
+    _, dtypes, _ = send("keyframe")
+    assert set(dtypes.values()) == {torch.bfloat16}
     send("delta")
 
     # a NaN in a delta: refused by name, the engine keeps its version; then a keyframe

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,11 +160,30 @@ def fault_scenarios(model_a: str, model_b: str) -> dict:
                 case["generate"] = None
             except EngineUndefinedError as exc:
                 case["generate"] = type(exc).__name__
+            case["vllm_generate"] = vllm_generate_while_undefined(engine.llm)
             engine.push(model_b, version="B")
             case["recovered"] = greedy(engine)
             engine.push(model_a, version="A")
             r["no_rollback"][fault] = case
     return r
+
+
+def vllm_generate_while_undefined(llm) -> dict:
+    """vLLM's own ``LLM.generate`` on the engine (no bridge client in between): how long it
+    took, and each output's finish reason and stop reason."""
+    from vllm import SamplingParams
+
+    started = time.monotonic()
+    outputs = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}],
+        SamplingParams(max_tokens=4),
+        use_tqdm=False,
+    )
+    return {
+        "seconds": time.monotonic() - started,
+        "ends": [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outputs],
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+    }
 
 
 def refusal_scenarios(model_a: str, cases_json: str) -> dict:
@@ -232,6 +252,13 @@ def _check_faults(r: dict) -> None:
     for fault, case in r["no_rollback"].items():
         assert case["error"] == "DirectReloadError", (fault, case)
         assert case["undefined"] and case["generate"] == "EngineUndefinedError", fault
+        # vLLM's own LLM.generate ends every request with an error naming why, at once
+        # (before the bridge's step: it spun at full CPU on a paused scheduler, forever)
+        own = case["vllm_generate"]
+        assert own["seconds"] < 10 and own["tokens"] == [[], []], (fault, own)
+        for reason, why in own["ends"]:
+            assert reason == "error" and "weights are undefined" in why, (fault, own)
+            assert "injected fault" in why or "failed" in why, (fault, why)
         assert_parity(case["recovered"], r["b_pushed"])
     assert "injected fault in the weight loader" in r["rollback"]["write"]["message"]
     assert "injected fault refreshing" in r["rollback"]["refresh"]["message"]

@@ -114,10 +114,14 @@ class DeltaState:
 
     def failed(self) -> None:
         """A failed save or push: the engine may serve another base, and the reference may be
-        unlike what it serves. The next sync is complete."""
+        unlike what it serves; the engine itself may be another (restarted in other dtypes).
+        The next sync is complete, in the trainer's dtypes, and what its push reports is what
+        the syncs after it follow (a keyframe written in the old engine's dtypes would not be
+        what the new one holds)."""
         self._delta = None
         self.clock.failed()
         self.reference.invalidate()
+        self.engine.forget()
 
     def release(self) -> None:
         """The run is over: the reference's host memory goes."""

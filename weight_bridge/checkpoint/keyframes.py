@@ -73,7 +73,8 @@ class EngineDtypes:
         self.accepts = False
 
     def forget(self) -> None:
-        """A new run: nothing is known (the first sync is written in the trainer's dtype)."""
+        """A new run, or a failed sync: nothing is known (the next sync is written in the
+        trainer's dtype, and takes no delta)."""
         self.known = {}
         self.accepts = False
 

@@ -16,6 +16,16 @@ class EngineUndefinedError(WeightBridgeError, RuntimeError):
     """The engine's weights are half-written; it refuses to generate until a push succeeds."""
 
 
+#: In every message of an undefined engine; a request vLLM ended with the ``error`` finish
+#: reason and a ``stop_reason`` holding it was ended because the engine is undefined.
+UNDEFINED = "the engine's weights are undefined"
+
+
+def undefined_message(why: str) -> str:
+    """What a request, a resume or a generate is told while a rank's weights are undefined."""
+    return f"{UNDEFINED} ({why}): push a complete checkpoint before generating"
+
+
 class UpdateInProgressError(WeightBridgeError, RuntimeError):
     """``start_weight_update`` while another update is active: vLLM's engine takes one update at
     a time. ``since``: when the active update started (seconds since the epoch); ``version``:

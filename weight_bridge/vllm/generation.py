@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import UNDEFINED, EngineUndefinedError
+
 __all__ = [
     "DEFAULT_LABEL",
     "Completion",
@@ -103,7 +105,11 @@ class Generation:
     ) -> Generation:
         """From a finished vLLM ``RequestOutput``. ``top``: the ``logprobs`` asked (keeps the
         first ``max(top, 1)`` per step; None keeps all); ``fallback``: the label of tokens whose
-        output carries no version spans."""
+        output carries no version spans. A request the engine ended because its weights are
+        undefined raises :class:`~weight_bridge.vllm.errors.EngineUndefinedError` with why."""
+        for c in output.outputs:
+            if c.finish_reason == "error" and UNDEFINED in str(c.stop_reason):
+                raise EngineUndefinedError(str(c.stop_reason))
         completions = [
             _completion(
                 c.token_ids,

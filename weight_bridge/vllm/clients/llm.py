@@ -35,7 +35,7 @@ import concurrent.futures
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from ..errors import EngineUndefinedError
+from ..errors import EngineUndefinedError, undefined_message
 from ..generation import Generation, engine_prompt
 from ..internals import (
     EngineCoreDeadError,
@@ -200,10 +200,7 @@ class LLMClient(BridgeClient):
         engine_prompts = [engine_prompt(p) for p in prompts]
         with self._lock:
             if self._undefined is not None:
-                raise EngineUndefinedError(
-                    f"engine weights are undefined ({self._undefined}); push a complete "
-                    "checkpoint before generating"
-                )
+                raise EngineUndefinedError(undefined_message(self._undefined))
             outputs = self._call(
                 lambda llm: llm.generate(engine_prompts, params, use_tqdm=False), "generate", None
             )

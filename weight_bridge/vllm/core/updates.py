@@ -42,8 +42,11 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    worker's, :func:`~weight_bridge.vllm.worker.cpu_threads.idle_wait`), so the workers' push helpers
    (:mod:`~weight_bridge.vllm.worker.cpu_threads`) can use the CPU vLLM reserves for it;
 8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
-   stops scheduling (running requests are preempted) and refuses ``resume_generation`` by
-   name until a complete update succeeds.
+   stops scheduling and refuses ``resume_generation`` by name until a complete update
+   succeeds; every request it holds or receives meanwhile ends at the core's next step with
+   vLLM's ``error`` finish reason and the reason as its ``stop_reason``
+   (:func:`failing_while_undefined`), so no caller waits: ``vllm.LLM.generate`` and
+   ``AsyncLLM`` return at once, ``vllm serve`` answers 500.
 
 The same wrapper routes :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` (a method name any
 client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
@@ -68,10 +71,11 @@ from vllm.exceptions import GracefulHTTPError
 
 from ...checkpoint import CheckpointError, version_of
 from ...direct import DirectReloadError
-from ..errors import UpdateInProgressError
+from ..errors import UpdateInProgressError, undefined_message
 from ..internals import (
     bridge_state_of,
     config_of,
+    finish_every_request,
     forget_prefixes,
     pause_scheduling,
     served_version,
@@ -93,6 +97,7 @@ __all__ = [
     "BridgeCoreState",
     "UpdateConflictError",
     "bridged_collective_rpc",
+    "failing_while_undefined",
     "quiet_refusals",
     "refusing_resume",
 ]
@@ -331,16 +336,32 @@ def bridged_collective_rpc(original: Any) -> Any:
     return collective_rpc
 
 
+def failing_while_undefined(step: Any) -> Any:
+    """``EngineCore.step`` (and ``step_with_batch_queue``): while a rank's weights are
+    undefined, one step finishes every request the scheduler holds with vLLM's ``error``
+    finish reason and :func:`undefined_message` as its ``stop_reason``, and runs no model.
+
+    Without it nothing fails: the scheduler is paused, so each step returns nothing while the
+    requests stay; ``vllm.LLM.generate`` steps again at once (a spin at full CPU, forever), and
+    ``AsyncLLM`` and ``vllm serve`` wait forever. A request that arrives later ends at the next
+    step the same way, within one pass of the core's loop."""
+
+    def wrapped(self, *args, **kwargs):
+        undefined = _state(self).undefined  # only ever set on a bridged core
+        if undefined is None:
+            return step(self, *args, **kwargs)
+        return finish_every_request(self, undefined_message(undefined)), False
+
+    return wrapped
+
+
 def refusing_resume(resume: Any) -> Any:
     """``resume_scheduler``, refused while a rank's weights are undefined."""
 
     def resume_scheduler(self, *args, **kwargs):
         undefined = _state(self).undefined if is_bridged(config_of(self)) else None
         if undefined is not None:
-            raise RuntimeError(
-                f"the engine's weights are undefined ({undefined}): push a complete checkpoint "
-                "before resuming generation"
-            )
+            raise RuntimeError(undefined_message(undefined))
         return resume(self, *args, **kwargs)
 
     return resume_scheduler

@@ -132,6 +132,7 @@ from .engine_client import (
     watched_call,
 )
 from .engine_core import (
+    finish_every_request,
     forget_prefixes,
     pause_scheduling,
     served_version,
@@ -210,6 +211,7 @@ __all__ = [
     "dead_message",
     "drop_cpu_linear",
     "engine_resources",
+    "finish_every_request",
     "forget_prefixes",
     "full_tensors",
     "is_input_embedding",

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "finish_every_request",
     "forget_prefixes",
     "pause_scheduling",
     "served_version",
@@ -72,6 +73,33 @@ def pause_scheduling(core: Any) -> Any:
     scheduler.set_pause_state(PauseState.PAUSED_ALL)
     scheduler.reset_prefix_cache(reset_running_requests=True)  # nothing keeps old KV
     return before
+
+
+def finish_every_request(core: Any, reason: str) -> dict[int, Any]:
+    """Finish every request the scheduler holds with vLLM's ``error`` finish reason and
+    ``reason`` as its ``stop_reason``: what one engine step returns (client index -> outputs),
+    so each caller's own loop (``LLM.generate``, ``AsyncLLM``, the API server) ends them."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    scheduler = core.scheduler
+    by_client: dict[int, list[str]] = {}
+    for request in list(scheduler.requests.values()):
+        if not request.is_finished():
+            by_client.setdefault(request.client_index, []).append(request.request_id)
+    scheduler.finish_requests(
+        [i for ids in by_client.values() for i in ids], RequestStatus.FINISHED_ERROR
+    )
+    return {
+        client: EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput(i, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+                for i in ids
+            ],
+            finished_requests=set(ids),
+        )
+        for client, ids in by_client.items()
+    }
 
 
 def set_pause_state(core: Any, state: Any) -> None:

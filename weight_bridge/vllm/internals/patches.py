@@ -145,14 +145,22 @@ def processing_watched(modules: Iterable[Any], after: Callable[[Any], None]) -> 
 def patch_engine_core(
     collective_rpc: Wrap,
     resume_scheduler: Wrap,
+    step: Wrap,
     utilities: dict[str, Callable],
     log_filter: Callable[[logging.LogRecord], bool],
 ) -> None:
-    """Sites 4 to 7: ``collective_rpc``, ``resume_scheduler`` wherever it is defined, the
-    engine-core ``utilities`` (name -> function of the core), a filter on the core's log."""
+    """Sites 4 to 7: ``collective_rpc``, ``resume_scheduler`` wherever it is defined, both of
+    the core's step functions (``step``, ``step_with_batch_queue``: ``step_fn`` is bound to one
+    of them when the core is built, after this), the engine-core ``utilities`` (name ->
+    function of the core), a filter on the core's log."""
     _site(f"{_CORE}.EngineCore.resume_scheduler")
     _site(f"{_CORE}.EngineCoreProc._handle_client_request")  # how utilities are found
-    if not _patch("engine core", {f"{_CORE}.EngineCore.collective_rpc": collective_rpc}):
+    wraps = {
+        f"{_CORE}.EngineCore.collective_rpc": collective_rpc,
+        f"{_CORE}.EngineCore.step": step,
+        f"{_CORE}.EngineCore.step_with_batch_queue": step,
+    }
+    if not _patch("engine core", wraps):
         return
     core = importlib.import_module(_CORE)
     for name, utility in utilities.items():
