@@ -7,7 +7,7 @@ default) and tensor parallelism are tested from their own processes through this
     python tests/engine_check.py cold MODEL [MODEL ...] [--cpu-linear stock]
     python tests/engine_check.py stock MODEL [--prompts JSON] [--max-tokens N] [--ignore-eos]
     python tests/engine_check.py partial MODEL_A PARTIAL [--tp 2]
-    python tests/engine_check.py pushes MODEL_A FILE [FILE ...] [--tp 2]
+    python tests/engine_check.py pushes MODEL_A FILE [FILE ...] [--tp 2] [--drift NAME]
 
 ``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
 greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts (each
@@ -15,7 +15,10 @@ model in turn, one engine at a time, in this one process);
 ``partial`` pushes A's own checkpoint (version 0), then the partial checkpoint on top of it;
 ``stock`` cold-starts a plain ``vllm.LLM`` (no bridge at all) on ``--prompts``; ``pushes``
 pushes each file in turn (version: its position), recording each report or typed error and the
-greedy outputs after it.
+greedy outputs after it; with ``--drift NAME`` the last file (a delta) is pushed with
+``readback="full"`` after one element of rank 0's shard of ``NAME`` that the delta does not
+change was flipped in live storage (FAULT INJECTION: silent drift, which nothing healthy
+causes).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     parser.add_argument("--prompts", help="stock: JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--drift", help="pushes: drift this tensor before the last (a delta)")
     args = parser.parse_args()
 
     from helpers import ENGINE_KWARGS, PROMPTS, for_model, greedy
@@ -75,8 +79,14 @@ def main() -> None:
     if args.scenario == "pushes":
         result["steps"] = []
         with ColocatedEngine(args.model_a, **kwargs) as engine:
-            for i, path in enumerate([args.model_b, *args.more]):
+            paths = [args.model_b, *args.more]
+            for i, path in enumerate(paths):
                 step: dict = {}
+                if args.drift and i == len(paths) - 1:
+                    engine.readback = "full"
+                    changed = _changed_positions(path, args.drift)
+                    drifted = engine.llm.collective_rpc(drift_unchanged, args=(args.drift, changed))
+                    step["drifted"] = drifted
                 try:
                     step["report"] = engine.push(path, version=i).__dict__
                 except Exception as exc:
@@ -114,6 +124,40 @@ def main() -> None:
         with ColocatedEngine(args.model_b, **kwargs) as engine:
             result["b_cold"] = greedy(engine)
     print("RESULT " + json.dumps(result, default=str))
+
+
+def _changed_positions(path: str, name: str) -> list[int]:
+    """The checkpoint positions of ``name`` the delta at ``path`` writes."""
+    from weight_bridge.checkpoint import CheckpointReader
+    from weight_bridge.checkpoint.delta import read_delta
+
+    with CheckpointReader(path) as reader:
+        delta = read_delta(path, reader.metadata, dict(reader.tensors()))
+        return delta.sparse[name].indices.tolist()
+
+
+def drift_unchanged(worker, name: str, changed: list[int]) -> int | None:
+    """FAULT INJECTION (sent with ``collective_rpc``): on rank 0 only, flip the lowest bit of
+    the first live element of ``name`` whose checkpoint position is not in ``changed``; its
+    position (None on the other ranks)."""
+    import torch
+
+    from weight_bridge.direct.state import bridge_state
+    from weight_bridge.exact import bits_of
+    from weight_bridge.vllm.internals import worker_model
+
+    if worker.rank != 0:
+        return None
+    seg = bridge_state(worker_model(worker)).write_map.segments[name][0]
+    skip = set(changed)
+    for k in range(seg.src_offset, seg.src_offset + seg.extent):
+        if k in skip:
+            continue
+        held, where = seg.locate(torch.tensor([k]))
+        if where.numel():
+            bits_of(seg.storage)[where] ^= 1
+            return k
+    return None
 
 
 if __name__ == "__main__":

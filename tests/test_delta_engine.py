@@ -161,14 +161,30 @@ def test_deltas_in_the_multiprocess_tensor_parallel_engine(models, tmp_path) -> 
     v2 = mixed(elsewhere, tb, 0.05, seed=3)
     norm = "model.norm.weight"  # replicated; scaled (norms start at ones), in bf16: a loader's
     elsewhere[norm], v2[norm] = elsewhere[norm].bfloat16(), (tb[norm] * 1.5).bfloat16()
+    # then, with readback="full", one element of rank 0's shard silently drifted where the
+    # next delta changes nothing: the shards' parts of the full fingerprint, read back from
+    # live storage, do not add up (at TP=1 the whole tensor is read back: the same refusal)
+    drift = "model.layers.0.mlp.down_proj.weight"  # row parallel: split between the ranks
+    v3 = mixed(v1, tb, 0.05, seed=5)
     files = [
         keyframe_checkpoint(ta, "0", tmp_path / "k0.safetensors"),
         delta_checkpoint(ta, v1, "0", "1", tmp_path / "d1.safetensors"),
         delta_checkpoint(elsewhere, v2, "1", "2", tmp_path / "d2.safetensors", dense={norm}),
+        delta_checkpoint(v1, v3, "1", "3", tmp_path / "d3.safetensors"),
     ]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = run_engine_check("pushes", str(a), *map(str, files), "--tp", "2", env=env)
-    keyframe, first, drifted = r["steps"]
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # only so that the fault-injecting callable can be sent to the workers
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    args = ("pushes", str(a), *map(str, files), "--tp", "2", "--drift", drift)
+    r = run_engine_check(*args, env=env)
+    keyframe, first, drifted, unread = r["steps"]
+    assert unread["drifted"][0] is not None and unread["drifted"][1] is None
+    assert set(unread["problems"]) == {drift}, unread
+    assert "full tensor read back, summed over the ranks" in unread["problems"][drift]
+    assert str(unread["version"]) == "1"
     assert keyframe["report"]["workers"] == 2
     assert first["report"]["delta"] and str(first["version"]) == "1"
     assert "fingerprint" in drifted["error"]["message"], drifted

@@ -26,6 +26,7 @@ carries it dense, and refused by name when sparse.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TypeVar
@@ -46,7 +47,7 @@ from .snapshot import addresses
 from .state import bridge_state
 from .undo import UndoLog
 from .validate import find_nonfinite, preflight
-from .write_map import Held, WriteMap, held_tensor
+from .write_map import Held, WriteMap, held_fingerprint, held_tensor
 
 __all__ = ["PreparedDelta", "prepare_delta"]
 
@@ -232,6 +233,10 @@ class PreparedDelta:
                 indices.numel(),
                 patch.indices.numel(),
             ]
+            if self.readback == "full":  # this shard's part of the full tensor, read back
+                part, count = held_fingerprint(bridge_state(self.model).write_map, patch.name)
+                numel = math.prod(patch.shape)
+                report.shard_fingerprints[patch.name] += [f"{part:016x}", count, numel]
             return None
         if base is None:
             return "no fingerprint of the tensor served (push a keyframe)"

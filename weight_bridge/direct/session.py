@@ -82,7 +82,9 @@ class ReloadReport:
     threads: int = 1
     changed: int = 0  # elements a delta wrote (0: not a delta)
     # a delta's tensors this worker holds a shard of: [want, base, change (16 hex digits
-    # each), changed elements held here, changed elements in all], summed by the engine core
+    # each), changed elements held here, changed elements in all], summed by the engine core;
+    # with readback="full" also [this shard's part of the full fingerprint read back (16 hex
+    # digits), elements held here, elements in all] (write_map.held_fingerprint)
     shard_fingerprints: dict[str, list] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype held (patchable)
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..exact import fingerprint_change
 from ..layout import byte_span, storage_ptr
 
-__all__ = ["Held", "Segment", "WriteMap", "held_tensor", "learn_write_map"]
+__all__ = ["Held", "Segment", "WriteMap", "held_fingerprint", "held_tensor", "learn_write_map"]
 
 
 @dataclass(frozen=True)
@@ -241,3 +242,44 @@ def held_tensor(write_map: WriteMap | None, name: str, shape: tuple[int, ...]) -
         view = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
         out.as_strided(seg.shape, seg.src_stride, seg.src_offset).copy_(view)
     return out.view(shape)
+
+
+_CHUNK = 1 << 22  # checkpoint elements weighed at a time by held_fingerprint (32 MiB of int64)
+
+
+@torch.no_grad()
+def held_fingerprint(write_map: WriteMap | None, name: str) -> tuple[int, int]:
+    """This worker's part of the full fingerprint of checkpoint tensor ``name``, read from
+    live storage, and how many of its elements it holds: the sum over every segment of its
+    live elements weighed at their checkpoint positions (an element two segments hold counts
+    twice). Summed over the ranks of a tensor-parallel engine, the parts give ``m`` times the
+    full tensor's fingerprint when every element is held ``m`` times: how ``readback="full"``
+    reads a sharded tensor back whole without gathering it. Chunked along each segment's
+    first dimension, so the positions' int64 temporary stays bounded."""
+    assert write_map is not None
+    total, count = 0, 0
+    for seg in write_map.segments[name]:
+        live = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
+        device = live.device  # weighed where it lives: nothing crosses to the host
+        if not seg.shape:  # one element
+            at = torch.tensor([seg.src_offset], dtype=torch.int64, device=device)
+            total += fingerprint_change(at, torch.zeros_like(live.reshape(1)), live.reshape(1))
+            count += 1
+            continue
+        inner = torch.zeros((), dtype=torch.int64, device=device)  # positions in one row
+        for d in range(1, len(seg.shape)):
+            shape = [1] * (len(seg.shape) - 1)
+            shape[d - 1] = seg.shape[d]
+            step = torch.arange(seg.shape[d], device=device) * seg.src_stride[d]
+            inner = inner + step.view(shape)
+        per_row = max(1, seg.numel // max(seg.shape[0], 1))
+        rows = max(1, _CHUNK // per_row)
+        for first in range(0, seg.shape[0], rows):
+            n = min(rows, seg.shape[0] - first)
+            rows_at = torch.arange(first, first + n, device=device) * seg.src_stride[0]
+            starts = seg.src_offset + rows_at
+            at = (starts.view([n] + [1] * (len(seg.shape) - 1)) + inner).reshape(-1)
+            values = live[first : first + n].reshape(-1)
+            total += fingerprint_change(at, torch.zeros_like(values), values)
+            count += at.numel()
+    return total & ((1 << 64) - 1), count

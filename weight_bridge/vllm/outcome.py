@@ -217,7 +217,7 @@ def shard_fingerprint_problems(results: list[PushResult]) -> dict[str, str]:
             parts.setdefault(name, []).append(part)
     problems: dict[str, str] = {}
     for name, got in parts.items():
-        want, base, _, _, total = got[0]
+        want, base, _, _, total = got[0][:5]
         held = sum(int(p[3]) for p in got)
         if not base:
             problems[name] = "no fingerprint of the tensor served: push a keyframe"
@@ -231,4 +231,21 @@ def shard_fingerprint_problems(results: list[PushResult]) -> dict[str, str]:
                     "fingerprint after the delta, summed over the ranks, differs from the "
                     "trainer's: the engine's bits before it were not the delta's base"
                 )
+        if name not in problems and all(len(p) > 5 for p in got):  # readback="full"
+            problems.update(_full_readback_problem(name, int(want, 16), got))
     return problems
+
+
+def _full_readback_problem(name: str, want: int, got: list[list]) -> dict[str, str]:
+    """``readback="full"`` of a sharded tensor: every rank's part of the full fingerprint,
+    read back from its live shard, must add up to ``m`` times the trainer's (each element
+    held ``m`` times), as one rank holding the tensor whole recomputes it."""
+    held, numel = sum(int(p[6]) for p in got), int(got[0][7])
+    if not numel or held % numel:
+        return {name: f"the ranks hold {held} elements of its {numel}: it cannot be read back"}
+    if (sum(int(p[5], 16) for p in got) - (held // numel) * want) % (1 << 64):
+        return {
+            name: "fingerprint of the full tensor read back, summed over the ranks, differs "
+            "from the trainer's"
+        }
+    return {}
