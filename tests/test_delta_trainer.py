@@ -508,6 +508,41 @@ def _file(path: Path) -> tuple[dict[str, str], dict[str, torch.dtype], int]:
     return meta, dtypes, path.stat().st_size
 
 
+def test_two_trainers_stamping_the_same_labels_never_cross(models, shared_engine, tmp_path):
+    """Two ``WeightBridgeTrainer``s in different directories, one engine: both label their
+    n-th send ``step-0000000n``. The second's keyframe replaces the first's weights under the
+    same label, so a delta of the first on ``step-00000002`` names the right label but the
+    wrong weights: refused by the lineage of its base (a digest of the fingerprints it was
+    written against), with nothing written, even for tensors the delta does not carry. On its
+    own chain a trainer's deltas apply."""
+    from transformers import AutoModelForCausalLM
+
+    from weight_bridge.checkpoint.delta import BASE_LINEAGE_KEY
+    from weight_bridge.direct.errors import BaseVersionError
+
+    engine = shared_engine("llama_A", dtype=BF16)
+    first = AutoModelForCausalLM.from_pretrained(models["llama_A"], dtype=torch.float32)
+    second = AutoModelForCausalLM.from_pretrained(models["llama_B"], dtype=torch.float32)
+    one = _api_sender(engine, tmp_path / "one", first, delta="on")
+    two = _api_sender(engine, tmp_path / "two", second, delta="on")
+    for sender in (one, two):
+        sender.send_weights()  # step-00000001: a keyframe in fp32 (nothing reported yet)
+        sender.send_weights()  # step-00000002: a keyframe in the engine's bf16
+    assert engine.version == "step-00000002"  # the second's weights, under the shared label
+    (held,) = engine.fingerprints()
+    _nudge(first, 1)
+    with pytest.raises(BaseVersionError, match="lineage") as refused:
+        one.send_weights()  # a delta on "step-00000002": the first's, not what is served
+    assert "another writer's weights" in str(refused.value)
+    assert engine.version == "step-00000002" and engine.fingerprints() == [held]
+    _nudge(second, 2)
+    path = two.send_weights()
+    assert path is not None
+    meta, _, _ = _file(path)
+    assert is_delta(meta) and BASE_LINEAGE_KEY in meta  # its own chain: applies
+    _assert_holds_bf16_cast(engine, second)
+
+
 def test_the_trainer_api_init_info_checks_its_delta_options() -> None:
     from weight_bridge.vllm.clients.trainer_api import WeightBridgeTrainerInitInfo
 

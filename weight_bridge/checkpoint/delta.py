@@ -26,6 +26,7 @@ writer's half.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from .format import BASE_VERSION_KEY, VERSION_KEY
 __all__ = [
     "BLOCK",
     "DELTA_KEY",
+    "BASE_LINEAGE_KEY",
     "FINGERPRINTS_KEY",
     "SHAPES_KEY",
     "Delta",
@@ -52,12 +54,16 @@ __all__ = [
     "split_name",
     "stored_parts",
     "is_delta",
+    "lineage_of",
     "read_delta",
     "sparse_bytes",
 ]
 
 DELTA_KEY = "weight_bridge.delta"  # "1": the format below
 FINGERPRINTS_KEY = "weight_bridge.fingerprints"
+#: In a checkpoint applied on top of another (a delta, a partial keyframe): the lineage
+#: (:func:`lineage_of`) of the weights it was written against, which the engine must serve.
+BASE_LINEAGE_KEY = "weight_bridge.base_lineage"
 SHAPES_KEY = "weight_bridge.sparse_shapes"
 BLOCK = 1 << 16
 _PARTS = ("blocks", "offsets", "values")
@@ -132,6 +138,20 @@ def stored_parts(name: str, new: torch.Tensor, changed: torch.Tensor) -> dict[st
         return {name: new}
     parts = encode_sparse(changed, flat[changed], flat.numel())
     return {part_name(name, part): t for part, t in parts.items()}
+
+
+def lineage_of(base: str | None, fingerprints: Mapping[str, int]) -> str:
+    """The identity of the weights a fingerprinted checkpoint leaves served, by content: a
+    complete one's (``base`` None) is a digest of every tensor's fingerprint; one applied on
+    top of weights of lineage ``base`` (a delta, a partial keyframe), a digest of ``base`` and
+    the fingerprints of the tensors it changed. Both ends compute it from the same header, so
+    the engine knows what it serves without trusting a label: two trainers that stamp the same
+    version on other weights (or byte-identical node-local copies of one trainer's files, which
+    must agree) are told apart (or not) by what they wrote."""
+    lines = [base or ""] + [
+        f"{n}={v & ((1 << 64) - 1):016x}" for n, v in sorted(fingerprints.items())
+    ]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
 def delta_metadata(

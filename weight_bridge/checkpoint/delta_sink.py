@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from ..exact import format_fingerprint
-from .delta import FINGERPRINTS_KEY, delta_metadata, part_name
+from .delta import BASE_LINEAGE_KEY, FINGERPRINTS_KEY, delta_metadata, lineage_of, part_name
 from .format import BASE_VERSION_KEY, VERSION_KEY
 from .header_plan import plan_header
 from .reference import Change, Reference, cast_fingerprint
@@ -108,6 +108,11 @@ class KeyframeSink:
         self.reference = reference
         self.tracked = tracked
         self._dtypes = {n: t.dtype for n, t in specs}
+        # a partial keyframe applies on top of the weights last written: their lineage
+        self._on_top = BASE_VERSION_KEY in metadata
+        self._base_lineage = reference.lineage if self._on_top else None
+        if self._base_lineage is not None:
+            metadata = {**metadata, BASE_LINEAGE_KEY: self._base_lineage}
         reference.invalidate()  # refreshed tensor by tensor; valid again only at finish
         self.writer = FingerprintedWriter(path, specs, metadata, **options)
         self._kept: list[str] = []
@@ -130,6 +135,11 @@ class KeyframeSink:
             self.abort()
             raise
         self.reference.keep_only(self._kept)
+        prints = self.writer.fingerprints
+        if not self._on_top:
+            self.reference.lineage = lineage_of(None, prints)
+        elif self._base_lineage is not None:
+            self.reference.lineage = lineage_of(self._base_lineage, prints)
         return saved
 
     def abort(self) -> None:
@@ -157,6 +167,7 @@ class DeltaSink:
         self.patchable = patchable
         self.metadata = dict(metadata)
         self.reference = reference
+        self.base_lineage = reference.lineage  # what the engine must serve for it to apply
         self.options = dict(options)
         self._order = [n for n, _ in specs]
         self._dtypes = {n: t.dtype for n, t in specs}
@@ -164,6 +175,7 @@ class DeltaSink:
         self._next = 0
         self._changes: dict[str, Change] = {}
         self._state = "open"
+        self.fingerprints: dict[str, int] = {}  # of the changed tensors, once tensors() ran
         self.changed = 0  # elements that changed, over every tensor diffed (one without a
         self.numel = 0  # reference counts whole), of all their elements
 
@@ -213,7 +225,11 @@ class DeltaSink:
                 continue  # unchanged: not in the file
             prints[name] = change.fingerprint
         base, version = self.metadata[BASE_VERSION_KEY], self.metadata.get(VERSION_KEY)
-        return tensors, {**self.metadata, **delta_metadata(base, version, prints, shapes)}
+        self.fingerprints = prints
+        meta = {**self.metadata, **delta_metadata(base, version, prints, shapes)}
+        if self.base_lineage is not None:
+            meta[BASE_LINEAGE_KEY] = self.base_lineage
+        return tensors, meta
 
     def finish(self) -> SavedCheckpoint:
         if self._state != "open":
@@ -233,6 +249,8 @@ class DeltaSink:
             raise
         self._state = "finished"
         self._changes.clear()
+        if self.base_lineage is not None:
+            self.reference.lineage = lineage_of(self.base_lineage, self.fingerprints)
         return saved
 
     def abort(self) -> None:

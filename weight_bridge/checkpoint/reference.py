@@ -97,6 +97,8 @@ class Reference:
         self._held: dict[str, torch.Tensor] = {}
         self._prints: dict[str, int] = {}  # valid entries only
         self._bounce: torch.Tensor | None = None  # pinned chunk of device casts (diff)
+        # the lineage (delta.lineage_of) of the weights last written, while they are trusted
+        self.lineage: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +119,7 @@ class Reference:
 
     def invalidate(self) -> None:
         self._prints.clear()
+        self.lineage = None
 
     def keep_only(self, names: Iterable[str]) -> None:
         """Free what is not in ``names`` (after a keyframe: tensors no longer synced)."""
@@ -130,6 +133,7 @@ class Reference:
         self._held.clear()
         self._prints.clear()
         self._bounce = None
+        self.lineage = None
 
     @torch.no_grad()
     def store(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,13 +14,26 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.delta import FINGERPRINTS_KEY, is_delta, read_delta, split_name
+from ...checkpoint.delta import (
+    FINGERPRINTS_KEY,
+    is_delta,
+    lineage_of,
+    read_delta,
+    split_name,
+)
 from ...direct import DirectReloadError
 from ...direct.delta import PreparedDelta, prepare_delta
 from ...direct.state import bridge_state
 from ..options import BridgeOptions
 
-__all__ = ["DELTA_MODES", "link_fingerprints", "plan_delta", "served_dtypes"]
+__all__ = [
+    "DELTA_MODES",
+    "link_fingerprints",
+    "link_lineage",
+    "plan_delta",
+    "recorded_fingerprints",
+    "served_dtypes",
+]
 
 DELTA_MODES = ("direct", "auto")  # the modes whose complete pushes learn a write map
 
@@ -62,17 +75,37 @@ def link_fingerprints(
     tensor's; a file without them leaves none known, and the first delta computes them from
     live storage); a partial one replaces those of its tensors. A delta updated its own."""
     state = bridge_state(model)
-    try:
-        recorded = json.loads(metadata.get(FINGERPRINTS_KEY, "{}"))
-    except ValueError:
-        recorded = {}
     if is_delta(metadata):
         return
+    recorded = recorded_fingerprints(metadata)
     if not partial:
         state.fingerprints = {}
     for key, _ in items:
         name, _part = split_name(key)
         state.fingerprints.pop(name, None)
-        value = recorded.get(name) if isinstance(recorded, dict) else None
-        if isinstance(value, str) and len(value) == 16:
-            state.fingerprints[name] = int(value, 16)
+        if name in recorded:
+            state.fingerprints[name] = recorded[name]
+
+
+def recorded_fingerprints(metadata: Mapping[str, str]) -> dict[str, int]:
+    """The fingerprints a checkpoint's header records (name -> value; none: empty)."""
+    try:
+        recorded = json.loads(metadata.get(FINGERPRINTS_KEY, "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {n: int(v, 16) for n, v in recorded.items() if isinstance(v, str) and len(v) == 16}
+
+
+def link_lineage(metadata: Mapping[str, str], partial: bool, below: str | None) -> str | None:
+    """The lineage (:func:`~weight_bridge.checkpoint.delta.lineage_of`) of what the engine
+    serves once this checkpoint is written on top of weights of lineage ``below``: a
+    fingerprinted complete one starts a lineage, a fingerprinted one on top extends a known
+    one; anything else leaves none (nothing can be proven to apply on top of it)."""
+    prints = recorded_fingerprints(metadata)
+    if not prints:
+        return None
+    if not partial:
+        return lineage_of(None, prints)
+    return lineage_of(below, prints) if below is not None else None

@@ -38,6 +38,9 @@ class ServedCheckpoint:
     files: list[HeldFile] = field(default_factory=list)
     names: frozenset[str] = frozenset()
     undo: UndoLog | None = None
+    # what the weights served up to this link are, by content (checkpoint.delta.lineage_of;
+    # None: not fingerprinted, so nothing can be proven to apply on top of it)
+    lineage: str | None = None
     patches: frozenset[str] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
-from ...checkpoint.delta import is_delta
+from ...checkpoint.delta import BASE_LINEAGE_KEY, is_delta
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import (
     DirectReloadError,
@@ -52,7 +52,7 @@ from ...direct.state import bridge_state, clear_undefined, mark_undefined, undef
 from ...direct.validate import validate_checkpoint
 from ..options import BridgeOptions
 from ..outcome import PushFailure, PushResult
-from .delta_links import link_fingerprints, plan_delta, served_dtypes
+from .delta_links import link_fingerprints, link_lineage, plan_delta, served_dtypes
 from .layerwise import LayerwiseReprocessor, push_plan
 from .served_chain import ServedCheckpoint, compact, hold
 from .update_request import UpdateRequest
@@ -117,6 +117,7 @@ class PushTransaction:
             result.version = metadata.get("version")
             if base is not None:
                 self._check_base(path, base, request.served_version)
+                self._check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY))
             items = list(reader.tensors())
             finite = _choose(request.check_finite, self.options.check_finite)
             prepared = self._plan_any(path, metadata, items, finite, result)
@@ -152,6 +153,22 @@ class PushTransaction:
         raise BaseVersionError(
             f"checkpoint {path} applies on top of version {base!r}, but the engine serves "
             f"{what}; push a complete checkpoint (nothing was written)"
+        )
+
+    def _check_lineage(self, path: str, base: str, wanted: str | None) -> None:
+        """A checkpoint whose writer named the lineage of its base applies only on weights of
+        that lineage: the same label on other weights (another trainer's) is not its base.
+        The lineage of what is served is its newest link's."""
+        if wanted is None:
+            return
+        serving = self.served[-1].lineage if self.served else None
+        if serving == wanted:
+            return
+        what = f"weights of lineage {serving[:12]}" if serving else "weights of no known lineage"
+        raise BaseVersionError(
+            f"checkpoint {path} applies on top of version {base!r} as its writer wrote it "
+            f"(lineage {wanted[:12]}), but under that label the engine serves {what}: another "
+            "writer's weights; push a complete checkpoint (nothing was written)"
         )
 
     def _plan_any(
@@ -273,7 +290,9 @@ class PushTransaction:
         prepared = pending.prepared
         undo = prepared.undo_log if isinstance(prepared, PreparedDelta) else None
         names = frozenset(n for n, _ in pending.items)
-        link = ServedCheckpoint(pending.path, None, reader.take_held(), names, undo)
+        below = self.served[-1].lineage if self.served else None
+        lineage = link_lineage(reader.metadata, pending.partial, below)
+        link = ServedCheckpoint(pending.path, None, reader.take_held(), names, undo, lineage)
         for older in self.served:  # a rollback of this update undoes the new link alone
             older.undo = None
         chain = [*self.served, link] if pending.partial else [link]
