@@ -13,6 +13,7 @@ name; here every family is expected to be written directly (MoE experts refreshe
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import (
     assert_differs,
     assert_parity,
@@ -26,6 +27,7 @@ from helpers import (
     tensors_of,
 )
 
+from weight_bridge.direct import DirectReloadError
 from weight_bridge.testing.models import (
     MATRIX,
     MOE_FAMILIES,
@@ -89,13 +91,31 @@ def test_family_push_equals_cold_start_in_direct_and_auto(
     assert_parity(greedy(engine), cold(b))
 
     # a delta back towards A: O(changed) writes at the offsets the last complete push showed
-    tb, ta = engine_cast(tensors_of(b), report.dtypes), engine_cast(tensors_of(a), report.dtypes)
+    dtypes = report.dtypes  # as the engine reported after its last complete push
+    tb, ta = engine_cast(tensors_of(b), dtypes), engine_cast(tensors_of(a), dtypes)
     v4 = mixed(tb, ta, 0.05, seed=4)
-    unpatchable = set(tb) - set(report.dtypes)  # sent dense, as the trainer does
+    unpatchable = set(tb) - set(dtypes)  # sent dense, as the trainer does
     delta = delta_checkpoint(tb, v4, "3", "4", tmp_path / "d4.safetensors", unpatchable)
     report = engine.push(delta)
     assert report.delta and report.changed
-    assert_parity(greedy(engine), cold(model_dir_with(a, v4, tmp_path / "m4")))
+    cold_v4 = cold(model_dir_with(a, v4, tmp_path / "m4"))
+    assert_parity(greedy(engine), cold_v4)
+
+    # a delta diffed against bits the engine never held, mixing scattered writes with a norm
+    # its loader writes whole (carried dense in another dtype: a cast): refused by the
+    # fingerprints after writing started, every writer undone, the previous weights served
+    norm = next(n for n in tb if n.endswith("norm.weight") and n in dtypes)
+    other = torch.bfloat16 if dtypes[norm] == "float32" else torch.float32
+    elsewhere = mixed(v4, tb, 0.5, seed=5)
+    v5 = mixed(elsewhere, ta, 0.05, seed=6)
+    elsewhere[norm], v5[norm] = elsewhere[norm].to(other), (v4[norm] * 1.5).to(other)
+    refused = delta_checkpoint(
+        elsewhere, v5, "4", "5", tmp_path / "d5.safetensors", unpatchable | {norm}
+    )
+    with pytest.raises(DirectReloadError, match="fingerprint"):
+        engine.push(refused)
+    assert str(engine.version) == "4" and engine.undefined is None
+    assert_parity(greedy(engine), cold_v4)
     assert engine.addresses() == addresses
 
 
