@@ -319,6 +319,42 @@ MUTANTS = [
         "the dtype check in `prepare_delta`",
         [["tests/test_delta.py", "-k", "refusals"]],
     ),
+    Mutant(
+        "undefined-fails-fast",
+        "an undefined engine ends every request at once on vLLM's own entry points",
+        "weight_bridge/vllm/core/updates.py",
+        "undefined = _state(self).undefined  # only ever set on a bridged core",
+        "undefined = None",
+        "the core's step finishing every request while undefined (`failing_while_undefined`)",
+        [["tests/test_transactions.py", "-k", "roll_back_in_process"]],
+    ),
+    Mutant(
+        "full-readback-shards",
+        'readback="full" reads a tensor-parallel shard back whole',
+        "weight_bridge/vllm/outcome.py",
+        "problems.update(_full_readback_problem(name, int(want, 16), got))",
+        "pass",
+        "the engine core summing the shards' read-back fingerprints",
+        [["tests/test_delta_engine.py", "-k", "multiprocess_tensor_parallel"]],
+    ),
+    Mutant(
+        "base-lineage",
+        "a delta applies only on the weights it was diffed against, not a label",
+        "weight_bridge/vllm/worker/transaction.py",
+        "if serving == wanted:",
+        "if True:",
+        "the lineage check before any write (`_check_lineage`)",
+        [["tests/test_delta_trainer.py", "-k", "two_trainers"]],
+    ),
+    Mutant(
+        "failed-sync-forgets-dtypes",
+        "after a failed sync no file is written in the dtypes an engine reported before",
+        "weight_bridge/checkpoint/delta_state.py",
+        "        self.reference.invalidate()\n        self.engine.forget()",
+        "        self.reference.invalidate()",
+        "`DeltaState.failed` forgetting the engine's dtypes",
+        [["tests/test_delta_trainer.py", "-k", "failed_sync_no_file"]],
+    ),
 ]
 
 
