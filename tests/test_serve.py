@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -412,6 +413,57 @@ def test_the_moe_family_over_http(moe, stock_cold) -> None:
     assert_parity(http_greedy(client), stock_cold(a))
     client.push(b, version="1")
     assert_parity(http_greedy(client), stock_cold(b))
+
+
+# Every route of vLLM's that changes weights, pauses or sleeps generation, or reaches the
+# workers, and the bridge's own: vLLM's --api-key guards none of them.
+RL_ROUTES = (
+    ("POST", "/pause"),
+    ("POST", "/resume"),
+    ("GET", "/is_paused"),
+    ("POST", "/start_weight_update"),
+    ("POST", "/update_weights"),
+    ("POST", "/finish_weight_update"),
+    ("POST", "/init_weight_transfer_engine"),
+    ("GET", "/get_world_size"),
+    ("GET", "/weight_info"),
+    ("POST", "/weight_checker"),
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"),
+    ("GET", "/weight_bridge/results"),
+)
+
+
+def _status(url: str, method: str, key: str | None) -> int:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = b"{}" if method == "POST" else None
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+@pytest.mark.every_vllm
+def test_every_rl_route_answers_401_without_the_key(moe) -> None:
+    """A server started with an API key (``VLLMServer(api_key=...)``: vLLM's ``--api-key``
+    plus the bridge's ``require_api_key``): every RL, development and bridge route answers
+    ``401`` to a request with no key or a wrong one, and nothing changed; with the key the
+    same middleware lets a request through (a read-only route answers ``200``)."""
+    client = moe["client"]
+    version = client.weight_version()
+    for method, route in RL_ROUTES:
+        for key in (None, "wrong"):
+            assert _status(client.url + route, method, key) == 401, (method, route, key)
+    assert _status(client.url + "/is_paused", "GET", client.api_key) == 200
+    assert _status(client.url + "/weight_bridge/results", "GET", client.api_key) == 200
+    assert client.weight_version() == version
 
 
 # -- issue 21: pushes while generations are in flight ------------------------------------------
