@@ -340,10 +340,10 @@ MUTANTS = [
     Mutant(
         "base-lineage",
         "a delta applies only on the weights it was diffed against, not a label",
-        "weight_bridge/vllm/worker/transaction.py",
+        "weight_bridge/vllm/worker/served_chain.py",
         "if serving == wanted:",
         "if True:",
-        "the lineage check before any write (`_check_lineage`)",
+        "the lineage check before any write (`check_lineage`)",
         [["tests/test_delta_trainer.py", "-k", "two_trainers"]],
     ),
     Mutant(

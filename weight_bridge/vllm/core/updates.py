@@ -80,6 +80,7 @@ from ..internals import (
     pause_scheduling,
     served_version,
     set_pause_state,
+    unpause_scheduling,
     waiting_without_spinning,
 )
 from ..options import BridgeOptions, bridge_options, is_bridged
@@ -264,6 +265,9 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
 
 def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
     before = pause_scheduling(core)  # running requests preempted, no cached KV kept
+    # ...and unpaused again, so that the core's loop steps: each step is then
+    # failing_while_undefined's, which schedules nothing and ends every request
+    unpause_scheduling(core)
     if state.undefined is None:
         state.paused_before = before
     state.undefined = why

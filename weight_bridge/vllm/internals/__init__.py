@@ -137,6 +137,7 @@ from .engine_core import (
     pause_scheduling,
     served_version,
     set_pause_state,
+    unpause_scheduling,
     waiting_without_spinning,
 )
 from .model import (
@@ -232,6 +233,7 @@ __all__ = [
     "served_version",
     "set_cpu_linear",
     "set_pause_state",
+    "unpause_scheduling",
     "shutdown",
     "source_metadata",
     "transfer_engine",

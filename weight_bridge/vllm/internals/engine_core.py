@@ -15,6 +15,7 @@ __all__ = [
     "pause_scheduling",
     "served_version",
     "set_pause_state",
+    "unpause_scheduling",
     "waiting_without_spinning",
 ]
 
@@ -100,6 +101,14 @@ def finish_every_request(core: Any, reason: str) -> dict[int, Any]:
         )
         for client, ids in by_client.items()
     }
+
+
+def unpause_scheduling(core: Any) -> None:
+    """Let the core's loop step again: vLLM's multi-process core steps only while its scheduler
+    counts unfinished requests, and a scheduler paused for all counts none."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    core.scheduler.set_pause_state(PauseState.UNPAUSED)
 
 
 def set_pause_state(core: Any, state: Any) -> None:

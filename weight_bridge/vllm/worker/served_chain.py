@@ -22,9 +22,10 @@ from typing import Any
 from ...checkpoint import CheckpointError, CheckpointReader
 from ...checkpoint.delta import split_name
 from ...checkpoint.held import HeldFile
+from ...direct.errors import BaseVersionError
 from ...direct.undo import UndoLog
 
-__all__ = ["ServedCheckpoint", "compact", "hold"]
+__all__ = ["ServedCheckpoint", "check_lineage", "compact", "hold"]
 
 
 @dataclass
@@ -90,3 +91,20 @@ def compact(chain: list[ServedCheckpoint]) -> tuple[list[ServedCheckpoint], list
             kept.append(link)
         later |= link.names - link.patches
     return kept[::-1], dropped
+
+
+def check_lineage(path: str, base: str, wanted: str | None, served: list[ServedCheckpoint]) -> None:
+    """A checkpoint whose writer named the lineage of its base (``wanted``) applies only on
+    weights of that lineage: the same label on other weights (another trainer's) is not its
+    base. The lineage of what is ``served`` is its newest link's."""
+    if wanted is None:
+        return
+    serving = served[-1].lineage if served else None
+    if serving == wanted:
+        return
+    what = f"weights of lineage {serving[:12]}" if serving else "weights of no known lineage"
+    raise BaseVersionError(
+        f"checkpoint {path} applies on top of version {base!r} as its writer wrote it "
+        f"(lineage {wanted[:12]}), but under that label the engine serves {what}: another "
+        "writer's weights; push a complete checkpoint (nothing was written)"
+    )

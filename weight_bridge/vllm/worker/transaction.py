@@ -54,7 +54,7 @@ from ..options import BridgeOptions
 from ..outcome import PushFailure, PushResult
 from .delta_links import link_fingerprints, link_lineage, plan_delta, served_dtypes
 from .layerwise import LayerwiseReprocessor, push_plan
-from .served_chain import ServedCheckpoint, compact, hold
+from .served_chain import ServedCheckpoint, check_lineage, compact, hold
 from .update_request import UpdateRequest
 from .vllm_direct import VllmDirectWrite
 
@@ -117,7 +117,7 @@ class PushTransaction:
             result.version = metadata.get("version")
             if base is not None:
                 self._check_base(path, base, request.served_version)
-                self._check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY))
+                check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY), self.served)
             items = list(reader.tensors())
             finite = _choose(request.check_finite, self.options.check_finite)
             prepared = self._plan_any(path, metadata, items, finite, result)
@@ -153,22 +153,6 @@ class PushTransaction:
         raise BaseVersionError(
             f"checkpoint {path} applies on top of version {base!r}, but the engine serves "
             f"{what}; push a complete checkpoint (nothing was written)"
-        )
-
-    def _check_lineage(self, path: str, base: str, wanted: str | None) -> None:
-        """A checkpoint whose writer named the lineage of its base applies only on weights of
-        that lineage: the same label on other weights (another trainer's) is not its base.
-        The lineage of what is served is its newest link's."""
-        if wanted is None:
-            return
-        serving = self.served[-1].lineage if self.served else None
-        if serving == wanted:
-            return
-        what = f"weights of lineage {serving[:12]}" if serving else "weights of no known lineage"
-        raise BaseVersionError(
-            f"checkpoint {path} applies on top of version {base!r} as its writer wrote it "
-            f"(lineage {wanted[:12]}), but under that label the engine serves {what}: another "
-            "writer's weights; push a complete checkpoint (nothing was written)"
         )
 
     def _plan_any(
