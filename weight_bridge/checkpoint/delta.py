@@ -148,9 +148,7 @@ def lineage_of(base: str | None, fingerprints: Mapping[str, int]) -> str:
     the engine knows what it serves without trusting a label: two trainers that stamp the same
     version on other weights (or byte-identical node-local copies of one trainer's files, which
     must agree) are told apart (or not) by what they wrote."""
-    lines = [base or ""] + [
-        f"{n}={v & ((1 << 64) - 1):016x}" for n, v in sorted(fingerprints.items())
-    ]
+    lines = [base or ""] + [f"{n}={format_fingerprint(v)}" for n, v in sorted(fingerprints.items())]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
