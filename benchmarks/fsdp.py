@@ -160,15 +160,14 @@ def _job(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from callbacks import CheckpointFiles, Schedule
+    from callbacks import CheckpointFiles, EngineSpec, Schedule
 
     from .config import ENGINE_KWARGS
 
     shard = args.job == "fsdp"
     sync = _measured_sync_class()(
-        model_path=str(args.model),
-        engine_kwargs=dict(ENGINE_KWARGS),
-        schedule=Schedule(every_n_train_steps=1, push_on_train_end=False),
+        engine=EngineSpec(model=str(args.model), args=dict(ENGINE_KWARGS)),
+        schedule=Schedule(every_n_train_steps=1),
         files=CheckpointFiles(dirpath=str(args.sync_dir), keep_last_k=2),
     )
     full_gather: dict[str, Any] = {}

@@ -13,18 +13,18 @@ tensors into preallocated tensors (trainer -> transport, transport -> engine), t
 process right before each sync; the ratio is taken per sync (so both sides see the same load on
 a shared machine), its median reported.
 
-Variants: ``default`` (``VLLMWeightSync(model_path=...)`` with every default: the engine built by
-the callback, vLLM's default multi-process engine (engine core and worker in processes of their
-own, as a user gets it), the transport in ``/dev/shm``, the previous file's pages recycled, no
-fsync, no content hash, the push's split jobs on the CPU vLLM leaves spare); then each lever on
-its own, on an engine started once per filesystem and handed to the callback: ``no_recycle`` (a
-new file every sync), ``no_kept_maps`` (the spare's pages recycled, but written with
-``write()``, not through the map the writer keeps of each file), ``writer_hash`` (the hash in
-the file, not checked by the engine), ``no_spare_cpus`` (an engine whose worker pushes on its
-own CPU only: ``WEIGHT_BRIDGE_PUSH_THREADS=0``), ``disk``
-(``ram_dir=False``: the log directory, not fsynced), ``durable`` (the log directory, fsynced:
-``durable=True``), ``verify_hash`` (the writer hashes, the engine checks), and
-``old_defaults`` (every setting the callback had before: disk, fsync, ``verify_hash=True``,
+Variants: ``default`` (``VLLMWeightSync(engine=EngineSpec(model=...))`` with every default: the
+engine built by the callback, vLLM's default multi-process engine (engine core and worker in
+processes of their own, as a user gets it), the transport in ``/dev/shm``, the previous file's
+pages recycled, no fsync, no content hash, the push's split jobs on the CPU vLLM leaves spare);
+then each lever on its own, on an engine started once per filesystem and handed to the callback:
+``no_recycle`` (a new file every sync), ``no_kept_maps`` (the spare's pages recycled, but
+written with ``write()``, not through the map the writer keeps of each file), ``writer_hash``
+(the hash in the file, not checked by the engine), ``no_spare_cpus`` (an engine whose worker
+pushes on its own CPU only: ``WEIGHT_BRIDGE_PUSH_THREADS=0``), ``disk`` (``ram_dir=False``: the
+log directory, not fsynced), ``durable`` (the log directory, fsynced: ``durable=True``),
+``verify_hash`` (an engine that verifies hashes: the writer hashes, the engine checks), and
+``old_defaults`` (every setting the callback had before: disk, fsync, hashes verified,
 ``keep_last_k=2``). Memory, in one more sync after the timed ones (the samplers' wake-ups
 every 2 ms would compete with the push for the machine's CPUs): the trainer process's peak extra
 resident memory (``VmHWM`` reset before, which counts mapped ``/dev/shm`` pages too) and the
@@ -255,7 +255,7 @@ def summarise(sync: Any) -> dict[str, Any]:
         "fs": fs_type(sync._dir) if sync._dir is not None else None,
         "in_ram": sync._in_ram,
         "durable": sync.files.durable,
-        "verify_hash": sync.verify_hash,
+        "verify_hash": getattr(sync.engine, "verify_hash", False) is True,
         "save_s": stats(save),
         "push_s": stats(push),
         "sync_s": stats(total),
@@ -342,7 +342,7 @@ def _writer_levers(model_dir: Path, directory: Path, reps: int) -> dict[str, Any
 def _bench_size(
     size: str, workdir: Path, reps: int, shm: Path, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    from callbacks import CheckpointFiles
+    from callbacks import CheckpointFiles, EngineSpec
     from weight_bridge.vllm.clients.launch import engine_environment
     from weight_bridge.vllm.worker.cpu_threads import PUSH_THREADS_ENV
 
@@ -353,7 +353,7 @@ def _bench_size(
     log(f"{size}: default (the callback builds its engine)")
     sync, module = fit_measured(
         model_dir, workdir / f"run_{size}_default", reps,
-        model_path=str(model_dir), engine_kwargs=dict(ENGINE_KWARGS),
+        engine=EngineSpec(model=str(model_dir), args=dict(ENGINE_KWARGS)),
     )  # fmt: skip
     out["variants"]["default"] = summarise(sync)
     del module, sync
@@ -381,7 +381,7 @@ def _bench_size(
         ("no_recycle", ram_root, {}, {"tweak": no_recycle}),
         ("no_kept_maps", ram_root, {}, {"tweak": no_kept_maps}),
         ("writer_hash", ram_root, {}, {"tweak": writer_hash}),
-        ("verify_hash", ram_root, {}, {"verify_hash": True}),
+        ("verify_hash", ram_root, {}, {"verify": True}),
         ("no_spare_cpus", ram_root, no_helpers, {}),
         ("disk", disk_root, {}, {"files": CheckpointFiles(ram_dir=False)}),
         ("durable", disk_root, {}, {"files": CheckpointFiles(durable=True)}),
@@ -389,7 +389,7 @@ def _bench_size(
             "old_defaults",
             disk_root,
             {},
-            {"files": CheckpointFiles(durable=True, keep_last_k=2), "verify_hash": True},
+            {"files": CheckpointFiles(durable=True, keep_last_k=2), "verify": True},
         ),
     ]
     engines: dict[tuple, Any] = {}
@@ -407,7 +407,10 @@ def _bench_size(
                         str(model_dir), checkpoint_root=str(root), **ENGINE_KWARGS
                     )
             log(f"{size}: {name}")
+            verify = kwargs.pop("verify", False)  # the engine verifies every push's hash
+            engines[key].verify_hash = verify
             sync = fit_measured(model_dir, root, reps, engine=engines[key], **kwargs)[0]
+            engines[key].verify_hash = False
             out["variants"][name] = summarise(sync)
             del sync
             free_memory()

@@ -1,14 +1,15 @@
 """Lightning callbacks: :class:`VLLMWeightSync` keeps a colocated vLLM engine on the policy.
 
-Its option groups: :class:`Schedule` (when), :class:`CheckpointFiles` (where),
-:class:`CheckpointNames` (under which names and dtype), :class:`CanaryCheck` (an end-to-end check
-of each push). What it needs of an engine
-is :class:`weight_bridge.EngineClient`.
+Its option groups: :class:`EngineSpec` (which engine: one to start, or a server's URL),
+:class:`Schedule` (when), :class:`CheckpointFiles` (where), :class:`CheckpointNames` (under which
+names and dtype), :class:`CanaryCheck` (an end-to-end check of each push). What it needs of an
+engine it is given is :class:`weight_bridge.EngineClient`.
 """
 
 from weight_bridge.checkpoint import CheckpointFiles
 
 from .canary import CanaryCheck
+from .engine import EngineSpec
 from .names import CheckpointNames
 from .schedule import Schedule
 from .weight_sync import VLLMWeightSync
@@ -17,6 +18,7 @@ __all__ = [
     "CanaryCheck",
     "CheckpointFiles",
     "CheckpointNames",
+    "EngineSpec",
     "Schedule",
     "VLLMWeightSync",
 ]

@@ -26,11 +26,11 @@ class CanaryError(WeightBridgeError, RuntimeError):
 
 @dataclass(frozen=True)
 class CanaryCheck:
-    """Check every push end to end: the trainer's model and the engine score ``prompts`` (lists
-    of token ids; default: a seeded batch valid for the model's vocabulary) and the largest
-    logprob difference must stay within ``tolerance``, else the sync fails."""
+    """Check every push end to end: the trainer's model and the engine score a seeded batch of
+    token ids valid for the model's vocabulary (:func:`default_probe`: what matters is that
+    both sides score the same tokens, not which) and the largest logprob difference must stay
+    within ``tolerance``, else the sync fails."""
 
-    prompts: list[list[int]] | None = None
     tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
@@ -45,9 +45,7 @@ class CanaryCheck:
                 f"generate, which a {type(engine).__name__} does not offer: use a client of the "
                 "bridge (any: in process, async or over HTTP) or no canary"
             )
-        probe = self.prompts
-        if probe is None:
-            probe = default_probe(int(getattr(model.config, "vocab_size", 256)))
+        probe = default_probe(int(getattr(model.config, "vocab_size", 256)))
         gap = logprob_gap(model, engine, probe)
         if gap > self.tolerance:
             raise CanaryError(

@@ -19,18 +19,17 @@ def open_dir(
     trainer: Any,
     need_bytes: int,
     engine: Any,
-    model_path: str | None,
+    builds: bool,
     partial: bool = True,
 ) -> tuple[Path, bool, int | None]:
     """Every rank: rank zero's :func:`place` (warning when RAM was the default but does not
     fit), the node's subdirectory with ``node_local``, created; whether it is in RAM; and, in
     RAM, the descriptor that holds the run's directory (close it when the run ends).
-    ``engine``: the one given (its checkpoint root counts), or None and the ``model_path`` the
-    callback builds one from; ``partial``: whether syncs may be partial."""
+    ``engine``: the one given (its checkpoint root counts), or None; ``builds``: the callback
+    starts the engine itself; ``partial``: whether syncs may be partial."""
     from lightning.pytorch.utilities import rank_zero_warn
 
     log_dir = trainer.log_dir or trainer.default_root_dir
-    builds = engine is None and model_path is not None
     root = getattr(engine, "checkpoint_root", None)
     where = place(files, log_dir, need_bytes, builds, root, partial=partial)
     directory, in_ram, fallback = trainer.strategy.broadcast(

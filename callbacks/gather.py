@@ -25,7 +25,6 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,6 @@ import torch
 
 from weight_bridge.checkpoint import (
     SPARE,
-    CheckpointWriter,
-    DeltaState,
     EngineDtypes,
     OpenSink,
     SavedCheckpoint,
@@ -154,8 +151,14 @@ class Gatherer:
             os.close(fd)
 
     def model(self, pl_module: Any) -> torch.nn.Module:
-        """The module the checkpoint is of (what the canary scores)."""
-        return getattr(pl_module, self.module_attr) if self.module_attr else pl_module
+        """The module the checkpoint is of (what the canary scores): the source attribute's;
+        with a source function, the LightningModule's ``model`` where it has one (the usual
+        home of a Hugging Face model), else the LightningModule."""
+        if self.module_attr:
+            return getattr(pl_module, self.module_attr)
+        if self.source is not None:
+            return getattr(pl_module, "model", pl_module)
+        return pl_module
 
     def estimate_bytes(self, pl_module: Any) -> int:
         """One checkpoint's size from the model's metadata (0 if it is not built yet)."""
@@ -194,22 +197,6 @@ class Gatherer:
             tracked = frozenset(e.name for e in changing)
         return GatherPlan(entries, selected.partial, source_dtype, sharded, tracked)
 
-    def open_writer(
-        self, path: Path, specs: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str]
-    ) -> Sink:
-        """The plain sink: the checkpoint writer, streaming each tensor to its offset."""
-        return CheckpointWriter(path, specs, metadata, **self.writer_options())
-
-    def opener(
-        self, deltas: DeltaState, kind: str, based: bool, plan: GatherPlan
-    ) -> OpenSink | None:
-        """The sink of this sync when deltas run: a delta's, or a keyframe's refreshing the
-        reference copy of ``plan.tracked`` (:meth:`DeltaState.open`); None: the plain writer."""
-        if kind != "delta" and not based:
-            return None
-        options = self.writer_options()
-        return partial(deltas.open, kind=kind, based=based, options=options, tracked=plan.tracked)
-
     def stream(
         self,
         plan: GatherPlan,
@@ -217,12 +204,12 @@ class Gatherer:
         metadata: Mapping[str, str],
         collective: Collective,
         writers: Sequence[int],
-        open_sink: OpenSink | None = None,
+        open_sink: OpenSink,
     ) -> SavedCheckpoint | None:
         """Write ``plan`` to ``path`` (None: this rank does not write) through the sink
-        ``open_sink`` makes (default :meth:`open_writer`; a delta's: :mod:`weight_bridge.
-        checkpoint.delta_sink`). Sharded plans need every rank here; a failure anywhere raises
-        ``StepFailed`` on every rank at the same tensor."""
+        ``open_sink`` makes (the sync's kind: :class:`~weight_bridge.checkpoint.Turn`). Sharded
+        plans need every rank here; a failure anywhere raises ``StepFailed`` on every rank at
+        the same tensor."""
         if plan.sharded:
             collective.same("save (the checkpoint's tensors)", plan.digest())
         error: BaseException | None = None
@@ -230,7 +217,7 @@ class Gatherer:
         try:
             try:
                 if path is not None:
-                    writer = (open_sink or self.open_writer)(path, plan.specs(), metadata)
+                    writer = open_sink(path, plan.specs(), metadata)
             except Exception as exc:
                 error = exc
             for entry in plan.entries:

@@ -32,18 +32,17 @@ class SyncEntry:
 class CheckpointNames:
     """How trainer names become checkpoint names, and the dtype floating tensors are saved in.
 
-    ``strip_prefix`` is removed from the front of each name, then each ``rename`` regex is
-    applied in order (``{pattern: replacement}``, :func:`re.sub`). Tied tensors (embeddings and
-    ``lm_head``) are written once, under their first name, as vLLM and Hugging Face expect. Two
-    names mapping to one are refused. ``dtype``: floating tensors are cast to it (e.g.
-    ``"bfloat16"``), rounding as the engine's loader does (``Tensor.to``: to nearest, ties to
+    Each ``rename`` regex is applied in order (``{pattern: replacement}``, :func:`re.sub`;
+    ``{"^model\\.": ""}`` strips the attribute name Lightning puts in front). Tied tensors
+    (embeddings and ``lm_head``) are written once, under their first name, as vLLM and Hugging
+    Face expect. Two names mapping to one are refused. ``dtype``: floating tensors are cast to it
+    (e.g. ``"bfloat16"``), rounding as the engine's loader does (``Tensor.to``: to nearest, ties to
     even); ``"engine"`` (the default): each to the dtype the engine reported holding it in after
     the last complete push, so a bf16 engine gets bf16 and every byte sent is one it keeps (the
     first sync of a run, before any report, and every tensor an engine does not report, keep
     the trainer's dtype); None keeps the trainer's dtype.
     """
 
-    strip_prefix: str = ""
     rename: dict[str, str] = field(default_factory=dict)
     dtype: str | None = ENGINE
 
@@ -55,8 +54,6 @@ class CheckpointNames:
         object.__setattr__(self, "_patterns", patterns)
 
     def hf_name(self, name: str) -> str:
-        if self.strip_prefix and name.startswith(self.strip_prefix):
-            name = name[len(self.strip_prefix) :]
         for pattern, replacement in self._patterns:  # type: ignore[attr-defined]
             name = pattern.sub(replacement, name)
         return name

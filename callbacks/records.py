@@ -7,44 +7,36 @@ the trainer's loggers, the console) reads the same record.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-__all__ = ["Saved", "sync_line", "sync_metrics", "sync_record"]
+from weight_bridge.checkpoint import Sent
 
-
-class Saved(NamedTuple):
-    """What the writer (rank zero) reports of a save, sent to every rank."""
-
-    nbytes: int
-    partial: bool
-    path: str
-    delta: bool
-    changed: float | None  # the fraction of a delta's elements that changed
-    based: bool  # a keyframe that refreshed the reference copy deltas are taken against
-    choice: dict[str, Any]  # why it is a delta or not (DeltaChoice.describe)
+__all__ = ["sync_line", "sync_metrics", "sync_record"]
 
 
-def sync_record(
-    step: int, path: Path, saved: Saved, times: list[float], report: Any, gap: float | None
-) -> dict[str, Any]:
-    """One history entry. ``delta``: the file held only what changed since the last push;
-    ``changed``: the fraction of its tensors' elements that did (None for a keyframe);
-    ``choice``: why it is a delta or not, with the costs measured so far
-    (:meth:`~weight_bridge.checkpoint.delta_choice.DeltaChoice.describe`)."""
+def sync_record(step: int, sent: Sent, gap: float | None) -> dict[str, Any]:
+    """One history entry, from the sender's record of the sync
+    (:class:`~weight_bridge.checkpoint.Sent`). ``delta``: the file held only what changed since
+    the last push; ``changed``: the fraction of its tensors' elements that did (None for a
+    keyframe); ``choice``: why it is a delta or not, with the costs measured so far
+    (:meth:`~weight_bridge.checkpoint.delta_choice.DeltaChoice.describe`); ``push_s``: the push
+    and, when on, the canary."""
+    report = sent.report
+    delta = sent.kind == "delta"
     return {
         "step": step,
-        "checkpoint": str(path),
-        "bytes": saved.nbytes,
-        "partial": saved.partial,
-        "delta": saved.delta,
-        "changed": saved.changed if saved.delta else None,
-        "save_s": times[1] - times[0],
-        "push_s": times[2] - times[1],
+        "checkpoint": str(sent.path),
+        "bytes": sent.written.nbytes,
+        "partial": sent.kind == "partial",
+        "delta": delta,
+        "changed": sent.written.changed if delta else None,
+        "save_s": sent.save_s,
+        "push_s": sent.push_s,
         "mode": getattr(report, "mode", None),
         "inflight": getattr(report, "inflight", None),
         "paused_s": getattr(report, "paused_s", None),
         "canary_gap": gap,
-        "choice": dict(saved.choice),
+        "choice": dict(sent.choice),
     }
 
 

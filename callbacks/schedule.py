@@ -25,10 +25,9 @@ class Schedule:
 
     Cadence counts optimizer steps (``trainer.global_step``), so gradient accumulation does not
     change it: a sync happens when the step advanced to one that is due (``every_n_train_steps``
-    and/or ``at_steps``), before the first step (``push_on_train_start``; version = the current
-    step), and at the end (``push_on_train_end``). No step is pushed twice in one run. A run
-    resumed from a checkpoint (or starting past step 0) always syncs on train start, since the
-    engine would otherwise serve the weights it was started with.
+    and/or ``at_steps``), before the first step (version = the current step: the engine serves
+    the trainer's weights before the first rollout, whatever it was started on), and at the end
+    (the final weights, served and saved). No step is pushed twice in one run.
 
     ``skip_frozen``: after a complete sync, later ones carry only what training can change (a
     *partial* checkpoint, see :mod:`callbacks.changed`). The first sync of a run, the first
@@ -48,22 +47,19 @@ class Schedule:
     the first sync of a run (a resume included), the first after a failed one, every
     ``full_every_k``-th sync (complete; ``DELTA_EVERY_K`` = 64 while deltas run and
     ``full_every_k`` is None), and the next sync once the deltas since the last keyframe add up
-    to more than ``delta_budget`` times its bytes. The engine's served chain holds the keyframe
-    and every sparse delta since, so these bound it: ``full_every_k`` files, and deltas of
-    ``delta_budget`` x the keyframe's bytes plus the one that passed it. The complete keyframes
-    are the run's loadable checkpoints (``VLLMWeightSync.last_checkpoint`` names the newest).
-    With ``skip_frozen`` a delta covers only what training can change,
-    like a partial sync.
+    to more than the keyframe's bytes (:data:`~weight_bridge.checkpoint.keyframes.DELTA_BUDGET`).
+    The engine's served chain holds the keyframe and every sparse delta since, so these bound it:
+    ``full_every_k`` files, and deltas of the keyframe's bytes plus the one that passed it. The
+    complete keyframes are the run's loadable checkpoints (``VLLMWeightSync.last_checkpoint``
+    names the newest). With ``skip_frozen`` a delta covers only what training can change, like
+    a partial sync.
     """
 
     every_n_train_steps: int | None = 1
     at_steps: tuple[int, ...] = ()
-    push_on_train_start: bool = True
-    push_on_train_end: bool = True
     skip_frozen: bool = True
     full_every_k: int | None = None
     delta: str = "auto"
-    delta_budget: float = 1.0
 
     def __post_init__(self) -> None:
         n = self.every_n_train_steps
@@ -73,7 +69,7 @@ class Schedule:
         if any(s < 0 for s in steps):
             raise ValueError(f"at_steps must be non-negative, not {list(self.at_steps)}")
         object.__setattr__(self, "at_steps", steps)  # normalised: sorted, unique, a tuple
-        delta = delta_mode(self.delta, self.full_every_k, self.delta_budget)
+        delta = delta_mode(self.delta, self.full_every_k)
         object.__setattr__(self, "delta", delta)  # YAML's booleans: "on" / "off"
 
     def due(self, step: int) -> bool:
@@ -91,17 +87,16 @@ class SyncClock(KeyframeClock):
 
     def __init__(self, schedule: Schedule) -> None:
         s = schedule
-        super().__init__(s.delta, s.full_every_k, s.delta_budget, s.skip_frozen)
+        super().__init__(s.delta, s.full_every_k, skip_frozen=s.skip_frozen)
         self.schedule = schedule
         self.last_pushed_step: int | None = None
         self._seen_step: int | None = None
 
-    def at_train_start(self, step: int, resumed: bool) -> bool:
-        """A new run: the next sync is complete. Sync now when asked to, or when resumed."""
+    def at_train_start(self, step: int) -> bool:
+        """A new run: the next sync is complete, and it is now."""
         self._seen_step = step
         self.failed()
-        s = self.schedule
-        return s.push_on_train_start or resumed or step in s.at_steps
+        return True
 
     def at_batch_end(self, step: int) -> bool:
         """Sync when the optimizer step advanced to a due step not yet pushed."""
@@ -110,17 +105,4 @@ class SyncClock(KeyframeClock):
         return advanced and self.schedule.due(step) and step != self.last_pushed_step
 
     def at_train_end(self, step: int) -> bool:
-        return self.schedule.push_on_train_end and step != self.last_pushed_step
-
-    def synced(
-        self,
-        step: int,
-        partial: bool,
-        delta: bool = False,
-        nbytes: int = 0,
-        based: bool = False,
-        seconds: float | None = None,
-    ) -> None:
-        """A sync of ``step`` succeeded on every rank (:meth:`KeyframeClock.pushed`)."""
-        self.last_pushed_step = step
-        self.pushed(partial, delta, nbytes, based, seconds)
+        return step != self.last_pushed_step

@@ -17,10 +17,9 @@ is pushed.
 
 from __future__ import annotations
 
-import os
-import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,65 +30,62 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from weight_bridge.checkpoint import (
-    BASE_VERSION_KEY,
     CheckpointFiles,
     DeltaState,
+    Sender,
+    Turn,
+    Written,
     release,
     step_file,
 )
-from weight_bridge.vllm import ENGINE_MODES, EngineClient, client_for, connect, start_engine
+from weight_bridge.vllm import EngineClient
 
 from .canary import CanaryCheck
 from .collective import Collective, StepFailed
 from .directory import open_dir
+from .engine import EngineSpec, engine_of
 from .gather import Gatherer
 from .names import ENGINE, CheckpointNames
-from .records import Saved, sync_line, sync_metrics, sync_record
+from .records import sync_line, sync_metrics, sync_record
 from .schedule import Schedule, SyncClock
 
 __all__ = ["VLLMWeightSync"]
-
-_OFF = {"0", "false", "off", "no"}
-_ON = {"1", "true", "on", "yes"}
 
 
 class VLLMWeightSync(Callback):
     """Push the trained weights into a colocated vLLM engine every few optimizer steps.
 
     Args:
-        engine: the engine to push into (any :class:`~weight_bridge.EngineClient`, or a
-            ``vllm.LLM`` started with the ``weight_bridge`` backend), or
-        engine_url: a ``vllm serve`` process running the backend, whose checkpoint root holds
-            ``files.dirpath`` (pushed over HTTP), or
-        model_path: a model directory to build an engine from in :meth:`setup` (with
-            ``engine_kwargs``, ``engine_mode`` and ``inflight``: :func:`~weight_bridge.vllm.
-            engines.start_engine`; closed in :meth:`teardown`), reading checkpoints from the sync's
-            directory only. Under ``ddp_spawn`` pass this: each rank builds its own engine.
+        engine: the engine to push into: one you built (any :class:`~weight_bridge.EngineClient`,
+            or a ``vllm.LLM`` started with the ``weight_bridge`` backend), or an
+            :class:`~callbacks.engine.EngineSpec` (a mapping in YAML): a model to start an
+            engine on in :meth:`setup` (closed in :meth:`teardown`; under ``ddp_spawn`` each
+            rank builds its own), or the URL of a ``vllm serve`` process running the backend
+            whose checkpoint root holds ``files.dirpath``.
         schedule: when to sync, when a sync must be complete, and deltas (:class:`Schedule`).
         files: where checkpoints go and how many are kept (:class:`CheckpointFiles`).
         names: checkpoint names and dtype (:class:`CheckpointNames`; by default each tensor in
             the dtype the engine holds it in, once the engine said).
-        module_attr: the LightningModule attribute holding the model (``""``: the module
-            itself); ``source``: a callable ``pl_module -> state dict`` instead.
+        source: the LightningModule attribute holding the model (``""``: the module itself),
+            or a callable ``pl_module -> state dict``.
         canary: check every push end to end (:class:`~callbacks.canary.CanaryCheck`; ``True``:
             with defaults); the logprob gap is logged as ``weight_sync/canary_gap``.
-        enabled: ``False`` (or ``env_var`` set to 0/false/off; 1/true/on forces it on, read at
-            construction) makes the callback a no-op: no files, no engine.
+        enabled: ``False`` makes the callback a no-op: no files, no engine (a per-run switch:
+            ``--trainer.callbacks.init_args.enabled=false`` with LightningCLI).
         on_error: ``"raise"``, or ``"warn"``: a failed save, push or canary becomes a warning
             and the engine stays on the last good version (it rolls a failed push back itself);
             the next sync is complete.
-        verify_hash: the engine recomputes each checkpoint's content hash (always in the
-            header) before writing; off by default, see docs/sync.md for why that is sound.
 
     Either way :meth:`setup` exposes the engine as ``pl_module.vllm_engine``, so a rollout in
     ``training_step`` reads ``self.vllm_engine.generate(prompts, sampling)``, any engine mode; each
-    ``Generation``'s ``policy_version`` is the step pushed, a string. Every sync, the ranks plan the
-    checkpoint from metadata, the writer (global rank zero, or each node's local rank zero with
-    ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every rank with an
-    engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather one tensor at
-    a time, every rank taking part. With deltas (``schedule.delta``) a sync between keyframes
-    writes only the values that changed (:mod:`weight_bridge.checkpoint.delta_state`). Only
-    ``fit`` builds an engine and pushes. Metrics (to the trainer's loggers):
+    ``Generation``'s ``policy_version`` is the step pushed, a string. Every sync runs through the
+    one sender (:class:`~weight_bridge.checkpoint.Sender`, shared with vLLM's trainer API): the
+    ranks plan the checkpoint from metadata, the writer (global rank zero, or each node's local
+    rank zero with ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every
+    rank with an engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather
+    one tensor at a time, every rank taking part. With deltas (``schedule.delta``) a sync between
+    keyframes writes only the values that changed (:mod:`weight_bridge.checkpoint.delta_state`).
+    Only ``fit`` builds an engine and pushes. Metrics (to the trainer's loggers):
     ``weight_sync/{save_s,push_s,bytes,version,delta}`` (and ``changed_fraction`` for a delta);
     ``history`` holds the last ``history_limit`` syncs (:func:`~callbacks.records.sync_record`).
     """
@@ -98,52 +94,33 @@ class VLLMWeightSync(Callback):
 
     def __init__(
         self,
-        engine: EngineClient | Any = None,
-        model_path: str | None = None,
-        engine_kwargs: dict | None = None,
-        engine_mode: str = "colocated",
-        engine_url: str | None = None,
-        inflight: str | None = "recompute",
+        engine: EngineSpec | EngineClient | Any = None,
         schedule: Schedule = Schedule(),  # noqa: B008 (frozen: shared safely)
         files: CheckpointFiles = CheckpointFiles(),  # noqa: B008
         names: CheckpointNames = CheckpointNames(),  # noqa: B008
-        module_attr: str = "model",
-        source: Callable | None = None,
+        source: str | Callable[[Any], Any] = "model",
         canary: CanaryCheck | bool | None = None,
         enabled: bool = True,
-        env_var: str = "WEIGHT_BRIDGE_SYNC",
         on_error: str = "raise",
-        verify_hash: bool = False,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
-        check = CanaryCheck() if canary is True else (canary or None)
-        self.env_var = env_var
-        self.enabled = _resolve_enabled(enabled, env_var)
-        given = [x is not None for x in (engine, model_path, engine_url)]
-        if self.enabled and not any(given):
+        self.enabled = enabled
+        if self.enabled and engine is None:
             raise ValueError(
-                "VLLMWeightSync needs an engine, an engine_url or a model_path to build one from"
+                "VLLMWeightSync needs an engine: one you built, or an EngineSpec (a model to "
+                "start one on, or the url of a vllm serve process)"
             )
-        if sum(given) > 1:
-            raise ValueError("pass one of engine, engine_url and model_path")
-        if engine_mode not in ENGINE_MODES:
-            raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, not {engine_mode!r}")
-        self._engine = client_for(engine) if engine is not None else None
-        if engine_url is not None:
-            self._engine = connect(engine_url, inflight)
+        self.spec, self._engine = engine_of(engine)
         self._owns_engine = False
-        self.model_path = model_path
-        self.engine_kwargs = dict(engine_kwargs or {})
-        self.engine_mode = engine_mode
-        self.inflight = inflight
         self.files = files
-        self.canary = check
+        self.canary = CanaryCheck() if canary is True else (canary or None)
         self.on_error = on_error
-        self.verify_hash = verify_hash
         self.clock = SyncClock(schedule)
-        self.gatherer = Gatherer(names, module_attr, source, fsync=files.durable)
+        module_attr, getter = (source, None) if isinstance(source, str) else ("", source)
+        self.gatherer = Gatherer(names, module_attr, getter, fsync=files.durable)
         self.deltas = DeltaState(self.clock, self.gatherer.engine, names.dtype == ENGINE)
+        self.sender = Sender(self.deltas, self.gatherer.writer_options)
         self.last_checkpoint: str | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
@@ -205,18 +182,23 @@ class VLLMWeightSync(Callback):
         if stage == "fit":
             need = self.gatherer.estimate_bytes(pl_module)
             s = self.schedule  # a partial or delta chain holds its complete base too
-            partial = s.skip_frozen or s.delta != "off"
-            where = open_dir(self.files, trainer, need, self._engine, self.model_path, partial)
+            chained = s.skip_frozen or s.delta != "off"
+            starts = self._engine is None and self.spec is not None and self.spec.starts
+            where = open_dir(self.files, trainer, need, self._engine, starts, chained)
             self._dir, self._in_ram, owner = where
             self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
-            self.gatherer.hashed = self.verify_hash or not self._in_ram  # RAM: hash to check only
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
-            if self._engine is None and self.model_path is not None:
-                kwargs = {"checkpoint_root": str(self._dir), **self.engine_kwargs}
-                mode, inflight = self.engine_mode, self.inflight
-                self._engine = start_engine(self.model_path, mode, inflight, **kwargs)
+            if starts:
+                assert self.spec is not None
+                self._engine = self.spec.start(self._dir)
                 self._owns_engine = True
+            # in RAM the content hash only serves an engine that verifies it (an option of its)
+            asked = self.spec is not None and bool(self.spec.args.get("verify_hash"))
+            verifies = asked or getattr(self._engine, "verify_hash", False) is True
+            self.gatherer.hashed = not self._in_ram or verifies
+            self.sender.retire = partial(self._retire, self._is_writer(trainer))
+            self.sender.discard = partial(self._discard, self._is_writer(trainer))
         _expose(pl_module, self._engine)
 
     @override
@@ -248,10 +230,9 @@ class VLLMWeightSync(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
-        resumed = step > 0 or trainer.ckpt_path is not None
         if self._dir is not None:  # a new run: a keyframe first, in the trainer's dtype
             self.deltas.start(self._dir)
-        if self.enabled and self.clock.at_train_start(step, resumed):
+        if self.enabled and self.clock.at_train_start(step):
             self._sync(trainer, pl_module, step)
 
     @override
@@ -271,6 +252,17 @@ class VLLMWeightSync(Callback):
         if self.enabled and self.clock.at_train_end(trainer.global_step):
             self._sync(trainer, pl_module, trainer.global_step)
 
+    def _retire(self, writer: bool, path: Path, served: Any) -> None:
+        """After a sync, on a writer: old files go, except what the engine serves."""
+        if writer and self._dir is not None:
+            served = self._engine.served_checkpoints if self._engine is not None else []
+            self.gatherer.retire(self._dir, path, self.files.keep(self._in_ram), served)
+
+    def _discard(self, writer: bool, path: Path) -> None:
+        """A failed sync's file, on a writer (unless the engine serves it)."""
+        if writer:
+            self.gatherer.discard(path, self._engine)
+
     def _is_writer(self, trainer: pl.Trainer) -> bool:
         """The rank that writes checkpoints: global rank zero, or each node's local rank zero."""
         return trainer.local_rank == 0 if self.files.node_local else trainer.is_global_zero
@@ -278,7 +270,8 @@ class VLLMWeightSync(Callback):
     # -- one sync ----------------------------------------------------------------------------
 
     def _sync(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        """Save (every rank plans; the writers write), push (every rank with an engine), check.
+        """One sync through the sender (:class:`~weight_bridge.checkpoint.Sender`): save (every
+        rank plans; the writers write), push (every rank with an engine), check.
 
         Each step is tried locally and agreed on by every rank (:class:`Collective`), so one
         rank's failure fails every rank at the same point and none is left waiting."""
@@ -286,36 +279,34 @@ class VLLMWeightSync(Callback):
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
         collective = Collective(trainer.strategy)
         path = step_file(self._dir, step)
-        times = [time.perf_counter()]
+        last = self.clock.last_pushed_step
+        turn = self.sender.turn(None if last is None else str(last))
+        gap: list[float | None] = [None]
+
+        def write(turn: Turn) -> Written:
+            save = partial(self._save, trainer, pl_module, path, step, turn, collective)
+            written = trainer.strategy.broadcast(collective.run("save", save), src=0)
+            # each node's writer wrote its own copy (node_local): push and keep that one
+            return written._replace(path=str(path)) if self.files.node_local else written
+
+        def push(where: Path) -> Any:
+            report = collective.run("push", lambda: self._push(where, step))
+            gap[0] = collective.run("canary", lambda: self._canary_gap(pl_module))
+            return report
+
         failed: StepFailed | None = None
-        saved = None
         try:
-            saved = collective.run(
-                "save", lambda: self._save(trainer, pl_module, path, step, collective)
-            )
-            saved = trainer.strategy.broadcast(saved, src=0)
-            path = path if self.files.node_local else Path(saved.path)
-            times.append(time.perf_counter())
-            report = collective.run("push", lambda: self._push(path, step))
-            times.append(time.perf_counter())
-            gap = collective.run("canary", lambda: self._canary_gap(pl_module))
+            sent = self.sender.send(path, turn, write, push, partial(trainer.strategy.broadcast))
         except StepFailed as exc:
             failed = exc
-        if failed is not None or saved is None:
-            if saved is not None and self._is_writer(trainer):  # a failed sync leaves no file
-                self.gatherer.discard(path, self._engine)
+        if failed is not None:
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
-        reported = (dict(getattr(report, "dtypes", None) or {}), times[2] - times[0])
-        dtypes, seconds = trainer.strategy.broadcast(reported, src=0)  # every rank: rank 0's
-        self.clock.synced(step, saved.partial, saved.delta, saved.nbytes, saved.based, seconds)
-        kind = "delta" if saved.delta else "partial" if saved.partial else "complete"
-        self.deltas.pushed(kind, dtypes)
-        if kind == "complete":  # loadable on its own: vLLM and transformers start on it
-            self.last_checkpoint = str(path)
-        record = sync_record(step, path, saved, times, report, gap)
+        self.clock.last_pushed_step = step
+        self.last_checkpoint = self.sender.last_checkpoint
+        record = sync_record(step, sent, gap[0])
         self._history.append(record)
-        self._report(trainer, record, report is not None)
+        self._report(trainer, record, sent.report is not None)
 
     def _save(
         self,
@@ -323,28 +314,29 @@ class VLLMWeightSync(Callback):
         pl_module: pl.LightningModule,
         path: Path,
         step: int,
+        turn: Turn,
         collective: Collective,
-    ) -> Saved:
-        """Plan the checkpoint (every rank) and stream it (writers; sharded: every rank): a
-        delta between keyframes when deltas run, else complete or partial."""
+    ) -> Written:
+        """Plan the checkpoint of ``turn``'s kind (every rank) and stream it (writers; sharded:
+        every rank): a delta between keyframes when deltas run, else complete or partial."""
         writer = self._is_writer(trainer)
-        kind, based = self.deltas.kind()
+        kind = turn.kind
         changing = kind == "partial" or (kind == "delta" and self.schedule.skip_frozen)
-        plan = self.gatherer.plan(trainer, pl_module, changing, writer, based and kind != "delta")
+        track = turn.based and kind != "delta"
+        plan = self.gatherer.plan(trainer, pl_module, changing, writer, track)
         metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}
         if plan.partial or kind == "delta":
-            metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
+            metadata.update(turn.metadata)
+        sink = partial(turn.opener, tracked=plan.tracked)
         where = path if writer else None
-        sink = self.gatherer.opener(self.deltas, kind, based, plan)
         saved = self.gatherer.stream(plan, where, metadata, collective, self._writers, sink)
-        delta, changed = kind == "delta", self.deltas.changed_fraction()
-        nbytes, why = saved.bytes if saved else 0, self.deltas.why(kind)  # why: for the record
-        return Saved(nbytes, plan.partial, str(path), delta, changed, based, why)
+        nbytes = saved.bytes if saved else 0
+        return Written(str(path), nbytes, plan.partial, self.deltas.changed_fraction())
 
     def _push(self, path: Path, step: int) -> Any:
         if self._engine is None:
             return None
-        return self._engine.push(path, version=step, verify_hash=self.verify_hash)
+        return self._engine.push(path, version=step)
 
     def _canary_gap(self, pl_module: pl.LightningModule) -> float | None:
         if self.canary is None or self._engine is None:
@@ -352,22 +344,15 @@ class VLLMWeightSync(Callback):
         return self.canary.gap(self.gatherer.model(pl_module), self._engine)
 
     def _report(self, trainer: pl.Trainer, record: dict[str, Any], pushed: bool) -> None:
-        """Prune old files, log metrics (writer) and one line (rank zero)."""
-        path = Path(record["checkpoint"])
+        """Log metrics (writer) and one line (rank zero)."""
         if self._is_writer(trainer):
-            served = self._engine.served_checkpoints if self._engine is not None else []
-            assert self._dir is not None
-            self.gatherer.retire(self._dir, path, self.files.keep(self._in_ram), served)
             for logger in trainer.loggers:
                 logger.log_metrics(sync_metrics(record), step=record["step"])
         rank_zero_info(sync_line(record, pushed))
 
-    def _fail(self, step: int, failed: StepFailed | None) -> None:
-        """Every rank: the next sync is complete (a keyframe: the reference copy is not trusted);
-        then raise this rank's error (or say another rank failed), or warn with
-        ``on_error="warn"``."""
-        self.deltas.failed()  # the clock (a keyframe next) and the reference copy
-        assert failed is not None
+    def _fail(self, step: int, failed: StepFailed) -> None:
+        """Every rank (the sender made the next sync a keyframe): raise this rank's error (or
+        say another rank failed), or warn with ``on_error="warn"``."""
         error = failed.error
         if error is None:
             error = RuntimeError(
@@ -386,14 +371,3 @@ class VLLMWeightSync(Callback):
 def _expose(pl_module: pl.LightningModule, engine: EngineClient | None) -> None:
     # nn.Module.__setattr__ is typed for tensors and modules; a plain attribute is what we want.
     object.__setattr__(pl_module, "vllm_engine", engine)
-
-
-def _resolve_enabled(enabled: bool, env_var: str) -> bool:
-    raw = os.environ.get(env_var, "").strip().lower()
-    if raw in _OFF:
-        return False
-    if raw in _ON:
-        return True
-    if raw:
-        rank_zero_warn(f"ignoring {env_var}={raw!r}: expected one of {sorted(_ON | _OFF)}")
-    return enabled

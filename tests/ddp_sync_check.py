@@ -41,7 +41,7 @@ def main() -> None:
     from helpers import ENGINE_KWARGS, greedy
     from transformers import AutoModelForCausalLM
 
-    from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+    from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge.checkpoint import save_checkpoint
 
     class Policy(pl.LightningModule):
@@ -61,8 +61,7 @@ def main() -> None:
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
 
     sync = VLLMWeightSync(
-        model_path=args.model,
-        engine_kwargs=dict(ENGINE_KWARGS, max_num_seqs=4),
+        engine=EngineSpec(model=args.model, args=dict(ENGINE_KWARGS, max_num_seqs=4)),
         schedule=Schedule(every_n_train_steps=2, delta="on"),  # deltas on a disk: pinned
         files=CheckpointFiles(dirpath=args.dirpath, keep_last_k=10, node_local=args.nodes > 1),
     )

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from helpers import ENGINE_KWARGS, PushWatcher, greedy, model_dir_saved_by_hf  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-from callbacks import CheckpointFiles, Schedule, VLLMWeightSync  # noqa: E402
+from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "v_proj", "gate_proj"]
 
@@ -186,9 +186,8 @@ def main() -> None:
     args = parser.parse_args()
 
     sync = VLLMWeightSync(
-        model_path=args.model,
-        engine_kwargs=dict(ENGINE_KWARGS, max_num_seqs=4),
-        module_attr="model",
+        engine=EngineSpec(model=args.model, args=dict(ENGINE_KWARGS, max_num_seqs=4)),
+        source="model",
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(dirpath=str(args.out / "sync"), keep_last_k=10),
     )

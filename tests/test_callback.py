@@ -28,7 +28,14 @@ from helpers import (
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-from callbacks import CanaryCheck, CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
+from callbacks import (
+    CanaryCheck,
+    CheckpointFiles,
+    CheckpointNames,
+    EngineSpec,
+    Schedule,
+    VLLMWeightSync,
+)
 from callbacks.canary import CanaryError
 from weight_bridge.checkpoint import BASE_VERSION_KEY, HASH_KEY, CheckpointReader
 from weight_bridge.checkpoint.retention import prune
@@ -215,12 +222,13 @@ def test_at_steps_and_train_end(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
     sync = VLLMWeightSync(
         engine=engine,
-        schedule=Schedule(every_n_train_steps=None, at_steps=(4, 1), push_on_train_start=False),
+        schedule=Schedule(every_n_train_steps=None, at_steps=(4, 1)),
         files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=5),
     )
     trainer(tmp_path, [sync], max_steps=5).fit(TinyLM(str(models["llama_A"])))
-    assert [h["step"] for h in sync.history] == [1, 4, 5]
-    assert step_files(tmp_path / "ws") == [f"step-{s:08d}.safetensors" for s in (1, 4, 5)]
+    # the train start (the engine serves the trainer's weights first), the chosen steps, the end
+    assert [h["step"] for h in sync.history] == [0, 1, 4, 5]
+    assert step_files(tmp_path / "ws") == [f"step-{s:08d}.safetensors" for s in (0, 1, 4, 5)]
     assert engine.version == 5
 
 
@@ -230,7 +238,7 @@ def test_at_steps_and_train_end(models, shared_engine, tmp_path) -> None:
 def test_disabled_does_nothing(models, shared_engine, tmp_path) -> None:
     engine = shared_engine("llama_A")
     before = (engine.version, engine.checkpoint)
-    for kwargs in ({"engine": engine}, {"model_path": str(models["llama_A"])}):
+    for kwargs in ({"engine": engine}, {"engine": EngineSpec(model=str(models["llama_A"]))}):
         files = CheckpointFiles(dirpath=str(tmp_path / "ws"))
         sync = VLLMWeightSync(enabled=False, files=files, **kwargs)
         module = TinyLM(str(models["llama_A"]))
@@ -239,35 +247,7 @@ def test_disabled_does_nothing(models, shared_engine, tmp_path) -> None:
         assert sync.history == [] and sync.last_pushed_step is None
         assert not (tmp_path / "ws").exists()
         assert (engine.version, engine.checkpoint) == before
-    assert sync.engine is None  # nothing was built from model_path
-
-
-def test_env_var_overrides_enabled(models, shared_engine, tmp_path, monkeypatch) -> None:
-    engine = shared_engine("llama_A")
-    monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "0")
-    off = VLLMWeightSync(
-        engine=engine, enabled=True, files=CheckpointFiles(dirpath=str(tmp_path / "off"))
-    )
-    assert not off.enabled
-    monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "OFF")
-    assert not VLLMWeightSync(engine=engine).enabled
-    monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "1")
-    on = VLLMWeightSync(
-        engine=engine, enabled=False, files=CheckpointFiles(dirpath=str(tmp_path / "on"))
-    )
-    assert on.enabled
-    monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "maybe")
-    with pytest.warns(UserWarning, match="ignoring WEIGHT_BRIDGE_SYNC"):
-        assert not VLLMWeightSync(engine=engine, enabled=False).enabled
-    monkeypatch.setenv("MY_SYNC", "false")
-    assert not VLLMWeightSync(engine=engine, env_var="MY_SYNC").enabled
-
-    trainer(tmp_path, [off], max_steps=1).fit(TinyLM(str(models["llama_A"])))
-    assert not (tmp_path / "off").exists()
-    engine.push(models["llama_B"], version="B")
-    trainer(tmp_path, [on], max_steps=1).fit(TinyLM(str(models["llama_A"])))
-    assert step_files(tmp_path / "on") == ["step-00000000.safetensors", "step-00000001.safetensors"]
-    assert engine.version == 1
+    assert sync.engine is None  # nothing was built from the spec
 
 
 # -- files ---------------------------------------------------------------------------------
@@ -314,7 +294,7 @@ def test_names_and_dtype_are_converted(models, shared_engine, tmp_path) -> None:
         engine=engine,
         source=wrapped,
         names=CheckpointNames(
-            strip_prefix="policy.", rename={r"^backbone\.": "model."}, dtype="bfloat16"
+            rename={r"^policy\.": "", r"^backbone\.": "model."}, dtype="bfloat16"
         ),
         files=CheckpointFiles(dirpath=str(tmp_path / "ws")),
     )
@@ -329,13 +309,13 @@ def test_names_and_dtype_are_converted(models, shared_engine, tmp_path) -> None:
 
 
 def test_whole_module_state_through_the_strategy(models, shared_engine, tmp_path) -> None:
-    """module_attr="" takes the LightningModule's own state dict (as sharded strategies
-    gather it) and strip_prefix removes the attribute name Lightning puts in front."""
+    """source="" takes the LightningModule's own state dict (as sharded strategies gather it)
+    and a rename strips the attribute name Lightning puts in front."""
     engine = shared_engine("llama_A")
     sync = VLLMWeightSync(
         engine=engine,
-        module_attr="",
-        names=CheckpointNames(strip_prefix="model."),
+        source="",
+        names=CheckpointNames(rename={r"^model\.": ""}),
         files=CheckpointFiles(dirpath=str(tmp_path / "ws")),
     )
     module = TinyLM(str(models["llama_A"]))
@@ -346,9 +326,15 @@ def test_whole_module_state_through_the_strategy(models, shared_engine, tmp_path
 
 def test_bad_arguments_are_refused_up_front(models) -> None:
     path = str(models["llama_A"])
+    spec = EngineSpec(model=path)
     for make, words in [
-        (lambda: VLLMWeightSync(), "needs an engine, an engine_url or a model_path"),
-        (lambda: VLLMWeightSync(model_path=path, on_error="ignore"), "on_error"),
+        (lambda: VLLMWeightSync(), "needs an engine"),
+        (lambda: VLLMWeightSync(engine=spec, on_error="ignore"), "on_error"),
+        (lambda: EngineSpec(), "a model to start an engine on, or a url"),
+        (lambda: EngineSpec(model=path, url="http://x"), "a model to start an engine on, or a url"),
+        (lambda: EngineSpec(model=path, mode="fast"), "engine mode must be one of"),
+        (lambda: EngineSpec(url="http://x", mode="serve"), "already running"),
+        (lambda: EngineSpec(model=path, args={"inflight": "drain"}), "inflight applies to mode"),
         (lambda: CheckpointNames(dtype="int8"), "floating torch dtype"),
         (lambda: CheckpointFiles(keep_last_k=0), "keep_last_k"),
         (lambda: Schedule(every_n_train_steps=0), "every_n_train_steps"),
@@ -365,20 +351,22 @@ def test_options_are_grouped_and_flat_keywords_are_refused(models) -> None:
     """Only the groups configure the callback (no release had flat keywords); the cadence is
     read back from them."""
     path = str(models["llama_A"])
+    spec = EngineSpec(model=path, mode="serve", args={"inflight": "drain"})
     sync = VLLMWeightSync(
-        model_path=path,
+        engine=spec,
         schedule=Schedule(every_n_train_steps=None, at_steps=(4, 1, 4), full_every_k=2),
         files=CheckpointFiles(dirpath="x", keep_last_k=3),
-        names=CheckpointNames(strip_prefix="model.", dtype="bfloat16"),
-        canary=CanaryCheck(prompts=[[1, 2, 3]]),
+        names=CheckpointNames(rename={r"^model\.": ""}, dtype="bfloat16"),
+        canary=CanaryCheck(tolerance=0.1),
     )
+    assert sync.spec == spec and sync.engine is None  # started in setup
     assert sync.schedule == Schedule(every_n_train_steps=None, at_steps=(1, 4), full_every_k=2)
     assert sync.files == CheckpointFiles(dirpath="x", keep_last_k=3)
-    assert sync.names == CheckpointNames(strip_prefix="model.", dtype="bfloat16")
-    assert sync.canary == CanaryCheck(prompts=[[1, 2, 3]])
-    for flat in ({"every_n_train_steps": 4}, {"dirpath": "x"}, {"keep_last_k": 3}):
+    assert sync.names == CheckpointNames(rename={r"^model\.": ""}, dtype="bfloat16")
+    assert sync.canary == CanaryCheck(tolerance=0.1)
+    for flat in ({"every_n_train_steps": 4}, {"dirpath": "x"}, {"model_path": path}):
         with pytest.raises(TypeError, match=next(iter(flat))):
-            VLLMWeightSync(model_path=path, **flat)  # type: ignore[arg-type]
+            VLLMWeightSync(engine=spec, **flat)  # type: ignore[arg-type]
 
 
 # -- failures ------------------------------------------------------------------------------
@@ -490,7 +478,7 @@ def test_resumed_run_pushes_its_restored_weights_first(models, shared_engine, tm
     engine.push(models["llama_B"], version="elsewhere")  # as a fresh engine would serve
     second = VLLMWeightSync(
         engine=engine,
-        schedule=Schedule(every_n_train_steps=2, push_on_train_start=False, delta="off"),
+        schedule=Schedule(every_n_train_steps=2, delta="off"),
         files=CheckpointFiles(dirpath=str(tmp_path / "two")),
     )
     recorder = Recorder(second, outputs=True)
@@ -544,8 +532,7 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
                 {
                     "class_path": "callbacks.VLLMWeightSync",
                     "init_args": {
-                        "model_path": str(models["llama_A"]),
-                        "engine_kwargs": ENGINE_KWARGS,
+                        "engine": {"model": str(models["llama_A"]), "args": ENGINE_KWARGS},
                         "schedule": {"every_n_train_steps": 2},
                         "files": {"ram_dir": True},
                     },
@@ -571,9 +558,9 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
     assert override.schedule.every_n_train_steps == 2
     with pytest.raises(SystemExit):  # a flat keyword is not an option of the callback
         cli("--trainer.callbacks.init_args.keep_last_k=7")
-    monkeypatch.setenv("WEIGHT_BRIDGE_SYNC", "off")
-    assert not sync_of(cli()).enabled
-    monkeypatch.delenv("WEIGHT_BRIDGE_SYNC")
+    spec = sync_of(cli("--trainer.callbacks.init_args.engine.mode=serve")).spec  # one field
+    assert (spec.model, spec.mode) == (str(models["llama_A"]), "serve")
+    assert spec.args.keys() == ENGINE_KWARGS.keys()
 
     c = cli()
     sync = sync_of(c)
@@ -619,8 +606,7 @@ def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
     """
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     sync = VLLMWeightSync(
-        model_path=str(models["llama_A"]),
-        engine_kwargs=ENGINE_KWARGS,
+        engine=EngineSpec(model=str(models["llama_A"]), args=ENGINE_KWARGS),
         schedule=Schedule(every_n_train_steps=2, delta="off"),  # final.safetensors: complete
         files=CheckpointFiles(ram_dir=True),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,12 +24,12 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 import weight_bridge.checkpoint.reference as reference_mod
-from callbacks import CheckpointFiles, CheckpointNames, Schedule, VLLMWeightSync
+from callbacks import CheckpointFiles, CheckpointNames, EngineSpec, Schedule, VLLMWeightSync
 from callbacks.collective import Collective
 from callbacks.gather import Gatherer
 from callbacks.names import ENGINE
 from callbacks.schedule import SyncClock
-from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, Sender
 from weight_bridge.checkpoint.delta import (
     DELTA_KEY,
     FINGERPRINTS_KEY,
@@ -98,25 +99,29 @@ class Syncer:
         self.gatherer = Gatherer(CheckpointNames(), "model", None, fsync=False)
         self.clock = SyncClock(schedule)
         self.deltas = DeltaState(self.clock, self.gatherer.engine)
+        self.sender = Sender(self.deltas, self.gatherer.writer_options)
         self.collective = Collective(None)  # replicated, one rank: no agreement is asked for
         self.held: dict[str, torch.Tensor] = {}
         self.version: str | None = None
         self.deltas.start(tmp_path)
-        self.clock.at_train_start(0, resumed=False)
+        self.clock.at_train_start(0)
 
     def save(self, step: int) -> tuple[Path, str, float | None]:
-        kind, based = self.deltas.kind()
+        last = self.clock.last_pushed_step
+        turn = self.sender.turn(None if last is None else str(last))
+        kind, based = turn.kind, turn.based
         changing = kind == "partial" or (kind == "delta" and self.clock.schedule.skip_frozen)
         plan = self.gatherer.plan(None, self.module, changing, True, based and kind != "delta")
         metadata = {"step": str(step), "version": str(step)}
         if plan.partial or kind == "delta":
-            metadata[BASE_VERSION_KEY] = str(self.clock.last_pushed_step)
+            metadata.update(turn.metadata)
         path = self.dir / f"step-{step:08d}.safetensors"
-        sink = self.gatherer.opener(self.deltas, kind, based, plan)
+        sink = partial(turn.opener, tracked=plan.tracked)
         saved = self.gatherer.stream(plan, path, metadata, self.collective, [0], sink)
         assert saved is not None
         changed = self.deltas.changed_fraction()
-        self.clock.synced(step, plan.partial, kind == "delta", saved.bytes, based)
+        self.clock.last_pushed_step = step
+        self.clock.pushed(plan.partial, kind == "delta", saved.bytes, based)
         return path, kind, changed
 
     def push(self, path: Path, dtypes: dict[str, str]) -> dict[str, str]:
@@ -165,7 +170,8 @@ def test_every_delta_applied_to_the_last_push_is_the_trainers_cast(tmp_path, mon
     model = Policy()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     engine_dtypes = {n: BF16 for n, t in model.state_dict().items() if t.dtype.is_floating_point}
-    syncer = Syncer(tmp_path, model, Schedule(delta="on", delta_budget=100.0))
+    syncer = Syncer(tmp_path, model, Schedule(delta="on"))
+    syncer.clock.delta_budget = 100.0  # no keyframe by bytes: deltas all along
     kinds, fractions = [], []
     for step in range(12):
         if step:
@@ -382,26 +388,27 @@ def walk(
             continue
         based = clock.delta_on(accepts) and kind != "delta"
         seconds = cost(kind) if cost is not None else None
-        clock.synced(step, kind == "partial", kind == "delta", nbytes(kind), based, seconds)
+        clock.pushed(kind == "partial", kind == "delta", nbytes(kind), based, seconds)
     return out
 
 
 def test_keyframes_first_after_a_failure_and_every_k() -> None:
     clock = SyncClock(Schedule(delta="on", full_every_k=4))
-    clock.at_train_start(0, resumed=False)
+    clock.at_train_start(0)
     once = walk(clock, False, 9, nbytes=lambda k: 0 if k == "delta" else 1, fail={5})
     assert once == "Cddd" + "Cd" + "Cdd"  # the delta of step 5 failed
     clock = SyncClock(Schedule(delta="on"))  # full_every_k None: every DELTA_EVERY_K
-    clock.at_train_start(0, resumed=False)
+    clock.at_train_start(0)
     kinds = walk(clock, False, 2 * DELTA_EVERY_K + 1, nbytes=lambda k: 0)
     assert kinds == ("C" + "d" * (DELTA_EVERY_K - 1)) * 2 + "C"
-    clock.at_train_start(7, resumed=True)  # a resume: a keyframe first
+    clock.at_train_start(7)  # a resume: a keyframe first
     assert clock.kind(True) == "complete"
 
 
 def test_keyframe_past_the_byte_budget() -> None:
-    clock = SyncClock(Schedule(delta="on", delta_budget=0.25))
-    clock.at_train_start(0, resumed=False)
+    clock = SyncClock(Schedule(delta="on"))
+    clock.delta_budget = 0.25  # the library's budget is 1.0: a lower one, to reach it sooner
+    clock.at_train_start(0)
     # keyframes of 100 bytes (C and P), deltas of 10: past 25 after the third delta
     kinds = walk(clock, True, 10, nbytes=lambda k: 10 if k == "delta" else 100)
     assert kinds == "Cddd" + "Pddd" + "Pd"
@@ -416,8 +423,9 @@ def test_auto_keeps_the_kind_measured_cheaper_and_never_deltas_through_host_memo
     reference copy is kept."""
 
     def clock() -> SyncClock:
-        auto = SyncClock(Schedule(delta="auto", delta_budget=100.0))
-        auto.at_train_start(0, resumed=False)
+        auto = SyncClock(Schedule(delta="auto"))
+        auto.delta_budget = 100.0
+        auto.at_train_start(0)
         return auto
 
     cheap = clock()
@@ -440,25 +448,24 @@ def test_auto_keeps_the_kind_measured_cheaper_and_never_deltas_through_host_memo
     assert walk(ram, False, 1) + walk(ram, True, 6, cost=lambda k: 0.001) == "CPPPPPP"
     assert not ram.has_base and ram.described("partial")["why"] == "host memory carries every byte"
     off = SyncClock(Schedule(delta=False, skip_frozen=False))
-    off.at_train_start(0, resumed=False)
+    off.at_train_start(0)
     assert walk(off, True, 4) == "CCCC"
     assert Schedule(delta=True).delta == "on" and Schedule(delta=False).delta == "off"
-    for bad in ({"delta": "sometimes"}, {"delta_budget": 0.0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            Schedule(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="delta"):
+        Schedule(delta="sometimes")
 
 
 def test_a_change_of_the_engines_dtypes_makes_the_next_sync_a_keyframe() -> None:
     gatherer = Gatherer(CheckpointNames(), "model", None)
     clock = SyncClock(Schedule(delta="on"))
     deltas = DeltaState(clock, gatherer.engine, gatherer.names.dtype == ENGINE)
-    clock.at_train_start(0, resumed=False)
-    clock.synced(0, False, False, 100, based=True)
+    clock.at_train_start(0)
+    clock.pushed(False, False, 100, based=True)
     assert clock.kind() == "delta"
     deltas.pushed("complete", {"w": BF16})  # the first report: a cast in another dtype
     assert gatherer.engine.known == {"w": BF16} and deltas.accepts
     assert clock.kind() == "partial"
-    clock.synced(1, True, False, 50, based=True)
+    clock.pushed(True, False, 50, based=True)
     deltas.pushed("complete", {"w": BF16})  # the same: nothing to redo
     assert clock.kind() == "delta"
     deltas.pushed("complete", {})  # an engine that no longer reports takes no delta
@@ -548,7 +555,7 @@ def test_the_trainer_api_init_info_checks_its_delta_options() -> None:
 
     assert WeightBridgeTrainerInitInfo(rank=0).delta == "auto"
     assert WeightBridgeTrainerInitInfo(rank=0, delta=True).delta == "on"  # type: ignore[arg-type]
-    for bad in ({"delta": "sometimes"}, {"full_every_k": 0}, {"delta_budget": 0.0}):
+    for bad in ({"delta": "sometimes"}, {"full_every_k": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             WeightBridgeTrainerInitInfo(rank=0, **bad)  # type: ignore[arg-type]
 
@@ -595,7 +602,7 @@ def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
     _, dtypes, keyframe = send("keyframe")  # the engine's dtype from now on
     assert set(dtypes.values()) == {torch.bfloat16}
     assert math.isclose(first / keyframe, 2.0, rel_tol=0.05)
-    assert sender.deltas.reference.nbytes == 2 * numel  # one bf16 copy of every tensor sent
+    assert sender.sender.deltas.reference.nbytes == 2 * numel  # one bf16 copy of every tensor sent
     for _ in range(3):
         before = engine.version
         meta, _, size = send("delta")
@@ -639,18 +646,74 @@ def test_the_trainer_api_sends_deltas_a_bf16_engine_holds_bit_for_bit(
     send("delta")
 
     other = _api_sender(engine, tmp_path / "api", model, rank=1)  # takes part, writes nothing
-    assert other.deltas is None and other.send_weights(version="x") is None
+    assert other.sender is None and other.send_weights(version="x") is None
     assert engine.version == f"s{step}"
 
     sender = _api_sender(engine, tmp_path / "off", model, delta="off")
     _, dtypes, _ = send("plain")
     assert set(dtypes.values()) == {torch.float32}  # a new trainer: nothing reported yet
     _, dtypes, _ = send("plain")
-    assert set(dtypes.values()) == {torch.bfloat16} and sender.deltas.reference.nbytes == 0
+    assert set(dtypes.values()) == {torch.bfloat16} and sender.sender.deltas.reference.nbytes == 0
     sender.shutdown()
 
 
 # -- a real Trainer into a real engine -----------------------------------------------------
+
+
+def test_the_callback_and_the_trainer_api_are_one_sender(models, shared_engine, tmp_path):
+    """One sender for both entries: the same training run (a real ``Trainer``, seeded), synced
+    every step once by ``VLLMWeightSync`` and once by vLLM's trainer API (``WeightBridgeTrainer``
+    called at the same steps, from a Lightning callback), leaves the same files (the same kind,
+    every tensor bit for bit, whatever the header's labels) and the same engine state after
+    every sync (every tensor's exact fingerprint, the same version label): a fp32 keyframe, a
+    bf16 one once the engine reported its dtypes, then deltas."""
+    from helpers import TinyLM, trainer
+
+    engine = shared_engine("llama_A", dtype=BF16)
+
+    def run(entry: str) -> list[tuple[str, dict[str, torch.Tensor], object, str]]:
+        seen: list[tuple[str, dict[str, torch.Tensor], object, str]] = []
+        torch.manual_seed(0)
+        module = TinyLM(str(models["llama_A"]))
+        sync = VLLMWeightSync(
+            engine=engine,
+            schedule=Schedule(skip_frozen=False, delta="on"),
+            files=CheckpointFiles(dirpath=str(tmp_path / "callback"), keep_last_k=10),
+        )
+        api = _api_sender(engine, tmp_path / "api", module.model, delta="on", keep_last_k=10)
+
+        class Send(Callback):  # the API's sends at the callback's steps, then what they left
+            def on_train_start(self, trainer, pl_module) -> None:
+                self._sent(trainer.global_step)
+
+            def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+                self._sent(trainer.global_step)
+
+            def _sent(self, step: int) -> None:
+                if entry == "api":
+                    path = api.send_weights(version=str(step))
+                else:
+                    path = Path(sync.history[-1]["checkpoint"])
+                assert path is not None
+                with CheckpointReader(path) as reader:
+                    meta = dict(reader.metadata)
+                    tensors = {n: t.clone() for n, t in reader.tensors()}
+                kind = "delta" if is_delta(meta) else "keyframe"
+                assert FINGERPRINTS_KEY in meta or kind == "delta"
+                seen.append((kind, tensors, engine.fingerprints(), str(engine.version)))
+
+        callbacks = [Send()] if entry == "api" else [sync, Send()]
+        trainer(tmp_path / entry, callbacks, max_steps=3).fit(module)
+        api.shutdown()
+        return seen
+
+    by_callback, by_api = run("callback"), run("api")
+    assert [k for k, *_ in by_callback] == ["keyframe", "keyframe", "delta", "delta"]
+    assert [k for k, *_ in by_api] == [k for k, *_ in by_callback]
+    for a, b in zip(by_callback, by_api, strict=True):
+        assert sorted(a[1]) == sorted(b[1])  # the same tensors (a delta's: indices, values)
+        assert all(same_bits(a[1][n], b[1][n]) for n in a[1])
+        assert a[2:] == b[2:]  # the engine's fingerprints, and its label
 
 
 @pytest.mark.parametrize("steps", [6, pytest.param(200, marks=pytest.mark.slow)])
@@ -671,9 +734,10 @@ def test_a_trainer_pushes_deltas_a_bf16_engine_holds_bit_for_bit(
     engine = shared_engine("llama_A", dtype=BF16)  # shared: the first sync is complete anyway
     sync = VLLMWeightSync(
         engine=engine,
-        schedule=Schedule(delta="on", full_every_k=10_000, delta_budget=1e6),
+        schedule=Schedule(delta="on", full_every_k=10_000),
         files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=20),
     )
+    sync.clock.delta_budget = 1e6  # deltas all along
     seen: list[str] = []
 
     class Check(Callback):  # after the sync: the engine's bits against the trainer's cast
@@ -751,8 +815,7 @@ def test_ddp_ranks_push_deltas_their_engines_hold_bit_for_bit(models, tmp_path, 
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     sync = VLLMWeightSync(
-        model_path=str(models["llama_A"]),
-        engine_kwargs={**ENGINE_KWARGS, "dtype": BF16},
+        engine=EngineSpec(model=str(models["llama_A"]), args={**ENGINE_KWARGS, "dtype": BF16}),
         schedule=Schedule(delta="on"),
         files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=10),
     )

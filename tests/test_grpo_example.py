@@ -41,7 +41,7 @@ def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: obje
     cfg = yaml.safe_load((RECIPE / "config.yaml").read_text())
     if overlay is not None:
         extra = yaml.safe_load((RECIPE / overlay).read_text())
-        paths = ("model_dir", "run_dir", "model_path")  # moved under tmp_path below
+        paths = ("model_dir", "run_dir")  # moved under tmp_path below (the engine's model too)
         cfg["model"].update({k: v for k, v in extra.get("model", {}).items() if k not in paths})
         for cb in extra["trainer"].get("callbacks", []):
             options = {k: v for k, v in cb["init_args"].items() if k not in paths}
@@ -53,7 +53,8 @@ def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: obje
     trainer["logger"]["init_args"]["save_dir"] = str(run)
     (callback,) = [c for c in trainer["callbacks"] if c["class_path"].endswith("VLLMWeightSync")]
     init_args = callback["init_args"]
-    init_args.update(model_path=str(model_dir), **sync)
+    init_args.update(**sync)
+    init_args["engine"] = {**init_args["engine"], "model": str(model_dir)}
     init_args["files"] = {**init_args.get("files", {}), "dirpath": str(run / "checkpoints")}
     cfg["model"].update(model_dir=str(model_dir), run_dir=str(run))
     path = tmp_path / "config.yaml"
@@ -126,7 +127,7 @@ def test_sync_every_4_steps_bounds_staleness(
     assert [h["policy_version"] for h in history] == [0, 0, 0, 0, 4, 4]
     assert [h["staleness"] for h in history] == [0, 1, 2, 3, 0, 1]
     assert history[0]["logprob_gap"] < 1e-3 and history[4]["logprob_gap"] < 1e-3
-    assert callback.last_pushed_step == 6  # push_on_train_end
+    assert callback.last_pushed_step == 6  # the last step, pushed at the end
 
 
 def test_sync_off_samples_from_the_initial_policy(

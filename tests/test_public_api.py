@@ -52,6 +52,49 @@ def test_the_readme_reads_in_five_minutes() -> None:
     assert [x for x in lines if x.startswith("## ")][0] == "## Quick start: a Lightning callback"
 
 
+KNOB_LIMIT = 20
+
+
+def _callback_knobs() -> list[str]:
+    """Every knob a callback user can set: the callback's arguments, each option group counted
+    by its fields (an ``engine`` given as a client or a spec is one knob: the spec's fields),
+    and every environment variable the callback layer reads."""
+    import dataclasses
+    import inspect
+
+    import callbacks as cb
+
+    groups = {
+        "engine": cb.EngineSpec,
+        "schedule": cb.Schedule,
+        "files": cb.CheckpointFiles,
+        "names": cb.CheckpointNames,
+        "canary": cb.CanaryCheck,
+    }
+    params = [p for p in inspect.signature(cb.VLLMWeightSync.__init__).parameters if p != "self"]
+    assert set(groups) <= set(params)
+    knobs = []
+    for param in params:
+        group = groups.get(param)
+        fields = dataclasses.fields(group) if group is not None else ()
+        knobs += [f"{param}.{f.name}" for f in fields] if fields else [param]
+    for path in sorted((ROOT / "callbacks").rglob("*.py")):  # os.environ, os.getenv
+        lines = path.read_text().splitlines()
+        knobs += [
+            f"${path.name}:{i}" for i, x in enumerate(lines, 1) if "environ" in x or "getenv" in x
+        ]
+    return knobs
+
+
+def test_a_callback_user_has_at_most_twenty_knobs() -> None:
+    """Twenty or fewer, each at one level (``enabled`` is the per-run switch: a config flag, no
+    environment variable beside it). The engine's own settings are ``engine.args``, the keyword
+    arguments of the engine the spec starts (vLLM's and the bridge's, documented there)."""
+    knobs = _callback_knobs()
+    assert len(knobs) <= KNOB_LIMIT, knobs
+    assert len(knobs) == len(set(knobs)) and not [k for k in knobs if k.startswith("$")], knobs
+
+
 def test_the_readme_imports_from_at_most_three_modules() -> None:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)

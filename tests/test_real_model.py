@@ -255,7 +255,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
-    from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+    from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
     from weight_bridge.checkpoint.delta import split_name
     from weight_bridge.exact import exact_fingerprint, format_fingerprint
@@ -308,8 +308,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
             (self.held,) = self.sync.engine.fingerprints()  # type: ignore[union-attr]
 
     sync = VLLMWeightSync(
-        model_path=str(model_a),
-        engine_kwargs=ENGINE_KWARGS,
+        engine=EngineSpec(model=str(model_a), args=ENGINE_KWARGS),
         schedule=Schedule(every_n_train_steps=1, delta="on"),  # deltas: measured on a disk
         files=CheckpointFiles(dirpath=str(tmp_path / "checkpoints"), keep_last_k=1),
     )

@@ -379,11 +379,11 @@ def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
     serves exactly the trainer's weights (a stock cold start on them), its version the step."""
     from helpers import TinyLM, model_dir_with, trainer
 
-    from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+    from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 
     client, a, root = dense["client"], dense["a"], dense["root"]
     sync = VLLMWeightSync(
-        engine_url=client.url,
+        engine=EngineSpec(url=client.url),
         inflight=None,
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(dirpath=str(root / "callback-checkpoints")),

@@ -22,7 +22,7 @@ from helpers import ENGINE_KWARGS, TinyLM, trainer
 
 import weight_bridge.checkpoint.retention as retention
 import weight_bridge.checkpoint.space as space
-from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 from weight_bridge.checkpoint import (
     HASH_KEY,
     CheckpointReader,
@@ -137,7 +137,7 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
             references.append(self.deltas.reference.nbytes)
 
     sync = Watch(
-        model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
+        engine=EngineSpec(model=str(models["llama_A"]), args=ENGINE_KWARGS), schedule=EVERY_STEP
     )
     module = TinyLM(str(models["llama_A"]))
     trainer(tmp_path, [sync], max_steps=3).fit(module)
@@ -167,7 +167,7 @@ def test_too_little_ram_falls_back_to_the_log_dir_with_a_warning(
 ) -> None:
     monkeypatch.setattr(retention, "free_bytes", lambda path: 2**20)  # /dev/shm "has 1 MiB"
     sync = VLLMWeightSync(
-        model_path=str(models["llama_A"]), engine_kwargs=ENGINE_KWARGS, schedule=EVERY_STEP
+        engine=EngineSpec(model=str(models["llama_A"]), args=ENGINE_KWARGS), schedule=EVERY_STEP
     )
     with pytest.warns(UserWarning, match=r"not to RAM: /dev/shm has 1 MiB free"):
         trainer(tmp_path, [sync], max_steps=1).fit(TinyLM(str(models["llama_A"])))

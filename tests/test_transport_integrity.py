@@ -44,7 +44,7 @@ from helpers import (
     trainer,
 )
 
-from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
+from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 from weight_bridge.checkpoint import CheckpointReader
 from weight_bridge.checkpoint.keyframes import DELTA_EVERY_K
 from weight_bridge.direct import DirectReloadError
@@ -207,7 +207,7 @@ def test_two_hundred_syncs_hold_a_bounded_chain(
     """The callback with its defaults but ``delta="on"`` (``"auto"`` sends none through host
     memory), the RAM transport (the engine reads ``/dev/shm``). After the first (complete) sync
     the engine reports its dtypes and syncs become deltas: a
-    partial keyframe once the deltas pass ``delta_budget`` of the last keyframe, a complete one
+    partial keyframe once the deltas pass ``DELTA_BUDGET`` of the last keyframe, a complete one
     every ``DELTA_EVERY_K``. A delta's sparse tensors cover nothing, so a chain of sparse
     deltas is kept whole down to its keyframe (training only the embeddings moves a few rows a
     step: sparse deltas, a chain of dozens); dense ones (frozen embeddings, LoRA merged: every
@@ -230,7 +230,7 @@ def test_two_hundred_syncs_hold_a_bounded_chain(
     counter = _Counter(sync, engine)
     fit = trainer(tmp_path, [sync, _counting(counter)], max_steps=199)
     fit.fit(module)
-    history, budget = sync.history, sync.schedule.delta_budget
+    history, budget = sync.history, sync.clock.delta_budget
     assert len(history) == 200 and sync.schedule.delta == "on"
     assert sync._dir is not None and str(sync._dir).startswith(str(SHM))
     lengths = {n: _assert_bounded(history[:n], counter.at[n], budget) for n in counter.at}
@@ -372,10 +372,13 @@ def _ram_run(steps: int, announce: bool):
     is a client of no server: no sync is due, only the directory's lifetime is tested."""
     import lightning.pytorch as pl
 
-    never = Schedule(every_n_train_steps=None, push_on_train_start=False, push_on_train_end=False)
-    sync = VLLMWeightSync(
-        engine_url="http://127.0.0.1:9", files=CheckpointFiles(ram_dir=True), schedule=never
-    )
+    class NoSync(VLLMWeightSync):  # only the directory's lifetime is tested: no sync runs
+        def _sync(self, trainer, pl_module, step) -> None:
+            pass
+
+    never = Schedule(every_n_train_steps=None)
+    spec = EngineSpec(url="http://127.0.0.1:9")
+    sync = NoSync(engine=spec, files=CheckpointFiles(ram_dir=True), schedule=never)
 
     class Slow(pl.LightningModule):
         def __init__(self) -> None:

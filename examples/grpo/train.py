@@ -39,7 +39,7 @@ Features:
     - Logprob gap: the mean |trainer log-prob - engine log-prob| of the sampled tokens, before the
       update: float32 noise (~1e-7 here) when synced; it grows as the trainer drifts from a stale
       engine.
-    - Sync off: with the callback disabled (``enabled: false`` or ``WEIGHT_BRIDGE_SYNC=0``) the
+    - Sync off: with the callback disabled (``enabled: false``, in the YAML or as a flag) the
       module starts its own engine once and never pushes to it, so rollouts come from the initial
       policy: the off-policy demonstration.
     - Progress: the progress bar shows reward, logprob gap, policy version and push time; at the
@@ -264,7 +264,7 @@ class GRPO(pl.LightningModule):
             adapted weights after its first, complete push).
         lora_alpha, lora_targets: the adapters' scale numerator and target module names.
         max_staleness: with an engine that generates while it is pushed (the callback's
-            ``engine_mode: async`` or ``serve``), how many steps ahead rollouts are generated
+            ``engine: {mode: async}`` or ``serve``), how many steps ahead rollouts are generated
             while the trainer trains, and the most steps a token's policy may lag behind the
             step it trains (checked when ``strict_on_policy``); 0: generated when the step asks,
             on policy, as with a colocated engine.
@@ -385,7 +385,9 @@ class GRPO(pl.LightningModule):
             from weight_bridge import ColocatedEngine
 
             cb = self._sync_callback()
-            kwargs = dict(getattr(cb, "engine_kwargs", None) or DEFAULT_ENGINE_KWARGS)
+            spec = getattr(cb, "spec", None)  # the callback's EngineSpec: the same engine
+            kwargs = dict(spec.args if spec is not None else DEFAULT_ENGINE_KWARGS)
+            kwargs.pop("inflight", None)  # a colocated engine has nothing in flight
             print(
                 f"weight sync is off: starting an engine on {self.hparams.model_dir} (never pushed)"
             )

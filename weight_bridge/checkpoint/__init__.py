@@ -23,7 +23,8 @@ hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard
 :mod:`.header_plan` (the header a writer plans from metadata), :mod:`.space` (the writer's
 filesystem calls), :mod:`.mapping` (the writer's maps of its files, kept across syncs),
 :mod:`.retention` (where a sync's files go, their names, which may be deleted:
-:class:`CheckpointFiles`, :func:`step_file`).
+:class:`CheckpointFiles`, :func:`step_file`), :mod:`.sender` (one sync, the same for the
+callback and vLLM's trainer API: :class:`Sender`).
 Tests that inject faults patch the module that looks the name up
 (``weight_bridge.checkpoint.write`` for the writer).
 """
@@ -55,6 +56,7 @@ from .retention import (
     step_file,
 )
 from .run_dirs import claim
+from .sender import Sender, Sent, Turn, Written
 from .space import create_reserved
 from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
 from .write import CheckpointWriter, SavedCheckpoint, save_checkpoint
@@ -85,8 +87,12 @@ __all__ = [
     "place",
     "prune",
     "release",
-    # the trainer side's deltas (:mod:`.delta_state`, :mod:`.keyframes`, :mod:`.delta_choice`,
-    # :mod:`.delta_sink`)
+    # the trainer side's one sender (:mod:`.sender`) and its deltas (:mod:`.delta_state`,
+    # :mod:`.keyframes`, :mod:`.delta_choice`, :mod:`.delta_sink`)
+    "Sender",
+    "Sent",
+    "Turn",
+    "Written",
     "DeltaChoice",
     "DeltaState",
     "EngineDtypes",

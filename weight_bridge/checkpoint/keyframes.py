@@ -26,6 +26,7 @@ import torch
 from .delta_choice import DeltaChoice
 
 __all__ = [
+    "DELTA_BUDGET",
     "DELTA_EVERY_K",
     "DELTA_MODES",
     "EngineDtypes",
@@ -36,12 +37,17 @@ __all__ = [
 
 DELTA_MODES = ("auto", "on", "off")
 DELTA_EVERY_K = 64  # a keyframe every 64 syncs while deltas run, unless full_every_k says
+# A keyframe once the deltas since the last add up past this many times its bytes: the served
+# chain (the keyframe and every delta since) then holds at most about twice a complete file.
+DELTA_BUDGET = 1.0
 # What an engine may report holding a tensor in that a plain cast reproduces (an fp8 weight
 # comes with scales: not a cast, so such a tensor keeps the trainer's dtype).
 _CASTABLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 
-def delta_mode(delta: str | bool, full_every_k: int | None, delta_budget: float) -> str:
+def delta_mode(
+    delta: str | bool, full_every_k: int | None, delta_budget: float = DELTA_BUDGET
+) -> str:
     """The delta options checked (a ``ValueError`` names the wrong one) and ``delta``
     normalised: YAML's on/off/true/false arrive as booleans, and mean ``"on"`` / ``"off"``."""
     if full_every_k is not None and full_every_k < 1:
@@ -116,7 +122,7 @@ class KeyframeClock:
         self,
         delta: str | bool = "auto",
         full_every_k: int | None = None,
-        delta_budget: float = 1.0,
+        delta_budget: float = DELTA_BUDGET,
         skip_frozen: bool = False,
     ) -> None:
         self.delta = delta_mode(delta, full_every_k, delta_budget)

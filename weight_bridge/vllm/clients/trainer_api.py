@@ -71,7 +71,7 @@ bits changed (a tensor the engine did not report as patchable goes dense; an unc
 left out). Keyframes: the first send, the first after a failed one (any exception while writing
 or pushing), after a partial send, after the engine's dtypes changed, every ``full_every_k``-th
 send (64 while deltas run and it is None) and once the deltas since the last keyframe add up
-past ``delta_budget`` times its bytes. A partial send (``names=``) is a plain partial file (in
+past its bytes (``DELTA_BUDGET``). A partial send (``names=``) is a plain partial file (in
 the engine's dtypes too) and leaves the reference untrusted, so the next complete send is a
 keyframe. The reference copy lives on the sender (rank 0) only, in host memory (pinned for a
 trainer on an accelerator): **one copy of every sent tensor in the engine's dtype** (a bf16
@@ -83,9 +83,9 @@ nothing and still iterate the source (its gathers are collective). It is freed b
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -96,11 +96,12 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from ...checkpoint import BASE_VERSION_KEY, VERSION_KEY, step_file
+from ...checkpoint import VERSION_KEY, step_file
 from ...checkpoint.delta_sink import Sink
 from ...checkpoint.delta_state import DeltaState
 from ...checkpoint.keyframes import KeyframeClock, delta_mode
-from ...checkpoint.retention import prune, unused_step
+from ...checkpoint.retention import discard, prune, unused_step
+from ...checkpoint.sender import Sender, Turn, Written
 from ...checkpoint.write import SavedCheckpoint
 from ...errors import WeightBridgeError
 from ..internals import full_tensors, sender_gaps, source_metadata
@@ -154,7 +155,7 @@ class WeightBridgeTrainerInitInfo(TrainerInitInfo):
     keeps, the session options sent to the engine (see
     :data:`~weight_bridge.vllm.options.SESSION_FIELDS`), the pushes' in-flight mode (None:
     no pause, as vLLM's trainer API; see :mod:`~weight_bridge.vllm.clients.bridge_client`) and
-    deltas (``delta``, ``full_every_k``, ``delta_budget``: as the callback's ``Schedule``; see
+    deltas (``delta``, ``full_every_k``: as the callback's ``Schedule``; see
     the module)."""
 
     backend: ClassVar[str] = BACKEND
@@ -164,19 +165,19 @@ class WeightBridgeTrainerInitInfo(TrainerInitInfo):
     inflight: str | None = None
     delta: str = "auto"
     full_every_k: int | None = None
-    delta_budget: float = 1.0
 
     def __post_init__(self) -> None:
-        self.delta = delta_mode(self.delta, self.full_every_k, self.delta_budget)
+        self.delta = delta_mode(self.delta, self.full_every_k)
 
 
 class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInfo]):
     """Save, then push the path with the one push routine: vLLM's trainer engine for the
     ``weight_bridge`` backend. ``bridge``: the bridge client the sender pushes with (None on
     the other ranks); ``last_report``: the report of the last send; ``last_choice``: why it
-    was a delta or not, with the costs measured (``delta="auto"``); ``deltas``: the sender's
-    delta state (what the engine reported, the keyframe clock, the reference copy; None on the
-    other ranks)."""
+    was a delta or not, with the costs measured (``delta="auto"``); ``sender``: the one sender
+    (:class:`~weight_bridge.checkpoint.sender.Sender`, the callback's too), with its delta state
+    (what the engine reported, the keyframe clock, the reference copy; None on the other
+    ranks)."""
 
     init_info_cls = WeightBridgeTrainerInitInfo
 
@@ -188,7 +189,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         self.last_version: str | None = None  # the label the engine stamped on the last send
         self.last_report: PushReport | None = None
         self.rounds = 0  # sends so far: the step of the next file
-        self.deltas = _delta_state(self.info) if is_sender else None
+        self.sender = _sender(self.info, self.bridge) if is_sender else None
         self.last_choice: dict[str, Any] = {}  # why the last send was a delta or not
 
     @classmethod
@@ -198,7 +199,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
         check_inflight(init_info.inflight)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
-        engine.deltas = _delta_state(init_info) if engine.is_sender else None
+        engine.sender = _sender(init_info, engine.bridge) if engine.is_sender else None
         if engine.is_sender:
             _open_session(client, engine.bridge, dict(init_info.session))
         return engine
@@ -223,57 +224,38 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
             raise IncompleteSourceError(gaps)
         # never a name a chain of an earlier trainer may still carry (a restart starts past it)
         self.rounds = max(self.rounds + 1, unused_step(Path(self.info.directory)))
-        metadata = {VERSION_KEY: str(version)} if version is not None else {}
+        path = step_file(Path(self.info.directory), self.rounds)
+        if self.sender is None:  # not the sender: take part in the source's gathers
+            self._write(path, metas, wanted, None)
+            return None
+        base = self.last_version
         if wanted is not None:
             base = base_version if base_version is not None else self.last_version
             if base is None:
                 raise ValueError("a partial send needs a base_version (no version was sent yet)")
-            metadata[BASE_VERSION_KEY] = str(base)
-        path = step_file(Path(self.info.directory), self.rounds)
-        if self.deltas is None:  # not the sender: take part in the source's gathers
-            self._write(path, metas, wanted, None)
-            return None
-        started = time.perf_counter()
-        try:
-            kind, based, sink = self._open(path, metas, metadata, partial=wanted is not None)
-            self.last_choice = self.deltas.why(kind)
+        metadata = {VERSION_KEY: str(version)} if version is not None else {}
+        sent_version = None if version is None else str(version)
+        turn = self.sender.turn(base, partial_only=wanted is not None)
+        engine = self.sender.deltas.engine
+
+        def write(turn: Turn) -> Written:
+            specs = [  # floating tensors in the engine's dtypes
+                (m.name, torch.empty(m.shape, dtype=engine.dtype(m.name, m.dtype), device="meta"))
+                for m in metas
+            ]
+            sink = turn.opener(path, specs, {**metadata, **turn.metadata})
             saved = self._write(path, metas, wanted, sink)
             assert saved is not None  # the sender's
-            sent = None if version is None else str(version)
-            report = self.bridge.push(path, sent, inflight=self.info.inflight)
-        except BaseException:
-            self.deltas.failed()  # the reference is not trusted: a keyframe next
-            raise
-        seconds = time.perf_counter() - started  # what delta="auto" weighs (save + push)
-        self.last_report = report
-        self.last_version = None if report.version is None else str(report.version)
-        measured = None if kind == "partial" else seconds  # a send of names= is no full one
-        self.deltas.clock.pushed(kind == "partial", kind == "delta", saved.bytes, based, measured)
-        self.deltas.pushed(kind, dict(getattr(report, "dtypes", None) or {}))
-        # what the engine serves, as it answered, is never deleted
-        prune(path.parent, path, max(self.info.keep_last_k, 1), report.served)
-        return path
+            return Written(str(path), saved.bytes, turn.kind == "partial")
 
-    def _open(
-        self, path: Path, metas: list[Any], metadata: dict[str, str], partial: bool
-    ) -> tuple[str, bool, Sink]:
-        """The sender's kind of send, whether it refreshes the reference copy (a keyframe), and
-        its sink: ``"partial"`` (a plain file), or what the clock says: ``"delta"`` (on the
-        version the engine stamped last) or ``"complete"`` (a keyframe while deltas run).
-        Floating tensors are written in the engine's dtypes."""
-        deltas = self.deltas
-        assert deltas is not None
-        if self.last_version is None:
-            deltas.clock.rebase()  # no version stamped yet: nothing a delta could name as base
-        kind, based = ("partial", False) if partial else deltas.kind()
-        if kind == "delta":
-            metadata = {**metadata, BASE_VERSION_KEY: str(self.last_version)}
-        dtype = deltas.engine.dtype
-        specs = [
-            (m.name, torch.empty(m.shape, dtype=dtype(m.name, m.dtype), device="meta"))
-            for m in metas
-        ]
-        return kind, based, deltas.open(path, specs, metadata, kind=kind, based=based, options={})
+        def push(where: Path) -> PushReport:
+            return self.bridge.push(where, sent_version, inflight=self.info.inflight)
+
+        # a send of names= is no full sync: its cost is not what delta="auto" weighs
+        sent = self.sender.send(path, turn, write, push, measured=wanted is None)
+        self.last_report, self.last_choice = sent.report, sent.choice
+        self.last_version = None if sent.report.version is None else str(sent.report.version)
+        return path
 
     def _write(
         self, path: Path, metas: list[Any], wanted: set[str] | None, sink: Sink | None
@@ -311,19 +293,26 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
     def shutdown(self) -> None:
         """Close the bridge client this trainer built (never one it was given); the reference
         copy's host memory goes."""
-        if self.deltas is not None:
-            self.deltas.release()
+        if self.sender is not None:
+            self.sender.deltas.release()
         if self._owns_bridge:
             self.bridge.close()
 
 
-def _delta_state(info: WeightBridgeTrainerInitInfo) -> DeltaState:
-    """The sender's delta state: the keyframe clock of ``info``'s delta options (no
-    ``skip_frozen``: a send between keyframes is a delta or complete, never partial by itself),
-    started on ``info.directory`` (``delta="auto"`` weighs where the bytes go)."""
-    state = DeltaState(KeyframeClock(info.delta, info.full_every_k, info.delta_budget))
+def _sender(info: WeightBridgeTrainerInitInfo, bridge: Any) -> Sender:
+    """The sender of ``info``'s sends (the one sender, as the callback's): the keyframe clock of
+    its delta options (no ``skip_frozen``: a send between keyframes is a delta or complete,
+    never partial by itself), started on ``info.directory`` (``delta="auto"`` weighs where the
+    bytes go); after each send the newest ``keep_last_k`` step files are kept besides what the
+    engine serves, and a failed send's file goes unless the engine serves it."""
+    state = DeltaState(KeyframeClock(info.delta, info.full_every_k))
     state.start(info.directory)
-    return state
+    keep = max(info.keep_last_k, 1)
+
+    def retire(path: Path, served: Iterable[Any]) -> None:
+        prune(path.parent, path, keep, served)
+
+    return Sender(state, retire=retire, discard=partial(discard, engine=bridge))
 
 
 def bridge_client_of(client: Any) -> Any:
