@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import delta_checkpoint, set_storage
 
-import weight_bridge.direct.delta as delta_mod
+import weight_bridge.direct.delta_writes as writes_mod
 from weight_bridge.checkpoint import CheckpointError, CheckpointReader
 from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY, part_name, read_delta
 from weight_bridge.direct import DirectReloadError, direct_reload, record_checkpoint_layout
@@ -110,6 +110,9 @@ def test_a_delta_writes_the_new_bits_through_a_moved_fused_storage(tmp_path) -> 
     assert (m.qkv.data_ptr(), m.out.data_ptr()) == before
     assert report.changed == delta.changed
     assert prepared.undo_log is not None
+    # its positions as the file keeps its indices (2 bytes each), and the pre-images
+    carried = sum(t.nbytes for _, t in reader.tensors())
+    assert prepared.undo_log.nbytes <= 1.25 * carried, (prepared.undo_log.nbytes, carried)
     prepared.undo_log.undo(m)
     assert_bits(m, a)
     reader.close()
@@ -130,13 +133,113 @@ def test_a_dense_tensor_in_a_delta_and_a_chain_of_deltas(tmp_path) -> None:
         cur = new
 
 
+def test_a_fault_in_a_dense_tensors_copy_restores_the_previous_bits(tmp_path, monkeypatch):
+    """FAULT INJECTION: the second segment copy of a delta's dense tensors raises (q and k
+    dense, written view to view into the moved fused storage); the undo log restores the
+    first."""
+    a = ckpt(0)
+    m = engine_model(a)
+    b = nudge(a, 0.05, 1)
+    path = delta_checkpoint(a, b, "A", "B", tmp_path / "d.safetensors", dense={"q", "k"})
+    reader, delta = decoded(path)
+    assert {n for n, _ in delta.dense} == {"q", "k"}
+    calls = []
+    original = writes_mod.copy
+
+    def faulty(live, values):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault in the second dense copy")
+        original(live, values)
+
+    monkeypatch.setattr(writes_mod, "copy", faulty)
+    with pytest.raises(DirectReloadError, match="injected.*undo log restored"):
+        prepare_delta(m, delta).run()
+    assert len(calls) == 2 and bridge_state(m).undefined is None
+    assert_bits(m, a)
+    reader.close()
+
+
+def test_dense_values_that_are_not_the_trainers_tensor_are_refused_and_undone(tmp_path):
+    """A dense tensor is checked against the fingerprint the trainer recorded for it (not
+    against the base, which a full overwrite does not need): values that are not the trainer's
+    tensor (here, the recorded fingerprint of another) are refused by name after the read-back,
+    and the undo log restores the previous bits."""
+    a = ckpt(0)
+    m = engine_model(a)
+    bridge_state(m).fingerprints = {n: exact_fingerprint(t) for n, t in a.items()}
+    b = nudge(a, 0.05, 1)
+    path = delta_checkpoint(a, b, "A", "B", tmp_path / "d.safetensors", dense={"q"})
+    reader, delta = decoded(path)
+    delta.fingerprints["q"] = exact_fingerprint(a["q"])  # the trainer's tensor was another
+    with pytest.raises(DirectReloadError, match="undo log restored") as info:
+        prepare_delta(m, delta).run()
+    assert set(info.value.problems) == {"q"} and "delta's values" in info.value.problems["q"]
+    assert_bits(m, a)
+    reader.close()
+
+
+class Wide(torch.nn.Module):
+    """One large bf16 weight, copied in by its loader."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.bfloat16))
+
+    def load_weights(self, weights) -> set[str]:
+        for _, t in weights:
+            self.w.data.copy_(t)
+        return {"w"}
+
+
+def _status_bytes(key: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_dense_tensor_in_a_delta_costs_its_pre_images_and_bounded_temporaries(tmp_path):
+    """A delta carrying a 64 MiB bf16 tensor dense (every element changed): preparing and
+    applying it peaks at no more than twice the tensor plus its undo log (this process's
+    resident high-water mark, reset first), and the log is the tensor's pre-images alone, no
+    positions (at most 1.25x what the delta carried). Before: an int64 position per element,
+    a shifted copy and int64 fingerprint temporaries peaked near 21x."""
+    rows, cols = 4096, 8192
+    size = rows * cols * 2
+    g = torch.Generator().manual_seed(0)
+    a = {"w": torch.randn(rows, cols, generator=g).to(torch.bfloat16)}
+    b = {"w": (a["w"].float() * 1.01 + 0.003).to(torch.bfloat16)}
+    m = Wide(rows, cols)
+    with torch.no_grad():
+        m.load_weights(a.items())
+    record_checkpoint_layout(m, checkpoint={"w": TensorSpec((rows, cols), torch.bfloat16)})
+    direct_reload(m, a)
+    bridge_state(m).fingerprints = {"w": exact_fingerprint(a["w"])}
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
+    assert [n for n, _ in delta.dense] == ["w"] and not delta.sparse
+    assert exact_fingerprint(delta.dense[0][1]) == exact_fingerprint(b["w"])  # pages read in
+    del b["w"]
+    before = _status_bytes("VmRSS:")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
+    prepared = prepare_delta(m, delta)
+    prepared.run()
+    peak = _status_bytes("VmHWM:") - before
+    assert prepared.undo_log is not None
+    undo = prepared.undo_log.nbytes
+    assert undo <= 1.25 * size, (undo, size)
+    assert peak <= 2 * size + undo, f"peak {peak / 2**20:.0f} MiB for a {size >> 20} MiB tensor"
+    assert torch.equal(m.w.detach().view(torch.int16), delta.dense[0][1].view(torch.int16))
+    prepared.undo_log.undo(m)
+    assert torch.equal(m.w.detach().view(torch.int16), a["w"].view(torch.int16))
+    reader.close()
+
+
 def test_a_fault_mid_apply_restores_the_previous_bits(tmp_path, monkeypatch) -> None:
     """FAULT INJECTION: the second scattered write raises (nothing outside can cause it)."""
     a = ckpt(0)
     m = engine_model(a)
     reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, nudge(a, 0.1, 1)))
     calls = []
-    original = delta_mod._scatter
+    original = writes_mod.scatter
 
     def faulty(storage, where, values):
         calls.append(1)
@@ -144,7 +247,7 @@ def test_a_fault_mid_apply_restores_the_previous_bits(tmp_path, monkeypatch) -> 
             raise RuntimeError("injected fault in the second scatter")
         original(storage, where, values)
 
-    monkeypatch.setattr(delta_mod, "_scatter", faulty)
+    monkeypatch.setattr(writes_mod, "scatter", faulty)
     with pytest.raises(DirectReloadError, match="injected.*undo log restored"):
         prepare_delta(m, delta).run()
     assert_bits(m, a)
@@ -245,13 +348,13 @@ def test_a_write_that_lands_wrong_is_caught_by_the_read_back_and_undone(
     m = engine_model(a)
     bridge_state(m).fingerprints = {n: exact_fingerprint(t) for n, t in a.items()}
     reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, nudge(a, 0.1, 1)))
-    original = delta_mod._scatter
+    original = writes_mod.scatter
 
     def wrong(storage, where, values):
         original(storage, where, values)
         storage[where[:1]] = values[:1] * 2 + 1
 
-    monkeypatch.setattr(delta_mod, "_scatter", wrong)
+    monkeypatch.setattr(writes_mod, "scatter", wrong)
     with pytest.raises(DirectReloadError, match="read back") as info:
         prepare_delta(m, delta).run()
     assert "undo log restored" in str(info.value)

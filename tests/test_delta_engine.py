@@ -35,19 +35,19 @@ def arm_delta_fault(worker) -> int:
     delta raises. One shot."""
     import os
 
-    import weight_bridge.direct.delta as mod
+    import weight_bridge.direct.delta_writes as mod
 
-    original = mod._scatter
+    original = mod.scatter
     calls: list[int] = []
 
     def faulty(storage, where, values):
         calls.append(1)
         if len(calls) == 2:
-            mod._scatter = original
+            mod.scatter = original
             raise RuntimeError("injected fault in a delta's scattered write")
         original(storage, where, values)
 
-    mod._scatter = faulty
+    mod.scatter = faulty
     return os.getpid()
 
 

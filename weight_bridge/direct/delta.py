@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from ..checkpoint.delta import Delta
-from ..exact import bits_of, exact_fingerprint, fingerprint_change
+from ..exact import exact_fingerprint, fingerprint_change
 from ..layout import TensorSpec
+from .delta_writes import Copy, Patch, cost, patch_of, write_patch
 from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .parallel import run_split
@@ -47,50 +47,12 @@ from .snapshot import addresses
 from .state import bridge_state
 from .undo import UndoLog
 from .validate import find_nonfinite, preflight
-from .write_map import Held, WriteMap, held_fingerprint, held_tensor
+from .write_map import WriteMap, held_fingerprint, held_tensor, segment_fingerprint
 
 __all__ = ["PreparedDelta", "prepare_delta"]
 
 APPLYING = "a delta started writing and did not finish"
 R = TypeVar("R")
-
-
-@dataclass
-class _Scatter:
-    """One segment's share of one tensor: live elements ``where`` of ``storage`` get
-    ``values``."""
-
-    storage: torch.Tensor
-    where: torch.Tensor
-    values: torch.Tensor
-
-
-@dataclass
-class _Patch:
-    """One tensor of the delta on this worker: its scatters, and for each which of the
-    changed elements (of ``indices``) it holds; ``whole``: this worker holds all the tensor."""
-
-    name: str
-    shape: tuple[int, ...]
-    indices: torch.Tensor
-    values: torch.Tensor
-    scatters: list[_Scatter]
-    held: list[Held]
-    whole: bool
-
-
-def _scatter(storage: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-    """One scattered write (a function of its own: the fault-injection tests replace it)."""
-    storage[where] = values
-
-
-def _write_patch(patch: _Patch) -> None:
-    for scatter in patch.scatters:
-        _scatter(scatter.storage, scatter.where, scatter.values)
-
-
-def _cost(patch: _Patch) -> int:
-    return patch.indices.numel()
 
 
 def _results(results: list[R | BaseException]) -> list[R]:
@@ -107,7 +69,7 @@ class PreparedDelta:
     def __init__(
         self,
         model: torch.nn.Module,
-        patches: list[_Patch],
+        patches: list[Patch],
         whole: PreparedReload | None,
         refresh: dict[str, str],
         wanted: dict[str, int],
@@ -178,40 +140,41 @@ class PreparedDelta:
         write would see it), all logged before the first write, then the scatters; each step
         split by tensor between this thread and the push's helper threads (:mod:`.parallel`:
         the CPUs a worker leaves to its engine core, which waits during a push)."""
-        pre = run_split(self.patches, _cost, lambda p: [s.storage[s.where] for s in p.scatters])
+        pre = run_split(self.patches, cost, lambda p: [s.read() for s in p.scatters])
         self._pre = _results(pre)
         for patch, olds in zip(self.patches, self._pre, strict=True):
             for scatter, old in zip(patch.scatters, olds, strict=True):
-                undo.log(scatter.storage, scatter.where, old)
+                scatter.log(undo, old)
                 report.bytes += scatter.values.numel() * scatter.values.element_size()
                 report.changed += scatter.values.numel()
-        _results(run_split(self.patches, _cost, _write_patch))
+        _results(run_split(self.patches, cost, write_patch))
 
     def _check(self, report: ReloadReport) -> dict[str, str]:
         """Read back every changed element, then the fingerprints (split as the writes)."""
         t0 = time.perf_counter()
         served = bridge_state(self.model).fingerprints
 
-        def check(item: tuple[_Patch, list[torch.Tensor]]) -> str | None:
+        def check(item: tuple[Patch, list[torch.Tensor]]) -> str | None:
             patch, olds = item
-            for scatter in patch.scatters:
-                got = scatter.storage[scatter.where]
-                if not torch.equal(bits_of(got), bits_of(scatter.values)):
-                    return "read back after the delta differs from its values"
+            if not all(scatter.landed() for scatter in patch.scatters):
+                return "read back after the delta differs from its values"
+            if patch.indices is None:
+                return self._dense_fingerprint(patch, olds, served.get(patch.name), report)
             return self._fingerprint(patch, olds, served.get(patch.name), report)
 
         items = list(zip(self.patches, self._pre, strict=True))
-        found = _results(run_split(items, lambda item: _cost(item[0]), check))
+        found = _results(run_split(items, lambda item: cost(item[0]), check))
         problems = {patch.name: why for (patch, _), why in zip(items, found, strict=True) if why}
         report.verified_writes += sum(len(p.scatters) for p in self.patches)
         report.readback_s = time.perf_counter() - t0
         return problems
 
     def _fingerprint(
-        self, patch: _Patch, olds: list[torch.Tensor], base: int | None, report: ReloadReport
+        self, patch: Patch, olds: list[torch.Tensor], base: int | None, report: ReloadReport
     ) -> str | None:
         """Check the full tensor's fingerprint (whole here), or report this worker's part."""
         want = self.wanted[patch.name]
+        assert patch.indices is not None
         n = patch.indices.numel()
         if len(olds) == 1 and patch.held[0].covers(n):  # one segment holds every element
             indices, old, values = patch.indices, olds[0].cpu(), patch.values
@@ -226,17 +189,7 @@ class PreparedDelta:
             indices, old, values = patch.indices[taken], old[taken], patch.values[taken]
         change = fingerprint_change(indices, old, values)
         if not patch.whole:
-            report.shard_fingerprints[patch.name] = [
-                f"{want:016x}",
-                f"{(base or 0):016x}" if base is not None else "",
-                f"{change:016x}",
-                indices.numel(),
-                patch.indices.numel(),
-            ]
-            if self.readback == "full":  # this shard's part of the full tensor, read back
-                part, count = held_fingerprint(bridge_state(self.model).write_map, patch.name)
-                numel = math.prod(patch.shape)
-                report.shard_fingerprints[patch.name] += [f"{part:016x}", count, numel]
+            self._shard_part(patch, base, change, indices.numel(), patch.indices.numel(), report)
             return None
         if base is None:
             return "no fingerprint of the tensor served (push a keyframe)"
@@ -250,6 +203,56 @@ class PreparedDelta:
             if exact_fingerprint(full) != want:
                 return "fingerprint of the full tensor read back differs from the trainer's"
         return None
+
+    def _dense_fingerprint(
+        self, patch: Patch, olds: list[torch.Tensor], base: int | None, report: ReloadReport
+    ) -> str | None:
+        """A dense tensor: where this worker holds it whole, the delta's values (read back
+        equal, segment by segment) must be the trainer's full tensor, whatever was there
+        before; a shard reports its part of the change, weighed segment by segment at the
+        checkpoint positions (no per-element positions: bounded temporaries)."""
+        want = self.wanted[patch.name]
+        if not patch.whole:
+            change, count = 0, 0
+            for copy, old in zip(patch.scatters, olds, strict=True):
+                assert isinstance(copy, Copy)
+                change += segment_fingerprint(copy.segment, copy.values)
+                change -= segment_fingerprint(copy.segment, old)
+                count += copy.segment.numel
+            numel = math.prod(patch.shape)
+            self._shard_part(patch, base, change & ((1 << 64) - 1), count, numel, report)
+            return None
+        if exact_fingerprint(patch.values) != want:
+            return "fingerprint of the delta's values differs from the trainer's tensor"
+        if self.readback == "full":
+            full = held_tensor(bridge_state(self.model).write_map, patch.name, patch.shape)
+            if exact_fingerprint(full) != want:
+                return "fingerprint of the full tensor read back differs from the trainer's"
+        return None
+
+    def _shard_part(
+        self,
+        patch: Patch,
+        base: int | None,
+        change: int,
+        count: int,
+        total: int,
+        report: ReloadReport,
+    ) -> None:
+        """This worker's part of a sharded tensor's fingerprint, for the engine core to sum
+        over the ranks (:func:`~weight_bridge.vllm.outcome.shard_fingerprint_problems`)."""
+        want = self.wanted[patch.name]
+        report.shard_fingerprints[patch.name] = [
+            f"{want:016x}",
+            f"{(base or 0):016x}" if base is not None else "",
+            f"{change:016x}",
+            count,
+            total,
+        ]
+        if self.readback == "full":  # this shard's part of the full tensor, read back
+            part, held = held_fingerprint(bridge_state(self.model).write_map, patch.name)
+            numel = math.prod(patch.shape)
+            report.shard_fingerprints[patch.name] += [f"{part:016x}", held, numel]
 
     def _restore(self, undo: UndoLog, was: str | None) -> bool:
         """Undo what was written; whether the model holds its previous bits again (not when
@@ -268,32 +271,6 @@ class PreparedDelta:
             return False
         state.undefined = was
         return True
-
-
-def _patch(
-    name: str,
-    shape: tuple[int, ...],
-    indices: torch.Tensor | None,
-    values: torch.Tensor,
-    write_map: WriteMap,
-) -> _Patch:
-    """Map ``indices`` (None: every element) of checkpoint tensor ``name`` onto the live
-    elements of this worker."""
-    if indices is None:
-        indices = torch.arange(values.numel(), dtype=torch.int64)
-    scatters: list[_Scatter] = []
-    helds: list[Held] = []
-    for seg in write_map.segments[name]:
-        held, where = seg.locate(indices)
-        if not where.numel():
-            continue
-        device = seg.storage.device
-        scatters.append(_Scatter(seg.storage, where.to(device), held.take(values).to(device)))
-        helds.append(held)
-    numel = 1
-    for n in shape:
-        numel *= n
-    return _Patch(name, shape, indices, values, scatters, helds, write_map.whole(name, numel))
 
 
 def _usable_map(model: torch.nn.Module, now: object) -> WriteMap:
@@ -357,12 +334,13 @@ def prepare_delta(
             problems[name] = f"its values are {sp.values.dtype}, the engine holds it in {held}"
         else:
             todo.append((name, sp.shape, sp.indices, sp.values))
-    patches = _results(run_split(todo, lambda a: a[3].numel(), lambda a: _patch(*a, write_map)))
+    patches = _results(run_split(todo, lambda a: a[3].numel(), lambda a: patch_of(*a, write_map)))
     refresh = _refresh_of(model, patches, write_map, problems, now)
     if problems:
         raise DirectReloadError("delta rejected (nothing was written)", problems)
-    for patch in patches:
-        if patch.whole and (readback == "full" or patch.name not in state.fingerprints):
+    for patch in patches:  # a sparse tensor held whole: its served fingerprint, the base
+        indexed = patch.indices is not None
+        if indexed and patch.whole and (readback == "full" or patch.name not in state.fingerprints):
             served = held_tensor(write_map, patch.name, patch.shape)
             state.fingerprints[patch.name] = exact_fingerprint(served)
     loader = None
@@ -377,7 +355,7 @@ def prepare_delta(
 
 def _refresh_of(
     model: torch.nn.Module,
-    patches: list[_Patch],
+    patches: list[Patch],
     write_map: WriteMap,
     problems: dict[str, str],
     now: object,

@@ -28,7 +28,15 @@ import torch
 from ..exact import fingerprint_change
 from ..layout import byte_span, storage_ptr
 
-__all__ = ["Held", "Segment", "WriteMap", "held_fingerprint", "held_tensor", "learn_write_map"]
+__all__ = [
+    "Held",
+    "Segment",
+    "WriteMap",
+    "held_fingerprint",
+    "held_tensor",
+    "learn_write_map",
+    "segment_fingerprint",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,10 @@ class Segment:
         for s in self.shape:
             n *= s
         return n
+
+    def live(self) -> torch.Tensor:
+        """The live elements the segment wrote, as a view of ``storage`` of ``shape``."""
+        return self.storage.as_strided(self.shape, self.dst_stride, self.dst_offset)
 
     @property
     def linear(self) -> bool:
@@ -239,8 +251,7 @@ def held_tensor(write_map: WriteMap | None, name: str, shape: tuple[int, ...]) -
         numel *= s
     out = torch.empty(numel, dtype=segments[0].storage.dtype, device=segments[0].storage.device)
     for seg in segments:
-        view = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
-        out.as_strided(seg.shape, seg.src_stride, seg.src_offset).copy_(view)
+        out.as_strided(seg.shape, seg.src_stride, seg.src_offset).copy_(seg.live())
     return out.view(shape)
 
 
@@ -254,32 +265,39 @@ def held_fingerprint(write_map: WriteMap | None, name: str) -> tuple[int, int]:
     live elements weighed at their checkpoint positions (an element two segments hold counts
     twice). Summed over the ranks of a tensor-parallel engine, the parts give ``m`` times the
     full tensor's fingerprint when every element is held ``m`` times: how ``readback="full"``
-    reads a sharded tensor back whole without gathering it. Chunked along each segment's
-    first dimension, so the positions' int64 temporary stays bounded."""
+    reads a sharded tensor back whole without gathering it."""
     assert write_map is not None
     total, count = 0, 0
     for seg in write_map.segments[name]:
-        live = seg.storage.as_strided(seg.shape, seg.dst_stride, seg.dst_offset)
-        device = live.device  # weighed where it lives: nothing crosses to the host
-        if not seg.shape:  # one element
-            at = torch.tensor([seg.src_offset], dtype=torch.int64, device=device)
-            total += fingerprint_change(at, torch.zeros_like(live.reshape(1)), live.reshape(1))
-            count += 1
-            continue
-        inner = torch.zeros((), dtype=torch.int64, device=device)  # positions in one row
-        for d in range(1, len(seg.shape)):
-            shape = [1] * (len(seg.shape) - 1)
-            shape[d - 1] = seg.shape[d]
-            step = torch.arange(seg.shape[d], device=device) * seg.src_stride[d]
-            inner = inner + step.view(shape)
-        per_row = max(1, seg.numel // max(seg.shape[0], 1))
-        rows = max(1, _CHUNK // per_row)
-        for first in range(0, seg.shape[0], rows):
-            n = min(rows, seg.shape[0] - first)
-            rows_at = torch.arange(first, first + n, device=device) * seg.src_stride[0]
-            starts = seg.src_offset + rows_at
-            at = (starts.view([n] + [1] * (len(seg.shape) - 1)) + inner).reshape(-1)
-            values = live[first : first + n].reshape(-1)
-            total += fingerprint_change(at, torch.zeros_like(values), values)
-            count += at.numel()
+        total += segment_fingerprint(seg, seg.live())  # weighed where it lives
+        count += seg.numel
     return total & ((1 << 64) - 1), count
+
+
+@torch.no_grad()
+def segment_fingerprint(seg: Segment, values: torch.Tensor) -> int:
+    """``values`` (of the segment's shape: its live view, its pre-images, or its view of a
+    dense delta's values) weighed at the checkpoint positions the segment maps them from: its
+    part of a full fingerprint. Chunked along the first dimension, so the positions' int64
+    temporary stays bounded (:data:`_CHUNK` elements), on the values' device."""
+    device = values.device
+    if not seg.shape:  # one element
+        at = torch.tensor([seg.src_offset], dtype=torch.int64, device=device)
+        return fingerprint_change(at, torch.zeros_like(values.reshape(1)), values.reshape(1))
+    total = 0
+    inner = torch.zeros((), dtype=torch.int64, device=device)  # positions in one row
+    for d in range(1, len(seg.shape)):
+        shape = [1] * (len(seg.shape) - 1)
+        shape[d - 1] = seg.shape[d]
+        step = torch.arange(seg.shape[d], device=device) * seg.src_stride[d]
+        inner = inner + step.view(shape)
+    per_row = max(1, seg.numel // max(seg.shape[0], 1))
+    rows = max(1, _CHUNK // per_row)
+    for first in range(0, seg.shape[0], rows):
+        n = min(rows, seg.shape[0] - first)
+        rows_at = torch.arange(first, first + n, device=device) * seg.src_stride[0]
+        starts = seg.src_offset + rows_at
+        at = (starts.view([n] + [1] * (len(seg.shape) - 1)) + inner).reshape(-1)
+        part = values[first : first + n].reshape(-1)
+        total += fingerprint_change(at, torch.zeros_like(part), part)
+    return total & ((1 << 64) - 1)
