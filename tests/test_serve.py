@@ -375,16 +375,16 @@ def test_a_restarted_trainer_never_reuses_a_name_of_the_served_chain(dense, stoc
 
 
 def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
-    """A real ``Trainer`` with ``VLLMWeightSync(engine_url=...)``: after training, the server
-    serves exactly the trainer's weights (a stock cold start on them), its version the step."""
+    """A real ``Trainer`` with ``VLLMWeightSync(engine=EngineSpec(url=...))``: after training,
+    the server serves exactly the trainer's weights (a stock cold start on them), its version
+    the step."""
     from helpers import TinyLM, model_dir_with, trainer
 
     from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 
     client, a, root = dense["client"], dense["a"], dense["root"]
     sync = VLLMWeightSync(
-        engine=EngineSpec(url=client.url),
-        inflight=None,
+        engine=EngineSpec(url=client.url, args={"inflight": None}),
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(dirpath=str(root / "callback-checkpoints")),
     )

@@ -55,7 +55,7 @@ class AsyncColocatedEngine(AsyncLLMClient):
         inflight: InflightMode | None = "recompute",
         plugins: Sequence[str] = (),
         kv_cache_gb: float | None = None,
-        cpu_threads_bind: str | None = None,
+        cpu_threads_bind: str | int | None = None,
         **kwargs: Any,
     ):
         self.model = str(model)
@@ -67,7 +67,8 @@ class AsyncColocatedEngine(AsyncLLMClient):
         )
         self._thread.start()
         started = time.perf_counter()
-        bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind} if cpu_threads_bind else None
+        # A YAML recipe's ``"1"`` may arrive as the int 1 through a mapping of Any.
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu_threads_bind)} if cpu_threads_bind else None
         with engine_environment(plugins, bind):
             start = self._start_engine(engine_kwargs)
             engine = asyncio.run_coroutine_threadsafe(start, loop).result()
