@@ -197,39 +197,77 @@ def _status_bytes(key: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def test_a_dense_tensor_in_a_delta_costs_its_pre_images_and_bounded_temporaries(tmp_path):
-    """A delta carrying a 64 MiB bf16 tensor dense (every element changed): preparing and
-    applying it peaks at no more than twice the tensor plus its undo log (this process's
-    resident high-water mark, reset first), and the log is the tensor's pre-images alone, no
-    positions (at most 1.25x what the delta carried). Before: an int64 position per element,
-    a shifted copy and int64 fingerprint temporaries peaked near 21x."""
-    rows, cols = 4096, 8192
-    size = rows * cols * 2
+ROWS, COLS = 4096, 8192  # a 64 MiB bf16 tensor
+
+
+def _wide_pair(fraction: float) -> tuple[dict, dict]:
+    """A 64 MiB bf16 tensor and the next one, ``fraction`` of its elements changed."""
     g = torch.Generator().manual_seed(0)
-    a = {"w": torch.randn(rows, cols, generator=g).to(torch.bfloat16)}
-    b = {"w": (a["w"].float() * 1.01 + 0.003).to(torch.bfloat16)}
-    m = Wide(rows, cols)
+    a = {"w": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16)}
+    new = (a["w"].float() * 1.01 + 0.003).to(torch.bfloat16)
+    if fraction < 1:
+        new = torch.where(torch.rand(ROWS, COLS, generator=g) < fraction, new, a["w"])
+    return a, {"w": new}
+
+
+def _apply_measured(a: dict, delta) -> tuple[Wide, int, int]:
+    """An engine-like ``Wide`` on ``a``, then ``delta`` prepared and applied: the model, the
+    peak resident memory that took beyond what was resident before (this process's high-water
+    mark, reset first) and its undo log's bytes; the log is undone and checked against ``a``."""
+    m = Wide(ROWS, COLS)
     with torch.no_grad():
         m.load_weights(a.items())
-    record_checkpoint_layout(m, checkpoint={"w": TensorSpec((rows, cols), torch.bfloat16)})
+    record_checkpoint_layout(m, checkpoint={"w": TensorSpec((ROWS, COLS), torch.bfloat16)})
     direct_reload(m, a)
     bridge_state(m).fingerprints = {"w": exact_fingerprint(a["w"])}
-    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
-    assert [n for n, _ in delta.dense] == ["w"] and not delta.sparse
-    assert exact_fingerprint(delta.dense[0][1]) == exact_fingerprint(b["w"])  # pages read in
-    del b["w"]
     before = _status_bytes("VmRSS:")
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
     prepared = prepare_delta(m, delta)
     prepared.run()
     peak = _status_bytes("VmHWM:") - before
     assert prepared.undo_log is not None
-    undo = prepared.undo_log.nbytes
+    applied = m.w.detach().clone()
+    prepared.undo_log.undo(m)
+    assert torch.equal(m.w.detach().view(torch.int16), a["w"].view(torch.int16))
+    m.w.data.copy_(applied)
+    return m, peak, prepared.undo_log.nbytes
+
+
+def test_a_dense_tensor_in_a_delta_costs_its_pre_images_and_bounded_temporaries(tmp_path):
+    """A delta carrying a 64 MiB bf16 tensor dense (every element changed): preparing and
+    applying it peaks at no more than twice the tensor plus its undo log (this process's
+    resident high-water mark, reset first), and the log is the tensor's pre-images alone, no
+    positions (at most 1.25x what the delta carried). Before: an int64 position per element,
+    a shifted copy and int64 fingerprint temporaries peaked near 21x."""
+    size = ROWS * COLS * 2
+    a, b = _wide_pair(1.0)
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
+    assert [n for n, _ in delta.dense] == ["w"] and not delta.sparse
+    assert exact_fingerprint(delta.dense[0][1]) == exact_fingerprint(b["w"])  # pages read in
+    del b["w"]
+    m, peak, undo = _apply_measured(a, delta)
     assert undo <= 1.25 * size, (undo, size)
     assert peak <= 2 * size + undo, f"peak {peak / 2**20:.0f} MiB for a {size >> 20} MiB tensor"
     assert torch.equal(m.w.detach().view(torch.int16), delta.dense[0][1].view(torch.int16))
-    prepared.undo_log.undo(m)
-    assert torch.equal(m.w.detach().view(torch.int16), a["w"].view(torch.int16))
+    reader.close()
+
+
+def test_a_sparse_tensor_in_a_delta_costs_its_undo_log_and_bounded_temporaries(tmp_path):
+    """A delta carrying a 64 MiB bf16 tensor sparse with 45 % of its elements changed (just
+    under where a dense one is smaller): preparing and applying it peaks at no more than twice
+    the tensor plus its undo log, and the log (positions shared with the scatter, in the file's
+    2-byte encoding, and pre-images) is at most 1.25x what the delta carried. Before: int64
+    positions, their re-encoding and int64 fingerprint temporaries peaked at 639 MiB."""
+    size = ROWS * COLS * 2
+    a, b = _wide_pair(0.45)
+    reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
+    sparse = delta.sparse["w"]
+    assert not delta.dense and sparse.values.numel() > 0.4 * ROWS * COLS
+    carried = sparse.values.nbytes + 2 * sparse.values.numel() + 4 * -(-ROWS * COLS // 65536)
+    m, peak, undo = _apply_measured(a, delta)
+    assert undo <= 1.25 * carried, (undo, carried)
+    assert peak <= 2 * size + undo, f"peak {peak / 2**20:.0f} MiB for a {size >> 20} MiB tensor"
+    assert torch.equal(m.w.detach().view(torch.int16), b["w"].view(torch.int16))
     reader.close()
 
 
@@ -400,6 +438,48 @@ def test_a_tensor_its_loader_transforms_is_written_whole_or_refused(tmp_path) ->
     report = prepare_delta(m, delta).run()
     assert_bits(m, b)
     assert report.tensors == 4
+    reader.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_loader_write_that_fails_after_the_scatters_ran(tmp_path, when) -> None:
+    """A delta written by two writers: the scatters, then ``out`` through its loader. FAULT
+    INJECTION: the loader's writer fails *before* it writes (its ``run`` refuses: every writer
+    that ran is undone from its pre-images, the model defined on the old bits) or *after* it
+    wrote (the loader raises once it copied: no pre-images, so the model is undefined, never
+    the new bits taken for the old)."""
+    a = ckpt(0)
+    m = engine_model(a, transform_out=True)
+    b = nudge(a, 0.05, 1)
+    path = delta_checkpoint(a, b, "A", "B", tmp_path / "dense.safetensors", dense={"out"})
+    reader, delta = decoded(path)
+    writer = prepare_delta(m, delta)
+    assert [w.mode for w in writer.parts] == ["direct", "direct"]  # scatters, then the loader
+    if when == "before":
+
+        def refuse():
+            raise DirectReloadError("injected refusal (nothing was written)")
+
+        writer.parts[1].run = refuse
+    else:
+        load = m.load_weights
+
+        def load_then_fail(weights):
+            load(weights)
+            raise RuntimeError("injected loader fault")
+
+        m.load_weights = load_then_fail
+    with pytest.raises(DirectReloadError, match="injected") as info:
+        writer.run()
+    state = bridge_state(m)
+    if when == "before":
+        assert state.undefined is None, state.undefined
+        assert "every writer that ran was undone" in str(info.value)
+        assert_bits(m, a)
+    else:
+        assert state.undefined and "injected loader fault" in state.undefined
+        assert torch.equal(m.out.detach().view(torch.int16), b["out"].view(torch.int16))
+    assert writer.undo_log is None
     reader.close()
 
 

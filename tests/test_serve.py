@@ -49,9 +49,11 @@ from weight_bridge.checkpoint import (
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.direct.errors import BaseVersionError
 from weight_bridge.testing import parity
+from weight_bridge.testing.faults import FAULT_FILE_ENV, FAULTS
 from weight_bridge.vllm.clients.served import VLLMServer
-from weight_bridge.vllm.errors import UpdateInProgressError
+from weight_bridge.vllm.errors import EngineUndefinedError, UpdateInProgressError
 from weight_bridge.vllm.options import BridgeOptions
+from weight_bridge.vllm.plugin import PLUGINS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -134,20 +136,26 @@ class Streams:
         return self.out
 
 
-def _start(root: Path, model: Path, log: Path, api_key: str | None = None) -> VLLMServer:
+def _start(
+    root: Path, model: Path, log: Path, fault: Path, api_key: str | None = None
+) -> VLLMServer:
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    env.update({PLUGINS_ENV: FAULTS, FAULT_FILE_ENV: str(fault)})  # inert while no file
     options = BridgeOptions(checkpoint_root=str(root), update_timeout_s=UPDATE_TIMEOUT_S)
     server = VLLMServer(model, options, SERVER_ARGS, env=env, log=log, api_key=api_key)
     return server.start()
 
 
 def _served(api_models, family: str, api_key: str | None = None):
-    """A server on ``family``'s A, under the shared root (which also takes the tests' files)."""
+    """A server on ``family``'s A, under the shared root (which also takes the tests' files);
+    its pushes fail after writing while the file ``fault`` exists (FAULT INJECTION:
+    :mod:`weight_bridge.testing.faults`)."""
     root, models = api_models
     a, b = models[family]
-    server = _start(root, a, root.parent / f"serve-{family}.log", api_key)
+    fault = root.parent / f"fault-{family}"
+    server = _start(root, a, root.parent / f"serve-{family}.log", fault, api_key)
     client = HTTPClient(server.url, api_key=api_key, inflight=None)
-    yield {"root": root, "a": a, "b": b, "client": client, "key": api_key}
+    yield {"root": root, "a": a, "b": b, "client": client, "key": api_key, "fault": fault}
     server.stop()
 
 
@@ -395,6 +403,51 @@ def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
     state.pop("lm_head.weight", None)  # tied: the checkpoint holds the embedding once
     trained = model_dir_with(a, state, root / "callback-trained")
     assert_parity(http_greedy(client), stock_cold(trained))
+
+
+def test_an_undefined_server_answers_every_request_at_once_with_the_reason(
+    dense, stock_cold
+) -> None:
+    """Issue 47.7: after a push fails past its first write with rollback off (FAULT INJECTION,
+    :mod:`weight_bridge.testing.faults`: a refresh that raises; nothing can be sent into a
+    served worker), each generate request is answered at once with 503 and the reason, not
+    vLLM's bare 500: over raw HTTP, through the ``openai`` package and ``HTTPClient``
+    (:class:`EngineUndefinedError`); a complete push repairs the engine."""
+    import openai
+
+    client, a, b, fault = dense["client"], dense["a"], dense["b"], dense["fault"]
+    client.push(a, version="A")
+    client.call("init_weight_transfer_engine", {"init_info": {"rollback": False}})
+    fault.touch()
+    try:
+        with pytest.raises(DirectReloadError, match="injected fault"):
+            client.push(b, version="never", inflight="keep")  # its pause released
+    finally:
+        fault.unlink()
+        client.call("init_weight_transfer_engine", {"init_info": {"rollback": True}})
+    started = time.monotonic()
+    model = client.call("v1/models", method="GET")["data"][0]["id"]
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 4}
+    request = urllib.request.Request(
+        f"{client.url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(request, timeout=60)
+    error = json.loads(raw.value.read())["error"]
+    assert raw.value.code == 503 and error["type"] == "EngineUndefinedError", error
+    assert "weights are undefined" in error["message"] and "injected fault" in error["message"]
+    sdk = openai.OpenAI(base_url=f"{client.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as answered:
+        sdk.completions.create(model=model, prompt=[1, 2, 3], max_tokens=4)
+    assert answered.value.status_code == 503 and "injected fault" in str(answered.value)
+    with pytest.raises(EngineUndefinedError, match="injected fault"):
+        http_greedy(client)
+    assert time.monotonic() - started < 60  # nobody waited for a timeout
+    client.push(a, version="A")
+    assert not client.call("is_paused", method="GET")["is_paused"]  # the failed push's pause
+    assert_parity(http_greedy(client), stock_cold(a))
 
 
 @pytest.mark.every_vllm

@@ -297,13 +297,13 @@ def arm_plan_fault(worker) -> None:
     ``MemoryError``, an allocation failing mid-prepare after the file was opened and held (not
     something a healthy machine can be made to do on cue). One shot."""
     transaction = worker.weight_transfer_engine.transaction
-    original = transaction._plan_any
+    original = transaction._job  # what the writer is prepared from, once the file is held
 
     def faulty(*args, **kwargs):
-        transaction._plan_any = original
+        transaction._job = original
         raise MemoryError("injected: an allocation failed mid-prepare")
 
-    transaction._plan_any = faulty
+    transaction._job = faulty
 
 
 def held_by_worker(worker, path: str) -> dict[str, int]:

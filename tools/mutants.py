@@ -91,7 +91,7 @@ MUTANTS = [
         "rollback",
         "rollback of a failed push",
         "weight_bridge/vllm/worker/transaction.py",
-        "self._rewrite(self.served, reload_weights)",
+        "self._rewrite(self.served)",
         "pass",
         "the re-write of the served chain in `roll_back` (the model stays marked undefined)",
         [
@@ -103,8 +103,8 @@ MUTANTS = [
         "fake-rollback",
         "rollback of a failed push",
         "weight_bridge/vllm/worker/transaction.py",
-        "self._rewrite(self.served, reload_weights)",
-        "clear_undefined(self.model)",
+        "self._rewrite(self.served)",
+        '__import__("weight_bridge.direct.state", fromlist=["_"]).clear_undefined(self.model)',
         "the re-write in `roll_back`, the model marked defined as if it had run",
         [["tests/test_transactions.py", "-k", "in_process"]],
     ),
@@ -304,11 +304,22 @@ MUTANTS = [
     Mutant(
         "delta-undo-every-writer",
         "a rolled-back delta undoes every writer that ran, its loader's writes too",
-        "weight_bridge/direct/delta.py",
-        "self.undo_log = undo if self.whole is None else None",
-        "self.undo_log = undo",
-        "the undo log kept only where it covers every write, in `PreparedDelta.run`",
+        "weight_bridge/direct/undo.py",
+        "        if not logs or any(log is None for log in logs):\n            return None",
+        "        logs = [log for log in logs if log is not None]\n        if not logs:\n"
+        "            return None",
+        "the joined undo log of a push's writers None as soon as one writer has none, in "
+        "`UndoLog.joined` (the mutant joins the others': a loader's writes are never undone)",
         [["tests/test_delta_engine.py", "-k", "multiprocess_tensor_parallel"]],
+    ),
+    Mutant(
+        "undo-every-writer",
+        "a write of several writers undoes every writer that ran when a later one fails",
+        "weight_bridge/direct/writer.py",
+        "        if not ran or state.undefined is not None:",
+        "        if True:",
+        "the undo of the writers that ran in `Writers._undo` (the mutant undoes none)",
+        [["tests/test_delta.py", "-k", "loader_write"]],
     ),
     Mutant(
         "delta-tied-refresh",

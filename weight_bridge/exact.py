@@ -32,6 +32,7 @@ __all__ = ["bits_of", "exact_fingerprint", "fingerprint_change", "format_fingerp
 _LOW = 1 << 16
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ROWS = 64  # rows of 65536 elements widened to int64 at a time (32 MiB)
+_CHANGE_BLOCK = 1 << 20  # changed elements weighed at a time (a few int64 temporaries of 8 MiB)
 _A: dict[torch.device, torch.Tensor] = {}
 _B: dict[torch.device, torch.Tensor] = {}  # B[0:n] for the largest n asked so far
 
@@ -111,15 +112,18 @@ def exact_fingerprint(t: torch.Tensor) -> int:
 def fingerprint_change(indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
     """``fp(after) - fp(before)`` (mod 2**64) when the elements at flat ``indices`` change from
     ``old`` to ``new`` (same dtype): O(changed)."""
-    if not indices.numel():
-        return 0
-    new_words, old_words = _words(bits_of(new)), _words(bits_of(old))
-    diff = new_words.to(torch.int64) - old_words.to(torch.int64)  # one row per element
-    at = indices.to(torch.int64)
-    per = diff.shape[1]  # words per element: their positions per * i + k
-    if per > 1:
-        at = (at.reshape(-1, 1) * per + torch.arange(per, device=at.device)).reshape(-1)
-    return int((diff.reshape(-1) * weights_at(at)).sum()) & ((1 << 64) - 1)
+    total = 0
+    new, old, indices = new.reshape(-1), old.reshape(-1), indices.reshape(-1)
+    for start in range(0, indices.numel(), _CHANGE_BLOCK):  # bounded int64 temporaries
+        end = start + _CHANGE_BLOCK
+        new_words, old_words = _words(bits_of(new[start:end])), _words(bits_of(old[start:end]))
+        diff = new_words.to(torch.int64) - old_words.to(torch.int64)  # one row per element
+        at = indices[start:end].to(torch.int64)
+        per = diff.shape[1]  # words per element: their positions per * i + k
+        if per > 1:
+            at = (at.reshape(-1, 1) * per + torch.arange(per, device=at.device)).reshape(-1)
+        total += int((diff.reshape(-1) * weights_at(at)).sum())
+    return total & ((1 << 64) - 1)
 
 
 def format_fingerprint(value: int) -> str:

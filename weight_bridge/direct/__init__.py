@@ -38,11 +38,11 @@ from .plan import ReloadPlan, plan_direct_reload
 from .proof import Proof
 from .readback import READBACK_MODES
 from .record import prove_checkpoint_layout, record_checkpoint_layout
+from .report import ReloadReport
 from .session import (
     OpenReload,
     PreparedReload,
     ReloadOptions,
-    ReloadReport,
     direct_reload,
     direct_reload_session,
     prepare_direct_reload,

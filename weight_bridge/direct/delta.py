@@ -20,8 +20,11 @@ tied embeddings), nothing written. :meth:`PreparedDelta.run` then, in order:
 
 A failure anywhere after the first write restores the pre-images (the undo log) and refreshes
 again, so the model holds its previous bits exactly; the error says so. A tensor the map cannot
-patch (its loader transforms it) is written whole through the model's loader when the delta
-carries it dense, and refused by name when sparse.
+patch (its loader transforms it, or it comes in another dtype) is written whole through the
+model's loader when the delta carries it dense, and refused by name when sparse: that is a
+second writer (a direct reload), and :func:`prepare_delta` composes the two
+(:class:`~.writer.Writers`: the scatters first; a failure of the loader's write before it wrote
+undoes them, one after leaves the model undefined, for the engine to re-write from its files).
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ from .parallel import run_split
 from .plan import plan_direct_reload
 from .proof import module_of
 from .record import require_layout
-from .session import PreparedReload, ReloadReport, prepare_direct_reload
+from .report import ReloadReport
+from .session import prepare_direct_reload
 from .snapshot import addresses
 from .state import bridge_state
 from .undo import UndoLog
 from .validate import find_nonfinite, preflight
 from .write_map import WriteMap, held_fingerprint, held_tensor, segment_fingerprint
+from .writer import Writer, Writers
 
 __all__ = ["PreparedDelta", "prepare_delta"]
 
@@ -64,23 +69,24 @@ def _results(results: list[R | BaseException]) -> list[R]:
 
 
 class PreparedDelta:
-    """A delta checked and mapped onto live storage, nothing written: :meth:`run` applies it."""
+    """The scatters of a delta, checked and mapped onto live storage, nothing written:
+    :meth:`run` applies them (a :class:`~.writer.Writer` with pre-images)."""
+
+    mode = "direct"
 
     def __init__(
         self,
         model: torch.nn.Module,
         patches: list[Patch],
-        whole: PreparedReload | None,
         refresh: dict[str, str],
         wanted: dict[str, int],
         readback: str,
         preflight_s: float,
     ) -> None:
-        self.model, self.patches, self.whole = model, patches, whole
+        self.model, self.patches = model, patches
         self.refresh, self.wanted, self.readback = refresh, wanted, readback
         self.preflight_s = preflight_s
         self.undo_log: UndoLog | None = None
-        self._loader_started = False
         self._pre: list[list[torch.Tensor]] = []  # per patch, per scatter: the pre-images
 
     def run(self) -> ReloadReport:
@@ -90,8 +96,7 @@ class PreparedDelta:
         state = bridge_state(self.model)
         if state.writing:
             raise DirectReloadError("a direct reload is already in progress on this model")
-        whole = len(self.whole.items) if self.whole is not None else 0
-        report = ReloadReport(tensors=len(self.patches) + whole, preflight_s=self.preflight_s)
+        report = ReloadReport(tensors=len(self.patches), preflight_s=self.preflight_s)
         undo = UndoLog(modules=dict(self.refresh), fingerprints=dict(state.fingerprints))
         was = state.undefined
         state.undefined, state.writing = was or APPLYING, True
@@ -102,12 +107,6 @@ class PreparedDelta:
                 problems = self._check(report)
             if problems:
                 raise DirectReloadError("the delta's read-back or fingerprints failed", problems)
-            if self.whole is not None:  # dense tensors the map cannot patch: their loader
-                state.writing = False
-                self._loader_started = True
-                loaded = self.whole.run()
-                report.refreshed.update(loaded.refreshed)
-                report.bytes += loaded.bytes
             t0 = time.perf_counter()
             report.refreshed.update(refresh_derived_state(self.model, self.refresh))
             report.refresh_s = time.perf_counter() - t0
@@ -129,9 +128,7 @@ class PreparedDelta:
         state.writing = False
         state.undefined = was
         state.fingerprints.update(self.wanted)
-        # the log undoes the whole delta only when nothing went through a loader (those writes
-        # have no pre-images): otherwise a rollback re-writes the chain from its held files
-        self.undo_log = undo if self.whole is None else None
+        self.undo_log = undo
         report.elapsed_s = self.preflight_s + time.perf_counter() - started
         return report
 
@@ -256,18 +253,12 @@ class PreparedDelta:
 
     def _restore(self, undo: UndoLog, was: str | None) -> bool:
         """Undo what was written; whether the model holds its previous bits again (not when
-        the undo failed, nor when the loader of a dense tensor had started writing: that one
-        has no pre-images, and the engine rolls back from its files)."""
+        the undo failed)."""
         state = bridge_state(self.model)
         try:
             undo.undo(self.model)
         except Exception as failed:
             state.undefined = f"{APPLYING}; restoring its undo log failed too: {failed}"
-            return False
-        if self._loader_started:  # the loader's session cleared its own mark when it finished
-            state.undefined = (
-                f"{APPLYING}; a dense tensor written through its loader has no pre-images"
-            )
             return False
         state.undefined = was
         return True
@@ -300,10 +291,11 @@ def prepare_delta(
     *,
     check_finite: bool = True,
     readback: str = "sampled",
-) -> PreparedDelta:
+) -> Writer:
     """Check ``delta`` (decoded by :func:`~weight_bridge.checkpoint.delta.read_delta`; its
     base version is the caller's to check) and map it onto live storage; nothing is written.
-    A refusal raises :class:`DirectReloadError` naming each tensor."""
+    A refusal raises :class:`DirectReloadError` naming each tensor. The writer: the scatters,
+    then a direct reload of what they cannot patch (:class:`~.writer.Writers`)."""
     started = time.perf_counter()
     state = bridge_state(model)
     layout = require_layout(model)
@@ -343,14 +335,15 @@ def prepare_delta(
         if indexed and patch.whole and (readback == "full" or patch.name not in state.fingerprints):
             served = held_tensor(write_map, patch.name, patch.shape)
             state.fingerprints[patch.name] = exact_fingerprint(served)
-    loader = None
-    if whole:
-        loader = prepare_direct_reload(
-            model, whole, check_finite=False, readback=readback, partial=True
+    writers: list[Writer] = []
+    if whole:  # prepared first: its refusal comes before any write too
+        writers.append(
+            prepare_direct_reload(model, whole, check_finite=False, readback=readback, partial=True)
         )
     wanted = dict(delta.fingerprints)
     elapsed = time.perf_counter() - started
-    return PreparedDelta(model, patches, loader, refresh, wanted, readback, elapsed)
+    writers.insert(0, PreparedDelta(model, patches, refresh, wanted, readback, elapsed))
+    return Writers(model, writers)
 
 
 def _refresh_of(

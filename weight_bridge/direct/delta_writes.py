@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..exact import bits_of
+from .positions import Positions
 from .undo import UndoLog
 from .write_map import Held, Segment, WriteMap
 
@@ -26,20 +27,26 @@ __all__ = ["Copy", "Patch", "Scatter", "copy", "cost", "patch_of", "scatter", "w
 @dataclass
 class Scatter:
     """One segment's share of a sparse tensor: live elements ``where`` of ``storage`` get
-    ``values``."""
+    ``values``; ``where`` kept encoded and decoded a chunk at a time (:mod:`.positions`), and
+    shared with the undo log."""
 
     storage: torch.Tensor
-    where: torch.Tensor
+    where: Positions
     values: torch.Tensor
 
     def read(self) -> torch.Tensor:
-        return self.storage[self.where]
+        parts = [self.storage[at] for _, _, at in self.where.chunks(self.storage.device)]
+        return torch.cat(parts) if parts else self.values[:0].clone()
 
     def write(self) -> None:
-        scatter(self.storage, self.where, self.values)
+        for start, end, at in self.where.chunks(self.storage.device):
+            scatter(self.storage, at, self.values[start:end])
 
     def landed(self) -> bool:
-        return torch.equal(bits_of(self.storage[self.where]), bits_of(self.values))
+        return all(
+            torch.equal(bits_of(self.storage[at]), bits_of(self.values[start:end]))
+            for start, end, at in self.where.chunks(self.storage.device)
+        )
 
     def log(self, undo: UndoLog, pre: torch.Tensor) -> None:
         undo.log(self.storage, self.where, pre)
@@ -84,7 +91,8 @@ class Patch:
 
 
 def scatter(storage: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-    """One scattered write (a function of its own: the fault-injection tests replace it)."""
+    """One scattered write of a chunk (a function of its own: the fault-injection tests
+    replace it)."""
     storage[where] = values
 
 
@@ -127,10 +135,10 @@ def patch_of(
     scatters: list[Scatter | Copy] = []
     helds: list[Held] = []
     for seg in write_map.segments[name]:
-        held, where = seg.locate(indices)
-        if not where.numel():
+        held, where = seg.positions(indices)
+        if not where.numel:
             continue
         device = seg.storage.device
-        scatters.append(Scatter(seg.storage, where.to(device), held.take(values).to(device)))
+        scatters.append(Scatter(seg.storage, where, held.take(values).to(device)))
         helds.append(held)
     return Patch(name, shape, indices, values, scatters, helds, write_map.whole(name, numel))

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import TypedDict, Unpack
@@ -37,16 +38,18 @@ from .plan import ReloadPlan, plan_direct_reload
 from .proof import module_of
 from .readback import ReadBack
 from .record import require_layout
-from .resolve import Relocation
+from .report import ReloadReport
 from .snapshot import addresses, addresses_of, named_tensors
 from .state import bridge_state
 from .validate import validate_checkpoint
 from .write_map import learn_write_map
 
+if TYPE_CHECKING:
+    from .undo import UndoLog
+
 __all__ = [
     "OpenReload",
     "PreparedReload",
-    "ReloadReport",
     "Weights",
     "direct_reload",
     "direct_reload_session",
@@ -57,36 +60,6 @@ __all__ = [
 
 WRITING = "a direct reload started writing and did not finish"
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass
-class ReloadReport:
-    """What a direct reload wrote, what it refreshed or re-processed, and how long it took.
-
-    ``threads``: how many threads its split jobs ran on (the caller's and its helpers on spare
-    CPUs, :mod:`.parallel`)."""
-
-    tensors: int = 0
-    bytes: int = 0
-    direct: int = 0
-    refreshed: dict[str, str] = field(default_factory=dict)
-    reprocessed: dict[str, str] = field(default_factory=dict)
-    verified_writes: int = 0
-    relocations: list[Relocation] = field(default_factory=list)
-    preflight_s: float = 0.0
-    write_s: float = 0.0
-    refresh_s: float = 0.0
-    readback_s: float = 0.0
-    elapsed_s: float = 0.0
-    recovered_from_undefined: str | None = None
-    threads: int = 1
-    changed: int = 0  # elements a delta wrote (0: not a delta)
-    # a delta's tensors this worker holds a shard of: [want, base, change (16 hex digits
-    # each), changed elements held here, changed elements in all], summed by the engine core;
-    # with readback="full" also [this shard's part of the full fingerprint read back (16 hex
-    # digits), elements held here, elements in all] (write_map.held_fingerprint)
-    shard_fingerprints: dict[str, list] = field(default_factory=dict)
-    dtypes: dict[str, str] = field(default_factory=dict)  # name -> dtype held (patchable)
 
 
 @dataclass
@@ -252,6 +225,14 @@ class PreparedReload:
         self.model, self.items, self.plan, self.addresses = model, items, plan, now
         self.readback, self.reprocessor, self.partial = readback, reprocessor, partial
         self.preflight_s = preflight_s
+        # a writer (weight_bridge.direct.writer) without pre-images: what it wrote is taken
+        # back from the files served before (a complete write's would be a second model)
+        self.undo_log: UndoLog | None = None
+
+    @property
+    def mode(self) -> str:
+        """``auto`` where modules are handed to the engine's re-processing, else ``direct``."""
+        return "auto" if self.plan.reprocess else "direct"
 
     @contextlib.contextmanager
     def write(self) -> Iterator[OpenReload]:
@@ -281,15 +262,21 @@ class PreparedReload:
                 f"direct reload failed after writing started: {type(exc).__name__}: {exc}"
             )
             raise
-        report = session.finish()
-        if not self.partial:  # a complete write shows where every element goes
-            state.write_map = learn_write_map(
-                self.items,
-                readback.writes,
-                readback.other_writes,
-                self.plan.spans,
-                self.addresses,
-            )
+        try:
+            report = session.finish()
+            if not self.partial:  # a complete write shows where every element goes
+                state.write_map = learn_write_map(
+                    self.items,
+                    readback.writes,
+                    readback.other_writes,
+                    self.plan.spans,
+                    self.addresses,
+                )
+        except DirectReloadError:
+            raise  # the session named why the model is undefined
+        except BaseException as exc:  # bits written: never taken for the old ones, with a reason
+            state.undefined = f"{WRITING}: {type(exc).__name__}: {exc}"
+            raise
         report.tensors = len(self.items)
         report.bytes = sum(t.numel() * t.element_size() for _, t in self.items)
         report.preflight_s = self.preflight_s

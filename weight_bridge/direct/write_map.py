@@ -27,6 +27,7 @@ import torch
 
 from ..exact import fingerprint_change
 from ..layout import byte_span, storage_ptr
+from .positions import CHUNK, Positions
 
 __all__ = [
     "Held",
@@ -75,6 +76,21 @@ class Segment:
         the first dimension, a slice of a fused qkv or gate_up): element ``src_offset + k``
         lands on ``dst_offset + k``."""
         return _contiguous(self.shape, self.src_stride) and _contiguous(self.shape, self.dst_stride)
+
+    def positions(self, flat: torch.Tensor) -> tuple[Held, Positions]:
+        """:meth:`locate`, the live positions kept small (:mod:`.positions`); a linear
+        segment's are shifted and encoded a chunk at a time, never all as int64 at once."""
+        if not self.linear:
+            held, where = self.locate(flat)
+            return held, Positions.of(where)
+        bounds = torch.tensor([self.src_offset, self.src_offset + self.extent], dtype=flat.dtype)
+        lo, hi = (int(i) for i in torch.searchsorted(flat, bounds))
+        shift = self.dst_offset - self.src_offset
+        if hi <= lo:
+            return Held(lo, hi, None), Positions.of(flat[:0])
+        chunks = (flat[s : min(s + CHUNK, hi)] + shift for s in range(lo, hi, CHUNK))
+        first, last = int(flat[lo]) + shift, int(flat[hi - 1]) + shift
+        return Held(lo, hi, None), Positions.sorted_chunks(chunks, hi - lo, first, last)
 
     def locate(self, flat: torch.Tensor) -> tuple[Held, torch.Tensor]:
         """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment

@@ -8,6 +8,7 @@
 * :mod:`.architectures`: vLLM test architectures whose post-load processing moves, transforms or
   derives weights. They are registered only in engines that ask for them:
   ``ColocatedEngine(..., plugins=[TEST_ARCHITECTURES])``.
+* :mod:`.faults`: a fault injected into a ``vllm serve`` process's pushes while a file exists.
 
 Needs the ``dev`` extra (``transformers``, ``tokenizers``).
 """

@@ -92,7 +92,7 @@ def _install_patches() -> None:
     )
     internals.patch_engine_core(
         collective_rpc=core_updates.bridged_collective_rpc,
-        resume_scheduler=core_updates.refusing_resume,
+        resume_scheduler=core_updates.releasing_resume,
         step=core_updates.failing_while_undefined,
         utilities=core_updates.UTILITIES,
         log_filter=core_updates.quiet_refusals,

@@ -32,7 +32,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ...errors import WeightBridgeError
-from ..errors import UpdateInProgressError
+from ..errors import UNDEFINED, EngineUndefinedError, UpdateInProgressError
 from ..generation import Generation, prompt_token_ids
 from ..internals.versions import vllm_minor
 from ..outcome import PushOutcome, typed_error
@@ -101,6 +101,8 @@ class HTTPClient(BridgeClient):
             message = _message(exc.read())
             if exc.code == HTTPStatus.CONFLICT:
                 raise UpdateInProgressError(message) from None
+            if exc.code == HTTPStatus.SERVICE_UNAVAILABLE and UNDEFINED in message:
+                raise EngineUndefinedError(message) from None  # the results middleware's answer
             raise RemoteUpdateError(exc.code, message) from None
         return json.loads(raw) if raw else None
 

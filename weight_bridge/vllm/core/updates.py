@@ -42,11 +42,13 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    worker's, :func:`~weight_bridge.vllm.worker.cpu_threads.idle_wait`), so the workers' push helpers
    (:mod:`~weight_bridge.vllm.worker.cpu_threads`) can use the CPU vLLM reserves for it;
 8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
-   stops scheduling and refuses ``resume_generation`` by name until a complete update
-   succeeds; every request it holds or receives meanwhile ends at the core's next step with
-   vLLM's ``error`` finish reason and the reason as its ``stop_reason``
-   (:func:`failing_while_undefined`), so no caller waits: ``vllm.LLM.generate`` and
-   ``AsyncLLM`` return at once, ``vllm serve`` answers 500.
+   schedules nothing until a complete update succeeds; every request it holds or receives
+   meanwhile ends at the core's next step with vLLM's ``error`` finish reason and the reason
+   as its ``stop_reason`` (:func:`failing_while_undefined`), so no caller waits:
+   ``vllm.LLM.generate`` and ``AsyncLLM`` return at once, ``vllm serve`` answers 503 with the
+   reason (:func:`~weight_bridge.vllm.server.middleware.update_results_route`). A
+   ``resume_generation`` meanwhile releases the pause it ends (:func:`releasing_resume`), so
+   the repair leaves the engine generating.
 
 The same wrapper routes :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` (a method name any
 client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
@@ -91,7 +93,7 @@ from ..outcome import (
     shard_fingerprint_problems,
     typed_error,
 )
-from ..worker.backend import BACKEND_RPC, QUERIES, call_backend
+from ..worker.backend import BACKEND_RPC, QUERIES, Phase, call_backend
 
 __all__ = [
     "UTILITIES",
@@ -100,7 +102,7 @@ __all__ = [
     "bridged_collective_rpc",
     "failing_while_undefined",
     "quiet_refusals",
-    "refusing_resume",
+    "releasing_resume",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -140,8 +142,9 @@ def _state(core: Any) -> BridgeCoreState:
     return bridge_state_of(core, BridgeCoreState)
 
 
-def _phase(rpc: Any, core: Any, timeout: float | None, action: str, *args: Any) -> list:
-    return PushResult.every_rank(rpc(core, call_backend, timeout, (action, *args), None))
+def _phase(rpc: Any, core: Any, timeout: float | None, phase: Phase, *args: Any) -> list:
+    # sent as its value: a multi-process executor's message carries plain data
+    return PushResult.every_rank(rpc(core, call_backend, timeout, (phase.value, *args), None))
 
 
 def weight_bridge_results(self: Any) -> dict | None:
@@ -217,16 +220,16 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
         state.active.version = asked
     served = served_version(core)
     out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
-    results = _phase(rpc, core, timeout, "result") if len(out) > 1 else []
+    results = _phase(rpc, core, timeout, Phase.RESULT) if len(out) > 1 else []
     if any(r.error is not None for r in results):
-        results = _phase(rpc, core, timeout, "abandon")  # a rank refused: no rank writes
+        results = _phase(rpc, core, timeout, Phase.ABANDON)  # a rank refused: no rank writes
     else:
-        results = _phase(rpc, core, timeout, "commit")
+        results = _phase(rpc, core, timeout, Phase.COMMIT)
     error = merged_error(results)
     wrong = shard_fingerprint_problems(results) if error is None else {}
     if wrong:
         why = "a delta's fingerprints, summed over the tensor-parallel ranks, do not check"
-        results = _phase(rpc, core, timeout, "fail", why, wrong)
+        results = _phase(rpc, core, timeout, Phase.FAIL, why, wrong)
         error = merged_error(results)
     if error is None:
         try:
@@ -237,7 +240,7 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
                 f"prefix cache reset failed after the update ({type(exc).__name__}: {exc}): "
                 "its cached KV may be from the old weights"
             )
-            results = _phase(rpc, core, timeout, "fail", why)
+            results = _phase(rpc, core, timeout, Phase.FAIL, why)
             error = merged_error(results)
     if error is None:
         # The label changes in this same engine-core call: no step runs in between.
@@ -250,7 +253,7 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
             state.active.last_call = time.monotonic()
         return out
     if any(r.wrote for r in results):
-        results = _phase(rpc, core, timeout, "roll_back", served)
+        results = _phase(rpc, core, timeout, Phase.ROLL_BACK, served)
         error = merged_error(results) or error
     rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
     undefined = next((r.undefined for r in results if r.undefined), None)
@@ -359,14 +362,19 @@ def failing_while_undefined(step: Any) -> Any:
     return wrapped
 
 
-def refusing_resume(resume: Any) -> Any:
-    """``resume_scheduler``, refused while a rank's weights are undefined."""
+def releasing_resume(resume: Any) -> Any:
+    """``resume_scheduler`` while a rank's weights are undefined: the pause it was asked to end
+    is released, nothing more. The scheduler keeps ending every request with the reason
+    (:func:`failing_while_undefined`), and the complete update that repairs the engine leaves
+    it unpaused. Refusing the resume instead kept the pause of a push that paused and then
+    failed: the engine stayed paused after its repair, every request waiting."""
 
     def resume_scheduler(self, *args, **kwargs):
-        undefined = _state(self).undefined if is_bridged(config_of(self)) else None
-        if undefined is not None:
-            raise RuntimeError(undefined_message(undefined))
-        return resume(self, *args, **kwargs)
+        state = _state(self) if is_bridged(config_of(self)) else None
+        if state is None or state.undefined is None:
+            return resume(self, *args, **kwargs)
+        state.paused_before = unpause_scheduling(self)  # a pause taken while undefined, too
+        return None
 
     return resume_scheduler
 

@@ -103,12 +103,14 @@ def finish_every_request(core: Any, reason: str) -> dict[int, Any]:
     }
 
 
-def unpause_scheduling(core: Any) -> None:
+def unpause_scheduling(core: Any) -> Any:
     """Let the core's loop step again: vLLM's multi-process core steps only while its scheduler
-    counts unfinished requests, and a scheduler paused for all counts none."""
+    counts unfinished requests, and a scheduler paused for all counts none. The state set, for
+    :func:`set_pause_state`."""
     from vllm.v1.core.sched.interface import PauseState
 
     core.scheduler.set_pause_state(PauseState.UNPAUSED)
+    return PauseState.UNPAUSED
 
 
 def set_pause_state(core: Any, state: Any) -> None:

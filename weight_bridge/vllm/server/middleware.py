@@ -3,7 +3,11 @@
 1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers the last update's
    outcome as the engine core built it (its ``weight_bridge_results``: every worker's result,
    the label stamped), from which :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds
-   the same report, served chain and typed errors as the in-process clients.
+   the same report, served chain and typed errors as the in-process clients. While that
+   outcome leaves the weights undefined, a request vLLM fails with its bare ``500 Internal
+   server error`` (the engine core ends each one with the reason, which vLLM's API server drops)
+   is answered ``503`` with the reason instead, as an OpenAI error body of type
+   ``EngineUndefinedError``.
 2. :func:`require_api_key`: the API key on every route that can change what the server
    serves.
 
@@ -27,7 +31,10 @@ import hashlib
 import os
 import secrets
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
+
+from ..errors import EngineUndefinedError, undefined_message
 
 __all__ = ["OPEN_ROUTES", "require_api_key", "update_results_route"]
 
@@ -64,14 +71,28 @@ async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any
 async def update_results_route(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """vLLM ``--middleware``: ``GET /weight_bridge/results``, the last update's
     :class:`~weight_bridge.vllm.outcome.PushOutcome` as JSON (``null`` before the first); every
-    other request goes on. Give it before :func:`require_api_key`, which then
-    guards it."""
-    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
-    if path != "/weight_bridge/results" or request.method != "GET":
-        return await call_next(request)
+    other request goes on, and one that vLLM fails with a 500 while that outcome leaves the
+    weights undefined is answered 503 with the reason. Give it before :func:`require_api_key`,
+    which then guards it."""
     from starlette.responses import JSONResponse
 
     from ..internals import call_core_utility_async, server_core_client
 
-    core = server_core_client(request)
-    return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    if path == "/weight_bridge/results" and request.method == "GET":
+        core = server_core_client(request)
+        return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))
+    response = await call_next(request)
+    if response.status_code != HTTPStatus.INTERNAL_SERVER_ERROR:
+        return response
+    outcome = await call_core_utility_async(server_core_client(request), "weight_bridge_results")
+    why = (outcome or {}).get("undefined")
+    if not why:
+        return response  # another failure: vLLM's answer as it is
+    error = {
+        "message": undefined_message(why),
+        "type": EngineUndefinedError.__name__,
+        "param": None,
+        "code": HTTPStatus.SERVICE_UNAVAILABLE,
+    }
+    return JSONResponse({"error": error}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)

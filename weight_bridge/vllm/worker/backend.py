@@ -32,6 +32,7 @@ function itself crosses from a multi-process engine's client to its core only wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from .queries import worker_addresses, worker_fingerprints, worker_plan, worker_
 from .transaction import PushTransaction
 from .update_request import UpdateRequest
 
-__all__ = ["BACKEND_RPC", "QUERIES", "WeightBridgeEngine", "call_backend"]
+__all__ = ["BACKEND_RPC", "QUERIES", "Phase", "WeightBridgeEngine", "call_backend"]
 
 BACKEND_RPC = "weight_bridge.call_backend"  # the method name the engine core routes here
 _QUERIES: dict[str, Callable[..., Any]] = {
@@ -53,6 +54,20 @@ _QUERIES: dict[str, Callable[..., Any]] = {
     "fingerprints": worker_fingerprints,
 }
 QUERIES = tuple(_QUERIES)  # the read-only actions: answered by any worker, bridged or not
+
+
+class Phase(str, Enum):
+    """The phases of an update the engine core drives after vLLM's ``update_weights`` (which
+    prepares), each answered with every rank's
+    :class:`~weight_bridge.vllm.outcome.PushResult`. ``RESULT`` is a second fetch of what
+    ``update_weights`` found: vLLM's worker discards what its backend's ``update_weights``
+    returns, so a rank's refusal cannot come back on that call."""
+
+    RESULT = "result"  # what the prepare found (nothing changes)
+    ABANDON = "abandon"  # a rank refused: drop what was prepared, no rank writes
+    COMMIT = "commit"  # every rank prepared: write
+    FAIL = "fail"  # a check outside the workers failed after the write: record it
+    ROLL_BACK = "roll_back"  # take back what was written, on every rank that wrote
 
 
 def _rank() -> int:
@@ -121,9 +136,9 @@ class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ig
 
 def call_backend(worker: Any, action: str, *args: Any) -> Any:
     """Run ``action`` in ``worker`` (sent with ``collective_rpc``, by the engine core or by a
-    client): a read-only one of :data:`QUERIES` returns its answer; a phase of the update
-    (``commit``, ``roll_back``, ``fail``, ``abandon``, ``result``: the engine core's) returns
-    this rank's :class:`~weight_bridge.vllm.outcome.PushResult` as a dict."""
+    client): a read-only one of :data:`QUERIES` returns its answer; a :class:`Phase` of the
+    update (the engine core's) returns this rank's
+    :class:`~weight_bridge.vllm.outcome.PushResult` as a dict."""
     from vllm.config import set_current_vllm_config
 
     query = _QUERIES.get(action)
@@ -133,20 +148,22 @@ def call_backend(worker: Any, action: str, *args: Any) -> Any:
     if not isinstance(engine, WeightBridgeEngine):
         raise RuntimeError("this worker does not run the weight_bridge weight-transfer backend")
     transaction = engine.transaction
+    try:
+        phase = Phase(action)
+    except ValueError:
+        raise ValueError(f"unknown backend action {action!r}") from None
     with set_current_vllm_config(config_of(worker)):
-        if action == "commit":
+        if phase is Phase.COMMIT:
             result = transaction.commit(worker.reload_weights)
             if result.error is None:
                 reset_runner_caches(worker)  # encoder and multi-modal caches: old outputs
-        elif action == "roll_back":
+        elif phase is Phase.ROLL_BACK:
             result = transaction.roll_back(worker.reload_weights, *args)
-        elif action == "fail":
+        elif phase is Phase.FAIL:
             result = transaction.fail(*args)
-        elif action == "abandon":
+        elif phase is Phase.ABANDON:
             transaction.abandon()
             result = transaction.result
-        elif action == "result":
-            result = transaction.result
         else:
-            raise ValueError(f"unknown backend action {action!r}")
+            result = transaction.result
     return result.to_dict()

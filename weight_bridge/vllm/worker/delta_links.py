@@ -22,8 +22,9 @@ from ...checkpoint.delta import (
     split_name,
 )
 from ...direct import DirectReloadError
-from ...direct.delta import PreparedDelta, prepare_delta
+from ...direct.delta import prepare_delta
 from ...direct.state import bridge_state
+from ...direct.writer import Writer
 from ..options import BridgeOptions
 
 __all__ = [
@@ -45,7 +46,7 @@ def plan_delta(
     metadata: Mapping[str, str],
     items: list[tuple[str, torch.Tensor]],
     finite: bool,
-) -> PreparedDelta:
+) -> Writer:
     """Decode and check the delta at ``path`` and map it onto this worker's storages; a
     refusal raises with nothing written."""
     mode = options.reload_mode

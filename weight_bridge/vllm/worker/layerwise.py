@@ -15,13 +15,16 @@ by vLLM at model init (``record_metadata_for_reloading``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...direct import ReloadPlan, plan_direct_reload
-from ...direct.state import bridge_state
+from ...direct import DirectReloadError, ReloadPlan, ReloadReport, plan_direct_reload
+from ...direct.session import refresh_derived_state
+from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
+from ...direct.undo import UndoLog
 from ..internals import (
     cpu_linear_of,
     layerwise_begin,
@@ -33,6 +36,7 @@ from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
 
 __all__ = [
     "LayerwiseReprocessor",
+    "LayerwiseWrite",
     "PushPlan",
     "auto_reprocessable",
     "layerwise_wrong",
@@ -62,6 +66,35 @@ class LayerwiseReprocessor:
     @torch.no_grad()
     def finish(self) -> None:
         layerwise_finish(self.model, self.model_config)
+
+
+class LayerwiseWrite:
+    """vLLM's own whole-model reload, behind the same checks as a direct one (the checkpoint
+    validated when it was prepared): a :class:`~weight_bridge.direct.writer.Writer` without
+    pre-images. ``reload``: the worker's ``reload_weights``."""
+
+    mode = "layerwise"
+
+    def __init__(self, model: torch.nn.Module, items: list, reload: Callable[..., None]) -> None:
+        self.model, self.items, self.reload = model, items, reload
+        self.undo_log: UndoLog | None = None
+
+    def run(self) -> ReloadReport:
+        model = self.model
+        mark_undefined(model, "a layerwise reload started writing and did not finish")
+        try:
+            self.reload(weights_iterator=iter(self.items), is_checkpoint_format=True)
+        except Exception as exc:
+            mark_undefined(model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
+            raise DirectReloadError(str(undefined_reason(model))) from exc
+        report = ReloadReport(
+            tensors=len(self.items),
+            bytes=sum(t.numel() * t.element_size() for _, t in self.items),
+            refreshed=refresh_derived_state(model, bridge_state(model).refreshers),
+            reprocessed={"<all>": "whole-model layerwise reload"},
+        )
+        clear_undefined(model)
+        return report
 
 
 def _shared_parameter_modules(model: torch.nn.Module) -> set[str]:

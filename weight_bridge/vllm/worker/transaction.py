@@ -10,9 +10,12 @@ roll back every rank that wrote if one failed:
    hash), a partial checkpoint's base version against the version served, the whole checkpoint
    against the layout recorded at load (names, shapes, dtypes, NaN/Inf), and every weight is
    resolved and proven. Nothing is written; a refusal is a result naming each tensor.
-2. :meth:`PushTransaction.commit`: write, read back, refresh derived state (or vLLM's
-   layerwise path, for what it must handle). A failure past the first write is a result too.
-3. :meth:`PushTransaction.roll_back`: re-write the version served before (its complete
+2. :meth:`PushTransaction.commit`: the one writer prepared for it (:mod:`.writers`, by mode:
+   every writer follows :class:`~weight_bridge.direct.writer.Writer`) writes, reads back and
+   refreshes derived state. A failure past the first write is a result too: the writer left
+   the model on its previous bits or marked undefined.
+3. :meth:`PushTransaction.roll_back`: take back what the writer wrote: from its undo log (a
+   delta's pre-images, O(delta)), or by re-writing the version served before (its complete
    checkpoint, then each partial one on top of it), re-read through the descriptors held since
    each was pushed, each file's identity checked before any byte is re-written
    (:mod:`~weight_bridge.vllm.worker.served_chain`): a file deleted or renamed over meanwhile still
@@ -38,40 +41,29 @@ import torch
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
 from ...checkpoint.delta import BASE_LINEAGE_KEY, is_delta
 from ...checkpoint.trust import trusted_checkpoint
-from ...direct import (
-    DirectReloadError,
-    PreparedReload,
-    ReloadReport,
-    prepare_direct_reload,
-)
-from ...direct.delta import PreparedDelta
+from ...direct import DirectReloadError, ReloadReport
 from ...direct.errors import BaseVersionError
-from ...direct.record import require_layout
-from ...direct.session import refresh_derived_state
-from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
-from ...direct.validate import validate_checkpoint
+from ...direct.state import mark_undefined, undefined_reason
+from ...direct.writer import Writer
 from ..options import BridgeOptions
 from ..outcome import PushFailure, PushResult
-from .delta_links import link_fingerprints, link_lineage, plan_delta, served_dtypes
-from .layerwise import LayerwiseReprocessor, push_plan
+from .delta_links import link_fingerprints, link_lineage, served_dtypes
 from .served_chain import ServedCheckpoint, check_lineage, compact, hold
 from .update_request import UpdateRequest
-from .vllm_direct import VllmDirectWrite
+from .writers import WriteJob, prepare_writer
 
 __all__ = ["PushTransaction"]
 
 
 @dataclass
 class _Pending:
-    """A prepared update: the open checkpoint and what will write it."""
+    """A prepared update: the open checkpoint and its writer."""
 
     reader: CheckpointReader
     items: list[tuple[str, torch.Tensor]]
-    prepared: PreparedReload | PreparedDelta | VllmDirectWrite | None  # None: layerwise
+    writer: Writer
     path: str
     partial: bool
-    served_version: str | None
-    delta: bool = False
 
 
 class PushTransaction:
@@ -94,7 +86,8 @@ class PushTransaction:
         self._started_on = list(self.served)
         # the chain served before the last commit, kept until no rank needs to roll back to it
         self._before: list[ServedCheckpoint] | None = None
-        self._undone = False  # the last commit failed and its undo log restored the bits
+        self._undone = False  # the last commit failed and its writer restored the bits
+        self._reload: Any = None  # the worker's reload_weights, handed in by commit/roll_back
 
     # -- phase 1 -----------------------------------------------------------------------------
 
@@ -120,16 +113,9 @@ class PushTransaction:
                 check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY), self.served)
             items = list(reader.tensors())
             finite = _choose(request.check_finite, self.options.check_finite)
-            prepared = self._plan_any(path, metadata, items, finite, result)
-            self._pending = _Pending(
-                reader,
-                items,
-                prepared,
-                path,
-                result.partial,
-                request.served_version,
-                result.delta,
-            )
+            writer = prepare_writer(self._job(path, metadata, items, finite, result.partial))
+            result.mode = writer.mode
+            self._pending = _Pending(reader, items, writer, path, result.partial)
         except BaseException as exc:  # any: nothing held past it (its descriptor, lock, map)
             if reader is not None:
                 reader.close()
@@ -155,64 +141,23 @@ class PushTransaction:
             f"{what}; push a complete checkpoint (nothing was written)"
         )
 
-    def _plan_any(
-        self, path: str, metadata: dict, items: list, finite: bool, result: PushResult
-    ) -> PreparedReload | PreparedDelta | VllmDirectWrite | None:
-        """A delta's plan, or any other checkpoint's (:meth:`_plan`)."""
-        if result.delta:
-            result.mode = "direct"
-            return plan_delta(self.model, self.options, path, metadata, items, finite)
-        return self._plan(items, finite, result.partial, result)
+    def _job(self, path: str, metadata: dict, items: list, finite: bool, partial: bool) -> WriteJob:
+        return WriteJob(
+            self.model,
+            self.model_config,
+            self.options,
+            path,
+            metadata,
+            items,
+            finite,
+            partial,
+            self._vllm_reload,
+        )
 
-    def _plan(
-        self, items: list, finite: bool, partial: bool, result: PushResult, mode: str | None = None
-    ) -> PreparedReload | VllmDirectWrite | None:
-        """What will write ``items``: a prepared direct reload, vLLM's direct reload, or None
-        for vLLM's layerwise (the one plan of
-        :func:`~weight_bridge.vllm.worker.layerwise.push_plan`)."""
-        chosen = push_plan(self.model, mode or self.options.reload_mode)
-        if chosen.mode == "vllm-direct":
-            result.mode = "vllm-direct"
-            refusal = (chosen.wrong or {}).get("<vllm-direct>")
-            return VllmDirectWrite.prepare(
-                self.model,
-                self.model_config,
-                items,
-                finite=finite,
-                partial=partial,
-                refusal=refusal,
-                readback=self.options.readback,
-            )
-        if chosen.plan is not None:
-            reprocessable = chosen.reprocessable
-            prepared = prepare_direct_reload(
-                self.model,
-                items,
-                check_finite=finite,
-                reprocessor=(
-                    LayerwiseReprocessor(self.model, self.model_config)
-                    if reprocessable is not None
-                    else None
-                ),
-                reprocessable=reprocessable or frozenset(),
-                readback=self.options.readback,
-                partial=partial,
-            )
-            result.mode = "auto" if prepared.plan.reprocess else "direct"
-            return prepared
-        if partial:
-            raise DirectReloadError(
-                "a partial checkpoint is written directly; vLLM's layerwise reload needs whole "
-                "layers: push a complete checkpoint (nothing was written)"
-            )
-        result.mode = "layerwise"  # asked for, or nothing at all can be written directly
-        if chosen.wrong:
-            raise DirectReloadError(
-                "vLLM's layerwise reload is wrong for this engine (nothing was written)",
-                chosen.wrong,
-            )
-        validate_checkpoint(require_layout(self.model), items, finite)
-        return None
+    def _vllm_reload(self, **kwargs: Any) -> None:
+        """The worker's layerwise ``reload_weights``, for a writer that rides it; known only
+        when a phase that writes is called (:func:`~.backend.call_backend` passes it)."""
+        self._reload(**kwargs)
 
     # -- phase 2 -----------------------------------------------------------------------------
 
@@ -225,44 +170,25 @@ class PushTransaction:
         if pending is None:
             return result  # refused in phase 1: nothing to write
         self._pending = None
+        self._reload = reload_weights
         result.written = True  # from here on this worker's weights may have changed
         self._undone = False
         try:
-            result.report = self._write(pending, reload_weights)
+            result.report = self._write(pending)
             self._serve(pending)
             if not pending.partial:
                 result.report.dtypes = served_dtypes(self.model)
         except (DirectReloadError, CheckpointError) as exc:
             result.error = PushFailure.of(exc, "after-write", pending.reader)
-            # a delta that failed restored its undo log: this rank holds the old bits already
-            self._undone = pending.delta and undefined_reason(self.model) is None
+            # a writer that failed left the model on its previous bits, or undefined
+            self._undone = undefined_reason(self.model) is None
         finally:
             pending.reader.close()
         return self._finished(result)
 
-    def _write(self, pending: _Pending, reload_weights: Any) -> ReloadReport:
-        if pending.prepared is None:
-            report = self._layerwise(pending.items, reload_weights)
-        else:
-            report = pending.prepared.run()
+    def _write(self, pending: _Pending) -> ReloadReport:
+        report = pending.writer.run()
         link_fingerprints(self.model, pending.reader.metadata, pending.items, pending.partial)
-        return report
-
-    def _layerwise(self, items: list, reload_weights: Any) -> ReloadReport:
-        """vLLM's own whole-model reload, behind the same checks as a direct one."""
-        mark_undefined(self.model, "a layerwise reload started writing and did not finish")
-        try:
-            reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-        except Exception as exc:
-            mark_undefined(self.model, f"layerwise reload failed: {type(exc).__name__}: {exc}")
-            raise DirectReloadError(str(undefined_reason(self.model))) from exc
-        report = ReloadReport(
-            tensors=len(items),
-            bytes=sum(t.numel() * t.element_size() for _, t in items),
-            refreshed=refresh_derived_state(self.model, bridge_state(self.model).refreshers),
-            reprocessed={"<all>": "whole-model layerwise reload"},
-        )
-        clear_undefined(self.model)
         return report
 
     def _serve(self, pending: _Pending) -> None:
@@ -271,8 +197,7 @@ class PushTransaction:
         in case another rank failed. Links every tensor of which the new one holds too go."""
         self._before = list(self.served)
         reader = pending.reader
-        prepared = pending.prepared
-        undo = prepared.undo_log if isinstance(prepared, PreparedDelta) else None
+        undo = pending.writer.undo_log
         names = frozenset(n for n, _ in pending.items)
         below = self.served[-1].lineage if self.served else None
         lineage = link_lineage(reader.metadata, pending.partial, below)
@@ -300,8 +225,9 @@ class PushTransaction:
         result = self.result
         if not result.wrote:
             return result
+        self._reload = reload_weights
         if self._undone:
-            result.rolled_back = "the failed delta's undo log restored the version served before"
+            result.rolled_back = "the failed write restored the version served before itself"
             return self._finished(result)
         if not self.options.rollback:
             mark_undefined(
@@ -321,10 +247,10 @@ class PushTransaction:
         started = time.perf_counter()
         label = f"version {version!r}" if version is not None else "the version served before"
         try:
-            if undo is not None:  # a delta: its pre-images, O(delta), no file re-read
+            if undo is not None:  # the writer's pre-images, O(what it wrote), no file re-read
                 undo.undo(self.model)
             else:
-                self._rewrite(self.served, reload_weights)
+                self._rewrite(self.served)
         except Exception as exc:
             mark_undefined(
                 self.model,
@@ -345,7 +271,7 @@ class PushTransaction:
         result.served = [link.path for link in self.served]
         return result
 
-    def _rewrite(self, chain: list[ServedCheckpoint], reload_weights: Any) -> None:
+    def _rewrite(self, chain: list[ServedCheckpoint]) -> None:
         """Write ``chain`` (a complete checkpoint, then partial ones) as it was served."""
         if not chain:
             raise DirectReloadError("the engine holds no checkpoint of it to re-read")
@@ -355,19 +281,11 @@ class PushTransaction:
                 readers.append(link.reader())
             for i, (link, reader) in enumerate(zip(chain, readers, strict=True)):
                 items = list(reader.tensors())
-                metadata = reader.metadata
+                job = self._job(link.path, reader.metadata, items, False, i > 0)
                 # a partial link (pushed in the bridge's own mode) is re-written by the bridge's
                 # writer: vLLM's direct reload takes complete checkpoints only
                 mode = "direct" if i > 0 and self.options.reload_mode == "vllm-direct" else None
-                prepared: Any
-                if is_delta(metadata):
-                    prepared = plan_delta(
-                        self.model, self.options, link.path, metadata, items, False
-                    )
-                else:
-                    prepared = self._plan(items, False, i > 0, PushResult(), mode)
-                pending = _Pending(reader, items, prepared, link.path, i > 0, None)
-                self._write(pending, reload_weights)
+                self._write(_Pending(reader, items, prepare_writer(job, mode), link.path, i > 0))
         finally:
             for reader in readers:
                 reader.close()

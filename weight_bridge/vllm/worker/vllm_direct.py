@@ -37,6 +37,7 @@ from ...direct.record import require_layout
 from ...direct.session import refresh_derived_state, unwritten_targets
 from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
+from ...direct.undo import UndoLog
 from ...direct.validate import validate_checkpoint
 from ...layout import live_tensors, storage_ptr
 from ..internals import vllm_direct_begin, vllm_direct_finish
@@ -48,12 +49,17 @@ WHAT = "vLLM's direct reload (post-load processing re-run)"
 
 
 class VllmDirectWrite:
-    """A complete checkpoint checked for vLLM's direct reload; :meth:`run` writes it."""
+    """A complete checkpoint checked for vLLM's direct reload; :meth:`run` writes it (a
+    :class:`~weight_bridge.direct.writer.Writer` without pre-images: a complete write is
+    taken back from the files served before)."""
+
+    mode = "vllm-direct"
 
     def __init__(self, model: torch.nn.Module, model_config: Any, items: list, readback: str):
         self.model, self.model_config, self.items = model, model_config, items
         self.readback = readback
         self.addresses = addresses(model)
+        self.undo_log: UndoLog | None = None
 
     @classmethod
     def prepare(

@@ -1,0 +1,122 @@
+"""Which writer writes a push: one registry, by mode.
+
+Every writer follows :class:`~weight_bridge.direct.writer.Writer` (prepared with nothing written,
+run once, then taken back from its pre-images or from the files served before), so the
+transaction (:mod:`.transaction`) holds one writer per push and knows nothing of how it writes.
+What the mode decides is only which one is prepared:
+
+* ``delta``: a delta checkpoint, whatever the engine's reload mode (its scatters, then a direct
+  reload of what they cannot patch: :func:`~weight_bridge.direct.delta.prepare_delta`);
+* ``direct`` and ``auto``: the bridge's direct reload (``auto`` hands the modules vLLM's
+  per-layer processing re-creates to it: :class:`.layerwise.LayerwiseReprocessor`);
+* ``vllm-direct``: vLLM's own direct reload, 0.34+ (:class:`.vllm_direct.VllmDirectWrite`);
+* ``layerwise``: vLLM's whole-model reload (:class:`.layerwise.LayerwiseWrite`).
+
+Which of the last four a complete or partial push takes is :func:`.layerwise.push_plan`'s one
+decision, shared with the dry run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...checkpoint.delta import is_delta
+from ...direct import DirectReloadError, prepare_direct_reload
+from ...direct.record import require_layout
+from ...direct.validate import validate_checkpoint
+from ...direct.writer import Writer
+from ..options import BridgeOptions
+from .delta_links import plan_delta
+from .layerwise import LayerwiseReprocessor, LayerwiseWrite, PushPlan, push_plan
+from .vllm_direct import VllmDirectWrite
+
+__all__ = ["WRITERS", "WriteJob", "prepare_writer"]
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """What a writer is prepared from: the worker's model, the checkpoint's tensors and
+    header, and how to write them (``reload``: the worker's ``reload_weights``, vLLM's
+    layerwise reload)."""
+
+    model: torch.nn.Module
+    model_config: Any
+    options: BridgeOptions
+    path: str
+    metadata: Mapping[str, str]
+    items: list[tuple[str, torch.Tensor]]
+    finite: bool
+    partial: bool
+    reload: Callable[..., None]
+
+
+def _delta(job: WriteJob, _: PushPlan | None) -> Writer:
+    return plan_delta(job.model, job.options, job.path, job.metadata, job.items, job.finite)
+
+
+def _direct(job: WriteJob, chosen: PushPlan | None) -> Writer:
+    assert chosen is not None
+    reprocessable = chosen.reprocessable
+    return prepare_direct_reload(
+        job.model,
+        job.items,
+        check_finite=job.finite,
+        reprocessor=(
+            LayerwiseReprocessor(job.model, job.model_config) if reprocessable is not None else None
+        ),
+        reprocessable=reprocessable or frozenset(),
+        readback=job.options.readback,
+        partial=job.partial,
+    )
+
+
+def _vllm_direct(job: WriteJob, chosen: PushPlan | None) -> Writer:
+    assert chosen is not None
+    return VllmDirectWrite.prepare(
+        job.model,
+        job.model_config,
+        job.items,
+        finite=job.finite,
+        partial=job.partial,
+        refusal=(chosen.wrong or {}).get("<vllm-direct>"),
+        readback=job.options.readback,
+    )
+
+
+def _layerwise(job: WriteJob, chosen: PushPlan | None) -> Writer:
+    assert chosen is not None
+    if job.partial:
+        raise DirectReloadError(
+            "a partial checkpoint is written directly; vLLM's layerwise reload needs whole "
+            "layers: push a complete checkpoint (nothing was written)"
+        )
+    if chosen.wrong:
+        raise DirectReloadError(
+            "vLLM's layerwise reload is wrong for this engine (nothing was written)",
+            chosen.wrong,
+        )
+    validate_checkpoint(require_layout(job.model), job.items, job.finite)
+    return LayerwiseWrite(job.model, job.items, job.reload)
+
+
+# mode -> how that mode's writer is prepared (a refusal raises, nothing written)
+WRITERS: dict[str, Callable[[WriteJob, PushPlan | None], Writer]] = {
+    "delta": _delta,
+    "direct": _direct,
+    "auto": _direct,
+    "vllm-direct": _vllm_direct,
+    "layerwise": _layerwise,
+}
+
+
+def prepare_writer(job: WriteJob, mode: str | None = None) -> Writer:
+    """The writer of ``job`` in ``mode`` (default: the engine's reload mode); a delta is
+    always the delta writer's. Nothing is written; a refusal raises naming each tensor."""
+    if is_delta(job.metadata):
+        return WRITERS["delta"](job, None)
+    chosen = push_plan(job.model, mode or job.options.reload_mode)
+    return WRITERS[chosen.mode](job, chosen)
