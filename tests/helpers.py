@@ -36,6 +36,7 @@ from weight_bridge.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from weight_bridge.testing import TEST_ARCHITECTURES, parity  # noqa: E402
+from weight_bridge.testing.deltas import delta_checkpoint  # noqa: E402, F401  (the tests' one)
 
 TESTS = Path(__file__).parent
 
@@ -285,33 +286,6 @@ def set_storage(p: torch.Tensor, buf: torch.Tensor, offset: int, shape, stride) 
     weight into another buffer)."""
     with torch.no_grad():
         p.set_(buf.untyped_storage(), offset, tuple(shape), tuple(stride))
-
-
-def delta_checkpoint(
-    old: dict, new: dict, base: str, version: str, path: Path, dense: set | None = None
-) -> Path:
-    """A delta from ``old`` to ``new`` (name -> tensor, same dtypes) on top of version
-    ``base``: each changed tensor sparse or dense, whichever is smaller (``dense``: names
-    always dense, as a trainer sends those the engine cannot patch), fingerprinted."""
-    from weight_bridge.checkpoint.delta import changed_indices, delta_metadata, stored_parts
-    from weight_bridge.exact import exact_fingerprint
-
-    tensors: dict = {}
-    shapes: dict = {}
-    prints: dict = {}
-    for name in old:
-        changed = changed_indices(old[name], new[name])
-        if not changed.numel():
-            continue
-        parts = stored_parts(name, new[name], changed)
-        if name in (dense or ()):
-            parts = {name: new[name]}
-        if name not in parts:
-            shapes[name] = list(new[name].shape)
-        tensors.update(parts)
-        prints[name] = exact_fingerprint(new[name])
-    save_checkpoint(tensors, path, delta_metadata(base, version, prints, shapes))
-    return path
 
 
 def keyframe_checkpoint(tensors: dict, version: str, path: Path) -> Path:

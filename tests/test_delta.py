@@ -21,6 +21,7 @@ from weight_bridge.direct.delta import prepare_delta
 from weight_bridge.direct.state import bridge_state
 from weight_bridge.exact import bits_of, exact_fingerprint, fingerprint_change
 from weight_bridge.layout import TensorSpec
+from weight_bridge.testing.deltas import COLS, ROWS, applied_memory, wide_pair
 
 NAMES = ("q", "k", "v", "out")
 
@@ -179,76 +180,23 @@ def test_dense_values_that_are_not_the_trainers_tensor_are_refused_and_undone(tm
     reader.close()
 
 
-class Wide(torch.nn.Module):
-    """One large bf16 weight, copied in by its loader."""
-
-    def __init__(self, rows: int, cols: int) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.bfloat16))
-
-    def load_weights(self, weights) -> set[str]:
-        for _, t in weights:
-            self.w.data.copy_(t)
-        return {"w"}
-
-
-def _status_bytes(key: str) -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
-    return int(line.split()[1]) * 1024
-
-
-ROWS, COLS = 4096, 8192  # a 64 MiB bf16 tensor
-
-
-def _wide_pair(fraction: float) -> tuple[dict, dict]:
-    """A 64 MiB bf16 tensor and the next one, ``fraction`` of its elements changed."""
-    g = torch.Generator().manual_seed(0)
-    a = {"w": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16)}
-    new = (a["w"].float() * 1.01 + 0.003).to(torch.bfloat16)
-    if fraction < 1:
-        new = torch.where(torch.rand(ROWS, COLS, generator=g) < fraction, new, a["w"])
-    return a, {"w": new}
-
-
-def _apply_measured(a: dict, delta) -> tuple[Wide, int, int]:
-    """An engine-like ``Wide`` on ``a``, then ``delta`` prepared and applied: the model, the
-    peak resident memory that took beyond what was resident before (this process's high-water
-    mark, reset first) and its undo log's bytes; the log is undone and checked against ``a``."""
-    m = Wide(ROWS, COLS)
-    with torch.no_grad():
-        m.load_weights(a.items())
-    record_checkpoint_layout(m, checkpoint={"w": TensorSpec((ROWS, COLS), torch.bfloat16)})
-    direct_reload(m, a)
-    bridge_state(m).fingerprints = {"w": exact_fingerprint(a["w"])}
-    before = _status_bytes("VmRSS:")
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
-    prepared = prepare_delta(m, delta)
-    prepared.run()
-    peak = _status_bytes("VmHWM:") - before
-    assert prepared.undo_log is not None
-    applied = m.w.detach().clone()
-    prepared.undo_log.undo(m)
-    assert torch.equal(m.w.detach().view(torch.int16), a["w"].view(torch.int16))
-    m.w.data.copy_(applied)
-    return m, peak, prepared.undo_log.nbytes
-
-
 def test_a_dense_tensor_in_a_delta_costs_its_pre_images_and_bounded_temporaries(tmp_path):
     """A delta carrying a 64 MiB bf16 tensor dense (every element changed): preparing and
     applying it peaks at no more than twice the tensor plus its undo log (this process's
-    resident high-water mark, reset first), and the log is the tensor's pre-images alone, no
-    positions (at most 1.25x what the delta carried). Before: an int64 position per element,
-    a shifted copy and int64 fingerprint temporaries peaked near 21x."""
+    resident high-water mark, reset first: ``weight_bridge.testing.deltas``, which the GPU check
+    runs on CUDA), and the log is the tensor's pre-images alone, no positions (at most 1.25x
+    what the delta carried). Before: an int64 position per element, a shifted copy and int64
+    fingerprint temporaries peaked near 21x."""
     size = ROWS * COLS * 2
-    a, b = _wide_pair(1.0)
+    a, b = wide_pair(1.0)
     reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
     assert [n for n, _ in delta.dense] == ["w"] and not delta.sparse
-    assert exact_fingerprint(delta.dense[0][1]) == exact_fingerprint(b["w"])  # pages read in
+    assert exact_fingerprint(delta.dense[0][1]) == exact_fingerprint(b["w"])
     del b["w"]
-    m, peak, undo = _apply_measured(a, delta)
-    assert undo <= 1.25 * size, (undo, size)
-    assert peak <= 2 * size + undo, f"peak {peak / 2**20:.0f} MiB for a {size >> 20} MiB tensor"
-    assert torch.equal(m.w.detach().view(torch.int16), delta.dense[0][1].view(torch.int16))
+    cost = applied_memory(a, delta)
+    assert cost.undo <= 1.25 * size, (cost.undo, size)
+    assert cost.peak <= cost.bound, f"peak {cost.peak / 2**20:.0f} MiB for a 64 MiB tensor"
+    assert torch.equal(cost.model.w.detach().view(torch.int16), delta.dense[0][1].view(torch.int16))
     reader.close()
 
 
@@ -258,16 +206,15 @@ def test_a_sparse_tensor_in_a_delta_costs_its_undo_log_and_bounded_temporaries(t
     the tensor plus its undo log, and the log (positions shared with the scatter, in the file's
     2-byte encoding, and pre-images) is at most 1.25x what the delta carried. Before: int64
     positions, their re-encoding and int64 fingerprint temporaries peaked at 639 MiB."""
-    size = ROWS * COLS * 2
-    a, b = _wide_pair(0.45)
+    a, b = wide_pair(0.45)
     reader, delta = decoded(write_delta(tmp_path / "d.safetensors", a, b))
     sparse = delta.sparse["w"]
     assert not delta.dense and sparse.values.numel() > 0.4 * ROWS * COLS
     carried = sparse.values.nbytes + 2 * sparse.values.numel() + 4 * -(-ROWS * COLS // 65536)
-    m, peak, undo = _apply_measured(a, delta)
-    assert undo <= 1.25 * carried, (undo, carried)
-    assert peak <= 2 * size + undo, f"peak {peak / 2**20:.0f} MiB for a {size >> 20} MiB tensor"
-    assert torch.equal(m.w.detach().view(torch.int16), b["w"].view(torch.int16))
+    cost = applied_memory(a, delta)
+    assert cost.undo <= 1.25 * carried, (cost.undo, carried)
+    assert cost.peak <= cost.bound, f"peak {cost.peak / 2**20:.0f} MiB for a 64 MiB tensor"
+    assert torch.equal(cost.model.w.detach().view(torch.int16), b["w"].view(torch.int16))
     reader.close()
 
 

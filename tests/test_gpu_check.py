@@ -3,7 +3,7 @@ and on a GPU for any wrong output, exception or refusal in ``auto`` mode. Fast, 
 
 The GPU run itself cannot happen here; what is tested is what decides its exit status: the
 parity comparison it applies (the CPU tests' parity: tokens exact, logprobs within 1e-4), the
-verdict on each matrix cell, and the exit codes.
+verdict on each matrix cell, the delta memory check (on the CPU), and the exit codes.
 """
 
 from __future__ import annotations
@@ -118,3 +118,12 @@ def test_an_exception_in_the_check_fails_it(monkeypatch, capsys) -> None:
     assert gpu_check.main([]) == 1
     assert gpu_check.main(["--matrix"]) == 1
     assert "engine failed to start" in capsys.readouterr().err
+
+
+def test_the_delta_memory_check_measures_on_the_device_it_is_given(capsys) -> None:
+    """``--delta-memory``'s check, run on the CPU (resident memory): a dense and a sparse delta
+    within their bound, one line each, exit 0; on a GPU the same function measures
+    ``torch.cuda.max_memory_allocated``."""
+    assert gpu_check.delta_memory("cpu") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.endswith(": ok") for line in lines), lines

@@ -12,12 +12,18 @@ raised, or (``--matrix``) ``auto`` mode refused a push. Without CUDA: 2 with ``-
 
     python tools/gpu_check.py [--require-gpu] [--size 100m] [--arch qwen2] [--dtype bfloat16]
     python tools/gpu_check.py --matrix      # the architecture matrix, direct and auto
+    python tools/gpu_check.py --delta-memory   # a delta's peak device memory, no engine
 
 ``--matrix`` runs every family of :data:`weight_bridge.testing.models.MATRIX` (dense, tied,
 MoE, MLA + MoE: the MoE kernels differ on CUDA, e.g. FlashInfer shuffles expert weights) in
 ``direct`` and ``auto`` mode against a cold start and prints the same table as the README's:
 per family and mode, equal to the cold start, refused by name (``direct`` only: nothing
 written, the engine still equal to its own start), or FAIL with the reason.
+
+``--delta-memory`` applies a delta to one 64 MiB bf16 tensor on the GPU with the direct core
+(dense, every element changed; sparse, 45 % changed) and checks the bound the CPU tests check
+with resident memory: ``torch.cuda.max_memory_allocated`` over what was allocated before stays
+within twice the tensor plus the undo log (:mod:`weight_bridge.testing.deltas`).
 """
 
 from __future__ import annotations
@@ -92,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--matrix", action="store_true", help="run the architecture matrix")
     parser.add_argument(
+        "--delta-memory", action="store_true", help="a delta's peak device memory, its bound"
+    )
+    parser.add_argument(
         "--require-gpu",
         action="store_true",
         help=f"without a CUDA device, fail (exit {NO_GPU_EXIT}) instead of skipping",
@@ -110,11 +119,39 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
+        if args.delta_memory:
+            return delta_memory("cuda")
         return matrix(args.dtype) if args.matrix else single(args)
     except Exception:
         traceback.print_exc()
         print("gpu-check: FAILED: an exception (above) ended the check", file=sys.stderr)
         return 1
+
+
+def delta_memory(device: str) -> int:
+    """A dense and a sparse delta applied on ``device``: peak memory against its bound."""
+    from weight_bridge.checkpoint import CheckpointReader
+    from weight_bridge.checkpoint.delta import read_delta
+    from weight_bridge.testing.deltas import applied_memory, delta_checkpoint, wide_pair
+
+    root = Path(tempfile.mkdtemp(prefix="wb-gpu-check-delta-"))
+    failed = []
+    for label, fraction in (("dense, every element changed", 1.0), ("sparse, 45 % changed", 0.45)):
+        a, b = wide_pair(fraction)
+        path = delta_checkpoint(a, b, "A", "B", root / f"{fraction}.safetensors")
+        with CheckpointReader(path) as reader:
+            delta = read_delta(str(path), reader.metadata, dict(reader.tensors()))
+            cost = applied_memory(a, delta, device)
+        ok = cost.peak <= cost.bound
+        failed += [] if ok else [label]
+        print(
+            f"  delta, 64 MiB bf16 tensor, {label}: peak {cost.peak / 2**20:.0f} MiB, bound "
+            f"{cost.bound / 2**20:.0f} MiB (2x tensor + undo log {cost.undo / 2**20:.0f} MiB): "
+            f"{'ok' if ok else 'FAIL'}"
+        )
+    for label in failed:
+        print(f"gpu-check: FAILED: a delta ({label}) exceeded its memory bound", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def single(args: argparse.Namespace) -> int:

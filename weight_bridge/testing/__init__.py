@@ -8,6 +8,8 @@
 * :mod:`.architectures`: vLLM test architectures whose post-load processing moves, transforms or
   derives weights. They are registered only in engines that ask for them:
   ``ColocatedEngine(..., plugins=[TEST_ARCHITECTURES])``.
+* :mod:`.deltas`: delta checkpoints as a trainer writes them; what applying one costs in memory
+  (resident memory here, ``torch.cuda.max_memory_allocated`` in the GPU check).
 * :mod:`.faults`: a fault injected into a ``vllm serve`` process's pushes while a file exists.
 
 Needs the ``dev`` extra (``transformers``, ``tokenizers``).
