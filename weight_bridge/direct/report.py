@@ -47,10 +47,16 @@ class ReloadReport:
     def add(self, other: ReloadReport) -> None:
         """Add the report of another writer of the same update
         (:class:`~weight_bridge.direct.writer.Writers`)."""
-        for key in ("tensors", "bytes", "direct", "verified_writes", "changed"):
-            setattr(self, key, getattr(self, key) + getattr(other, key))
-        for key in ("preflight_s", "write_s", "refresh_s", "readback_s", "elapsed_s"):
-            setattr(self, key, getattr(self, key) + getattr(other, key))
+        self.tensors += other.tensors
+        self.bytes += other.bytes
+        self.direct += other.direct
+        self.verified_writes += other.verified_writes
+        self.changed += other.changed
+        self.preflight_s += other.preflight_s
+        self.write_s += other.write_s
+        self.refresh_s += other.refresh_s
+        self.readback_s += other.readback_s
+        self.elapsed_s += other.elapsed_s
         self.refreshed.update(other.refreshed)
         self.reprocessed.update(other.reprocessed)
         self.shard_fingerprints.update(other.shard_fingerprints)
