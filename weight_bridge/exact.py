@@ -32,7 +32,7 @@ __all__ = ["bits_of", "exact_fingerprint", "fingerprint_change", "format_fingerp
 _LOW = 1 << 16
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ROWS = 64  # rows of 65536 elements widened to int64 at a time (32 MiB)
-_CHANGE_BLOCK = 1 << 20  # changed elements weighed at a time (a few int64 temporaries of 8 MiB)
+_CHANGE_BLOCK = 1 << 18  # changed elements weighed at a time (int64 temporaries of 2 MiB)
 _A: dict[torch.device, torch.Tensor] = {}
 _B: dict[torch.device, torch.Tensor] = {}  # B[0:n] for the largest n asked so far
 

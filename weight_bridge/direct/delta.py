@@ -43,6 +43,7 @@ from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .parallel import run_split
 from .plan import plan_direct_reload
+from .positions import CHUNK
 from .proof import module_of
 from .record import require_layout
 from .report import ReloadReport
@@ -174,19 +175,11 @@ class PreparedDelta:
         assert patch.indices is not None
         n = patch.indices.numel()
         if len(olds) == 1 and patch.held[0].covers(n):  # one segment holds every element
-            indices, old, values = patch.indices, olds[0].cpu(), patch.values
+            change, count = fingerprint_change(patch.indices, olds[0].cpu(), patch.values), n
         else:
-            old = torch.empty_like(patch.values)
-            taken = torch.zeros(n, dtype=torch.bool)
-            for held, pre in zip(patch.held, olds, strict=True):  # an element held twice: once
-                mask = held.full_mask(n)
-                fresh = mask & ~taken
-                old[fresh] = pre.cpu()[fresh[mask]]
-                taken |= mask
-            indices, old, values = patch.indices[taken], old[taken], patch.values[taken]
-        change = fingerprint_change(indices, old, values)
+            change, count = _held_change(patch, olds)
         if not patch.whole:
-            self._shard_part(patch, base, change, indices.numel(), patch.indices.numel(), report)
+            self._shard_part(patch, base, change, count, n, report)
             return None
         if base is None:
             return "no fingerprint of the tensor served (push a keyframe)"
@@ -262,6 +255,33 @@ class PreparedDelta:
             return False
         state.undefined = was
         return True
+
+
+def _held_change(patch: Patch, olds: list[torch.Tensor]) -> tuple[int, int]:
+    """The fingerprint change of the changed elements this worker holds, and how many: an
+    element two segments hold counts once (with the first one's pre-image). Segment by segment,
+    :data:`~.positions.CHUNK` indices at a time: no int64 copy of the indices held."""
+    assert patch.indices is not None
+    taken = torch.zeros(patch.indices.numel(), dtype=torch.bool)
+    change, count = 0, 0
+    for held, pre in zip(patch.held, olds, strict=True):
+        pre = pre.cpu()
+        done = 0  # this segment's pre-images used so far
+        for start in range(held.lo, held.hi, CHUNK):
+            end = min(start + CHUNK, held.hi)
+            if held.mask is None:
+                mine = torch.ones(end - start, dtype=torch.bool)
+            else:
+                mine = held.mask[start - held.lo : end - held.lo].cpu()
+            fresh = mine & ~taken[start:end]
+            mine_count = int(torch.count_nonzero(mine))
+            old = pre[done : done + mine_count][fresh[mine]]
+            new = patch.values[start:end][fresh]
+            change += fingerprint_change(patch.indices[start:end][fresh], old, new)
+            count += int(torch.count_nonzero(fresh))
+            taken[start:end] |= mine
+            done += mine_count
+    return change & ((1 << 64) - 1), count
 
 
 def _usable_map(model: torch.nn.Module, now: object) -> WriteMap:

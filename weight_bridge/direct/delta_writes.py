@@ -35,8 +35,10 @@ class Scatter:
     values: torch.Tensor
 
     def read(self) -> torch.Tensor:
-        parts = [self.storage[at] for _, _, at in self.where.chunks(self.storage.device)]
-        return torch.cat(parts) if parts else self.values[:0].clone()
+        pre = torch.empty_like(self.values)
+        for start, end, at in self.where.chunks(self.storage.device):
+            torch.index_select(self.storage, 0, at, out=pre[start:end])
+        return pre
 
     def write(self) -> None:
         for start, end, at in self.where.chunks(self.storage.device):

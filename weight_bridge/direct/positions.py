@@ -20,7 +20,7 @@ from ..checkpoint.delta import BLOCK
 
 __all__ = ["CHUNK", "Positions"]
 
-CHUNK = 1 << 20  # positions decoded (int64) at a time: 8 MiB
+CHUNK = 1 << 18  # positions handled at a time: int64 temporaries of 2 MiB
 
 
 @dataclass(frozen=True)

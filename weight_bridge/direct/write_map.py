@@ -20,7 +20,7 @@ model's addresses, and a push checks them (a direct reload never moves one).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -77,31 +77,16 @@ class Segment:
         lands on ``dst_offset + k``."""
         return _contiguous(self.shape, self.src_stride) and _contiguous(self.shape, self.dst_stride)
 
-    def positions(self, flat: torch.Tensor) -> tuple[Held, Positions]:
-        """:meth:`locate`, the live positions kept small (:mod:`.positions`); a linear
-        segment's are shifted and encoded a chunk at a time, never all as int64 at once."""
-        if not self.linear:
-            held, where = self.locate(flat)
-            return held, Positions.of(where)
+    def _range(self, flat: torch.Tensor) -> tuple[int, int]:
+        """Where in ``flat`` (sorted) the indices this segment may hold are: two binary
+        searches."""
         bounds = torch.tensor([self.src_offset, self.src_offset + self.extent], dtype=flat.dtype)
         lo, hi = (int(i) for i in torch.searchsorted(flat, bounds))
-        shift = self.dst_offset - self.src_offset
-        if hi <= lo:
-            return Held(lo, hi, None), Positions.of(flat[:0])
-        chunks = (flat[s : min(s + CHUNK, hi)] + shift for s in range(lo, hi, CHUNK))
-        first, last = int(flat[lo]) + shift, int(flat[hi - 1]) + shift
-        return Held(lo, hi, None), Positions.sorted_chunks(chunks, hi - lo, first, last)
+        return lo, hi
 
-    def locate(self, flat: torch.Tensor) -> tuple[Held, torch.Tensor]:
-        """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
-        holds and, for those, the live element they land on (int64). Sorted indices put the
-        ones a segment can hold in one range (two binary searches); a linear segment holds
-        all of that range and shifts it, any other is solved coordinate by coordinate."""
-        bounds = torch.tensor([self.src_offset, self.src_offset + self.extent], dtype=flat.dtype)
-        lo, hi = (int(i) for i in torch.searchsorted(flat, bounds))
-        rel = flat[lo:hi] - self.src_offset
-        if self.linear:
-            return Held(lo, hi, None), rel.add_(self.dst_offset)
+    def _solve(self, rel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For checkpoint positions ``rel`` (from ``src_offset``, int64) of a segment that is
+        not linear: which the segment holds, and the live element of each (int64)."""
         ok = torch.ones_like(rel, dtype=torch.bool)
         dst = torch.full_like(rel, self.dst_offset)
         order = sorted(range(len(self.shape)), key=lambda d: -self.src_stride[d])
@@ -111,6 +96,65 @@ class Segment:
             rel = rel - m * self.src_stride[d]
             dst += m * self.dst_stride[d]
         ok &= rel == 0
+        return ok, dst
+
+    def positions(self, flat: torch.Tensor) -> tuple[Held, Positions]:
+        """:meth:`locate`, the live positions kept small (:mod:`.positions`) and computed a
+        chunk at a time, never all as int64 at once: a linear segment's shifted and encoded,
+        any other's solved, narrowed to 4 bytes, then encoded where they come out sorted."""
+        lo, hi = self._range(flat)
+        if hi <= lo:
+            return Held(lo, hi, None), Positions.of(flat[:0])
+        if self.linear:
+            shift = self.dst_offset - self.src_offset
+            chunks = (flat[s : min(s + CHUNK, hi)] + shift for s in range(lo, hi, CHUNK))
+            first, last = int(flat[lo]) + shift, int(flat[hi - 1]) + shift
+            return Held(lo, hi, None), Positions.sorted_chunks(chunks, hi - lo, first, last)
+        return self._solved_positions(flat, lo, hi)
+
+    def _solved_positions(self, flat: torch.Tensor, lo: int, hi: int) -> tuple[Held, Positions]:
+        """:meth:`positions` of a segment that is not linear, in two passes over chunks of
+        ``flat[lo:hi]``: which are held, how many, and whether they land in increasing order;
+        then the positions themselves, straight into their encoding (4-byte plain ones if they
+        do not increase)."""
+
+        def solved() -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+            for start in range(lo, hi, CHUNK):
+                end = min(start + CHUNK, hi)
+                ok, dst = self._solve(flat[start:end] - self.src_offset)
+                yield start - lo, end - lo, ok, dst[ok]
+
+        mask = torch.empty(hi - lo, dtype=torch.bool)
+        count, first, last, increasing = 0, 0, -1, True
+        for start, end, ok, where in solved():
+            mask[start:end] = ok
+            if where.numel():
+                first = int(where[0]) if not count else first
+                increasing = increasing and int(where[0]) > last
+                increasing = increasing and bool((where[1:] > where[:-1]).all())
+                last, count = int(where[-1]), count + where.numel()
+        if not count:
+            return Held(lo, hi, mask), Positions.of(flat[:0])
+        if increasing:
+            chunks = (where for _, _, _, where in solved())
+            return Held(lo, hi, mask), Positions.sorted_chunks(chunks, count, first, last)
+        plain = torch.empty(count, dtype=torch.int32 if last < 2**31 else torch.int64)
+        done = 0
+        for _, _, _, where in solved():
+            plain[done : done + where.numel()] = where
+            done += where.numel()
+        return Held(lo, hi, mask), Positions(plain=plain)
+
+    def locate(self, flat: torch.Tensor) -> tuple[Held, torch.Tensor]:
+        """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
+        holds and, for those, the live element they land on (int64). Sorted indices put the
+        ones a segment can hold in one range (two binary searches); a linear segment holds
+        all of that range and shifts it, any other is solved coordinate by coordinate."""
+        lo, hi = self._range(flat)
+        rel = flat[lo:hi] - self.src_offset
+        if self.linear:
+            return Held(lo, hi, None), rel.add_(self.dst_offset)
+        ok, dst = self._solve(rel)
         return Held(lo, hi, ok), dst[ok]
 
 
@@ -124,19 +168,22 @@ class Held:
     mask: torch.Tensor | None
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        """The held elements of ``t`` (aligned with the index list): a view when unmasked."""
+        """The held elements of ``t`` (aligned with the index list): a view when unmasked; else
+        selected a chunk at a time (a mask's selection builds int64 indices of it all)."""
         part = t[self.lo : self.hi]
-        return part if self.mask is None else part[self.mask]
+        if self.mask is None:
+            return part
+        out = torch.empty(int(torch.count_nonzero(self.mask)), dtype=t.dtype, device=t.device)
+        done = 0
+        for start in range(0, part.numel(), CHUNK):
+            chosen = part[start : start + CHUNK][self.mask[start : start + CHUNK]]
+            out[done : done + chosen.numel()] = chosen
+            done += chosen.numel()
+        return out
 
     def covers(self, n: int) -> bool:
         """Whether it holds all ``n`` indices."""
         return self.lo == 0 and self.hi == n and (self.mask is None or bool(self.mask.all()))
-
-    def full_mask(self, n: int) -> torch.Tensor:
-        """As a bool mask over all ``n`` indices."""
-        out = torch.zeros(n, dtype=torch.bool)
-        out[self.lo : self.hi] = True if self.mask is None else self.mask.cpu()
-        return out
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

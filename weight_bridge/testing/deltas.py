@@ -55,15 +55,21 @@ def delta_checkpoint(
 
 
 class Wide(torch.nn.Module):
-    """One large bf16 weight, copied in by its loader."""
+    """One large bf16 weight, copied in by its loader: whole, or (``held`` columns) the first
+    columns only, as a tensor-parallel rank holds a row-parallel layer's shard (its elements
+    are not one run of the checkpoint's: solved coordinate by coordinate)."""
 
-    def __init__(self, rows: int, cols: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, rows: int, cols: int, device: str | torch.device = "cpu", held: int | None = None
+    ) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(rows, cols, dtype=torch.bfloat16, device=device))
+        self.held = held or cols
+        shape = (rows, self.held)
+        self.w = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device))
 
     def load_weights(self, weights) -> set[str]:
         for _, t in weights:
-            self.w.data.copy_(t)
+            self.w.data.copy_(t[:, : self.held])
         return {"w"}
 
 
@@ -98,8 +104,11 @@ def _status_bytes(key: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def applied_memory(a: dict, delta, device: str | torch.device = "cpu") -> AppliedMemory:
-    """An engine-like :class:`Wide` on ``a`` on ``device``, then ``delta`` (decoded by
+def applied_memory(
+    a: dict, delta, device: str | torch.device = "cpu", held: int | None = None
+) -> AppliedMemory:
+    """An engine-like :class:`Wide` on ``a`` on ``device`` (``held``: its columns, for a
+    shard), then ``delta`` (decoded by
     :func:`~weight_bridge.checkpoint.delta.read_delta`) prepared and applied, measured: on CUDA
     ``torch.cuda.max_memory_allocated`` over what was allocated before; elsewhere this
     process's resident high-water mark over what was resident before (``/proc``, reset
@@ -111,7 +120,7 @@ def applied_memory(a: dict, delta, device: str | torch.device = "cpu") -> Applie
     from ..layout import TensorSpec
 
     device = torch.device(device)
-    m = Wide(ROWS, COLS, device)
+    m = Wide(ROWS, COLS, device, held)
     with torch.no_grad():
         m.load_weights(a.items())
     record_checkpoint_layout(m, checkpoint={"w": TensorSpec((ROWS, COLS), torch.bfloat16)})
@@ -137,6 +146,7 @@ def applied_memory(a: dict, delta, device: str | torch.device = "cpu") -> Applie
     assert prepared.undo_log is not None
     applied = m.w.detach().clone()
     prepared.undo_log.undo(m)
-    assert torch.equal(m.w.detach().cpu().view(torch.int16), a["w"].view(torch.int16))
+    want = a["w"][:, : m.held]
+    assert torch.equal(m.w.detach().cpu().view(torch.int16), want.view(torch.int16))
     m.w.data.copy_(applied)
     return AppliedMemory(m, peak, prepared.undo_log.nbytes)
