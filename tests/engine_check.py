@@ -153,9 +153,9 @@ def drift_unchanged(worker, name: str, changed: list[int]) -> int | None:
     for k in range(seg.src_offset, seg.src_offset + seg.extent):
         if k in skip:
             continue
-        held, where = seg.locate(torch.tensor([k]))
-        if where.numel():
-            bits_of(seg.storage)[where] ^= 1
+        held, where = seg.positions(torch.tensor([k]))
+        for _, _, at in where.chunks(seg.storage.device):
+            bits_of(seg.storage)[at] ^= 1
             return k
     return None
 

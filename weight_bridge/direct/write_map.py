@@ -99,9 +99,11 @@ class Segment:
         return ok, dst
 
     def positions(self, flat: torch.Tensor) -> tuple[Held, Positions]:
-        """:meth:`locate`, the live positions kept small (:mod:`.positions`) and computed a
-        chunk at a time, never all as int64 at once: a linear segment's shifted and encoded,
-        any other's solved, narrowed to 4 bytes, then encoded where they come out sorted."""
+        """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
+        holds and the live elements they land on, kept small (:mod:`.positions`) and computed
+        a chunk at a time, never all as int64 at once. Sorted indices put the ones a segment can
+        hold in one range (two binary searches); a linear segment holds all of that range and
+        shifts it, any other is solved coordinate by coordinate."""
         lo, hi = self._range(flat)
         if hi <= lo:
             return Held(lo, hi, None), Positions.of(flat[:0])
@@ -144,18 +146,6 @@ class Segment:
             plain[done : done + where.numel()] = where
             done += where.numel()
         return Held(lo, hi, mask), Positions(plain=plain)
-
-    def locate(self, flat: torch.Tensor) -> tuple[Held, torch.Tensor]:
-        """For checkpoint flat indices ``flat`` (sorted, int64): which of them the segment
-        holds and, for those, the live element they land on (int64). Sorted indices put the
-        ones a segment can hold in one range (two binary searches); a linear segment holds
-        all of that range and shifts it, any other is solved coordinate by coordinate."""
-        lo, hi = self._range(flat)
-        rel = flat[lo:hi] - self.src_offset
-        if self.linear:
-            return Held(lo, hi, None), rel.add_(self.dst_offset)
-        ok, dst = self._solve(rel)
-        return Held(lo, hi, ok), dst[ok]
 
 
 @dataclass(frozen=True)
