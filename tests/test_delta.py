@@ -434,6 +434,25 @@ def test_a_loader_write_that_fails_after_the_scatters_ran(tmp_path, when) -> Non
     reader.close()
 
 
+def test_a_complete_write_failing_after_its_session_finished_is_undefined(monkeypatch) -> None:
+    """The write protocol's contract: a writer that fails leaves the model on its previous bits
+    or undefined. FAULT INJECTION (nothing outside can make it fail there): learning the write
+    map, after a complete write's session finished, raises; the new bits are in place, so the
+    model must be undefined, naming the error, not taken for the old version."""
+    import weight_bridge.direct.session as session
+
+    a, b = ckpt(0), ckpt(1)
+    m = engine_model(a)
+
+    def fail(*args, **kwargs):
+        raise MemoryError("injected: learning the write map")
+
+    monkeypatch.setattr(session, "learn_write_map", fail)
+    with pytest.raises(DirectReloadError, match="injected"):
+        direct_reload(m, b)
+    assert "MemoryError: injected" in (bridge_state(m).undefined or ""), bridge_state(m).undefined
+
+
 def _splitmix64(x: int) -> int:
     """The documented weight hash in plain Python (weight_bridge.exact's module docstring)."""
     m = (1 << 64) - 1
