@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.delta import BLOCK
+from ..checkpoint.delta import BLOCK, decode_indices
 
 __all__ = ["CHUNK", "Positions"]
 
@@ -95,7 +95,5 @@ class Positions:
             b0 = int(torch.searchsorted(ends, s, right=True))
             b1 = int(torch.searchsorted(ends, e - 1, right=True))
             held = ends[b0 : b1 + 1].clamp(max=e) - starts[b0 : b1 + 1].clamp(min=s)
-            block_starts = torch.arange(b0, b1 + 1, dtype=torch.int64) * BLOCK + self.first
-            where = torch.repeat_interleave(block_starts, held)
-            where += self.offsets[s:e].to(torch.int32).bitwise_and_(BLOCK - 1)
-            yield s, e, where.to(device)
+            where = decode_indices(held.to(torch.int32), self.offsets[s:e])  # from block b0
+            yield s, e, where.add_(b0 * BLOCK + self.first).to(device)

@@ -140,7 +140,8 @@ class Segment:
         if increasing:
             chunks = (where for _, _, _, where in solved())
             return Held(lo, hi, mask), Positions.sorted_chunks(chunks, count, first, last)
-        plain = torch.empty(count, dtype=torch.int32 if last < 2**31 else torch.int64)
+        narrow = torch.int32 if self.storage.numel() < 2**31 else torch.int64  # any position
+        plain = torch.empty(count, dtype=narrow)
         done = 0
         for _, _, _, where in solved():
             plain[done : done + where.numel()] = where
