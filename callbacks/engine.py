@@ -27,10 +27,12 @@ __all__ = ["EngineSpec"]
 class EngineSpec:
     """Which engine to push into: start one on ``model`` (``mode``: ``"colocated"``, a
     ``vllm.LLM`` in this process; ``"async"``, an ``AsyncLLM`` on its own loop; ``"serve"``, a
-    ``vllm serve`` process) or connect to ``url``; ``args``: what that engine or client takes
-    (the bridge's options such as ``readback``, ``kv_cache_gb``, vLLM's engine arguments;
-    ``inflight``, what a push does to requests in flight, where there can be any: ``async``,
-    ``serve`` and ``url``; ``api_key`` for ``serve`` and ``url``)."""
+    ``vllm serve`` process; ``"ranks"``, a ``vllm.LLM`` inside every trainer rank,
+    tensor-parallel over them and pushed from the live tensors, no file) or connect to ``url``;
+    ``args``: what that engine or client takes (the bridge's options such as ``readback``,
+    ``kv_cache_gb``, vLLM's engine arguments; ``inflight``, what a push does to requests in
+    flight, where there can be any: ``async``, ``serve`` and ``url``; ``api_key`` for ``serve``
+    and ``url``; ``cpu_threads_bind`` for ``ranks``)."""
 
     model: str | None = None
     url: str | None = None
@@ -44,11 +46,20 @@ class EngineSpec:
             raise ValueError(f"engine mode must be one of {ENGINE_MODES}, not {self.mode!r}")
         if self.url is not None and self.mode != "colocated":
             raise ValueError(f"an engine at a url is already running: no mode ({self.mode!r})")
-        if self.model is not None and self.mode == "colocated" and "inflight" in self.args:
+        if (
+            self.model is not None
+            and self.mode in ("colocated", "ranks")
+            and "inflight" in self.args
+        ):
             raise ValueError(
-                "a colocated engine generates and is pushed on the same thread, so no request "
+                f"a {self.mode} engine generates and is pushed on the same thread, so no request "
                 "is in flight during a push: inflight applies to mode 'async' or 'serve'"
             )
+
+    @property
+    def in_ranks(self) -> bool:
+        """Whether the engine runs inside the trainer's ranks (pushed from live tensors)."""
+        return self.model is not None and self.mode == "ranks"
 
     @property
     def starts(self) -> bool:

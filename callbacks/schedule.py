@@ -12,6 +12,7 @@ policy itself (which kind, the delta options) is the library's, shared with
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from weight_bridge.checkpoint import KeyframeClock, delta_mode
@@ -106,3 +107,16 @@ class SyncClock(KeyframeClock):
 
     def at_train_end(self, step: int) -> bool:
         return step != self.last_pushed_step
+
+
+def in_ranks_schedule(schedule: Schedule) -> Schedule:
+    """``schedule`` for an engine in the trainer's ranks, pushed from memory: no deltas (a delta
+    saves bytes that travel, and nothing travels; it would read every value to find what
+    changed, costing more than the push it replaces). ``"auto"`` means off there; ``"on"`` is
+    refused."""
+    if schedule.delta == "on":
+        raise ValueError(
+            "an engine in the trainer's ranks is pushed from the live tensors, where a delta "
+            "saves nothing: use delta='off' or 'auto'"
+        )
+    return dataclasses.replace(schedule, delta="off")

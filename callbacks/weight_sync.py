@@ -17,6 +17,7 @@ is pushed.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -32,6 +33,7 @@ from typing_extensions import override
 from weight_bridge.checkpoint import (
     CheckpointFiles,
     DeltaState,
+    LiveSink,
     Sender,
     Turn,
     Written,
@@ -47,7 +49,7 @@ from .engine import EngineSpec, engine_of
 from .gather import Gatherer
 from .names import ENGINE, CheckpointNames
 from .records import sync_line, sync_metrics, sync_record
-from .schedule import Schedule, SyncClock
+from .schedule import Schedule, SyncClock, in_ranks_schedule
 
 __all__ = ["VLLMWeightSync"]
 
@@ -112,6 +114,10 @@ class VLLMWeightSync(Callback):
                 "start one on, or the url of a vllm serve process)"
             )
         self.spec, self._engine = engine_of(engine)
+        # an engine in the trainer's ranks is pushed from memory: nothing travels, no delta pays
+        self._live = self.spec is not None and self.spec.in_ranks
+        if self._live:
+            schedule = in_ranks_schedule(schedule)
         self._owns_engine = False
         self.files = files
         self.canary = CanaryCheck() if canary is True else (canary or None)
@@ -189,6 +195,8 @@ class VLLMWeightSync(Callback):
             self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
             flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
             self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
+            if self._live:  # every rank gathers, and pushes its engine from, its own tensors
+                self._writers = list(range(trainer.world_size))
             if starts:
                 assert self.spec is not None
                 self._engine = self.spec.start(self._dir)
@@ -197,8 +205,9 @@ class VLLMWeightSync(Callback):
             asked = self.spec is not None and bool(self.spec.args.get("verify_hash"))
             verifies = asked or getattr(self._engine, "verify_hash", False) is True
             self.gatherer.hashed = not self._in_ram or verifies
-            self.sender.retire = partial(self._retire, self._is_writer(trainer))
-            self.sender.discard = partial(self._discard, self._is_writer(trainer))
+            if not self._live:  # no file to prune or remove otherwise
+                self.sender.retire = partial(self._retire, self._is_writer(trainer))
+                self.sender.discard = partial(self._discard, self._is_writer(trainer))
         _expose(pl_module, self._engine)
 
     @override
@@ -283,8 +292,12 @@ class VLLMWeightSync(Callback):
         turn = self.sender.turn(None if last is None else str(last))
         gap: list[float | None] = [None]
 
+        live = contextlib.ExitStack()  # an engine in the ranks: tensors published until pushed
+
         def write(turn: Turn) -> Written:
-            save = partial(self._save, trainer, pl_module, path, step, turn, collective)
+            save = partial(self._save, trainer, pl_module, path, step, turn, collective, live)
+            if self._live:
+                return collective.run("save", save)  # each rank its own tensors
             written = trainer.strategy.broadcast(collective.run("save", save), src=0)
             # each node's writer wrote its own copy (node_local): push and keep that one
             return written._replace(path=str(path)) if self.files.node_local else written
@@ -296,7 +309,9 @@ class VLLMWeightSync(Callback):
 
         failed: StepFailed | None = None
         try:
-            sent = self.sender.send(path, turn, write, push, partial(trainer.strategy.broadcast))
+            with live:
+                agree = partial(trainer.strategy.broadcast)
+                sent = self.sender.send(path, turn, write, push, agree)
         except StepFailed as exc:
             failed = exc
         if failed is not None:
@@ -316,10 +331,12 @@ class VLLMWeightSync(Callback):
         step: int,
         turn: Turn,
         collective: Collective,
+        live: contextlib.ExitStack,
     ) -> Written:
         """Plan the checkpoint of ``turn``'s kind (every rank) and stream it (writers; sharded:
-        every rank): a delta between keyframes when deltas run, else complete or partial."""
-        writer = self._is_writer(trainer)
+        every rank): a delta between keyframes when deltas run, else complete or partial. An
+        engine in the ranks: every rank's tensors published (``live``) instead of written."""
+        writer = self._is_writer(trainer) or self._live
         kind = turn.kind
         changing = kind == "partial" or (kind == "delta" and self.schedule.skip_frozen)
         track = turn.based and kind != "delta"
@@ -327,11 +344,12 @@ class VLLMWeightSync(Callback):
         metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}
         if plan.partial or kind == "delta":
             metadata.update(turn.metadata)
-        sink = partial(turn.opener, tracked=plan.tracked)
+        sink = partial(LiveSink, live) if self._live else partial(turn.opener, tracked=plan.tracked)
         where = path if writer else None
         saved = self.gatherer.stream(plan, where, metadata, collective, self._writers, sink)
         nbytes = saved.bytes if saved else 0
-        return Written(str(path), nbytes, plan.partial, self.deltas.changed_fraction())
+        pushed = str(saved.path) if saved is not None and self._live else str(path)
+        return Written(pushed, nbytes, plan.partial, self.deltas.changed_fraction())
 
     def _push(self, path: Path, step: int) -> Any:
         if self._engine is None:

@@ -24,7 +24,8 @@ hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard
 filesystem calls), :mod:`.mapping` (the writer's maps of its files, kept across syncs),
 :mod:`.retention` (where a sync's files go, their names, which may be deleted:
 :class:`CheckpointFiles`, :func:`step_file`), :mod:`.sender` (one sync, the same for the
-callback and vLLM's trainer API: :class:`Sender`).
+callback and vLLM's trainer API: :class:`Sender`), :mod:`.live` (tensors published in this
+process, pushed by name into an engine in the trainer's own process: no file).
 Tests that inject faults patch the module that looks the name up
 (``weight_bridge.checkpoint.write`` for the writer).
 """
@@ -42,6 +43,7 @@ from .format import INDEX_NAME as INDEX_NAME
 from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
 from .keyframes import EngineDtypes, KeyframeClock, castable_dtype, delta_mode
+from .live import LiveSink, is_live, published
 from .mapping import TransportMaps
 from .read import CheckpointReader, resolve_checkpoint_files
 from .retention import (
@@ -102,4 +104,8 @@ __all__ = [
     "castable_dtype",
     "delta_mode",
     "host_memory_transport",
+    # tensors pushed from memory into an engine in the trainer's process (:mod:`.live`)
+    "LiveSink",
+    "is_live",
+    "published",
 ]

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from .delta_sink import Sink
 from .delta_state import DeltaState
 from .format import BASE_VERSION_KEY
+from .live import is_live
 
 __all__ = ["Sender", "Sent", "Turn", "Written"]
 
@@ -142,7 +143,7 @@ class Sender:
         clock.pushed(partial_file, delta, written.nbytes, turn.based, seconds if measured else None)
         kind = "delta" if delta else "partial" if partial_file else "complete"
         self.deltas.pushed(kind, dtypes)
-        if kind == "complete":
+        if kind == "complete" and not is_live(written.path):  # pushed from memory: no file
             self.last_checkpoint = str(path)
         if self.retire is not None:
             self.retire(Path(written.path), getattr(report, "served", None) or ())

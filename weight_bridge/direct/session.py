@@ -25,7 +25,6 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import TypedDict, Unpack
@@ -41,11 +40,9 @@ from .record import require_layout
 from .report import ReloadReport
 from .snapshot import addresses, addresses_of, named_tensors
 from .state import bridge_state
+from .undo import UndoLog
 from .validate import validate_checkpoint
 from .write_map import learn_write_map
-
-if TYPE_CHECKING:
-    from .undo import UndoLog
 
 __all__ = [
     "OpenReload",
@@ -221,12 +218,14 @@ class PreparedReload:
         reprocessor: Reprocessor | None,
         partial: bool,
         preflight_s: float,
+        pre_images: bool = False,
     ):
         self.model, self.items, self.plan, self.addresses = model, items, plan, now
         self.readback, self.reprocessor, self.partial = readback, reprocessor, partial
         self.preflight_s = preflight_s
-        # a writer (weight_bridge.direct.writer) without pre-images: what it wrote is taken
-        # back from the files served before (a complete write's would be a second model)
+        # without pre_images, what it wrote is taken back from the files served before (a
+        # complete write's pre-images are a second copy of the weights: kept only when asked)
+        self.pre_images = pre_images
         self.undo_log: UndoLog | None = None
 
     @property
@@ -290,17 +289,27 @@ class PreparedReload:
         ``load_weights`` if it has one, else a copy by name); the report. A failure after
         writing started raises :class:`DirectReloadError` (an interrupt such as
         ``KeyboardInterrupt`` propagates as itself), the model left undefined."""
+        kept = None
+        if self.pre_images:  # a copy of every target, on its device
+            views = [t.view for t in self.plan.targets.values()]
+            kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
         try:
             with self.write() as reload:
                 if load is None:
                     own = getattr(self.model, "load_weights", None)
                     load = own if callable(own) else _copy_by_name(self.plan)
                 load(reload.weights)
-        except DirectReloadError:
-            raise
         except Exception as exc:
-            raise DirectReloadError(bridge_state(self.model).undefined or str(exc)) from exc
+            undefined = bridge_state(self.model).undefined
+            error = exc if isinstance(exc, DirectReloadError) else None
+            error = error or DirectReloadError(undefined or str(exc))
+            if kept is not None and undefined is not None:
+                raise kept.restore_after(self.model, error) from exc
+            if error is exc:
+                raise
+            raise error from exc
         assert reload.report is not None
+        self.undo_log = kept
         return reload.report
 
 
@@ -313,6 +322,7 @@ def prepare_direct_reload(
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
     partial: bool = False,
+    pre_images: bool = False,
 ) -> PreparedReload:
     """Validate ``weights`` (the whole checkpoint) and plan their write; nothing is written.
 
@@ -323,7 +333,8 @@ def prepare_direct_reload(
     ``"full"`` or ``"off"``. ``partial`` weights (a subset, applied on top of what the model
     holds) may leave names out; only the modules they write into are refreshed, and a partial
     reload that would need re-processing by the engine is refused. A complete reload must
-    write every planned target.
+    write every planned target. ``pre_images``: keep a copy of every target before writing
+    (the writer's undo log; a failed write restores it), for weights no file can give back.
     """
     started = time.perf_counter()
     state = bridge_state(model)
@@ -336,14 +347,17 @@ def prepare_direct_reload(
         raise DirectReloadError(
             f"not directly reloadable (nothing was written){still}", plan.problems
         )
-    if partial and plan.reprocess:
+    if (partial or pre_images) and plan.reprocess:  # pre-images cannot undo a re-processing
+        what = "a partial checkpoint" if partial else "weights pushed from memory"
         raise DirectReloadError(
-            "a partial checkpoint cannot be re-processed by the engine, which needs whole "
-            "modules: push a complete checkpoint (nothing was written)",
+            f"{what} cannot be re-processed by the engine, which needs whole modules and no "
+            "copy of them: push a complete checkpoint file (nothing was written)",
             {module: f"needs re-processing: {why}" for module, why in plan.reprocess.items()},
         )
     preflight_s = time.perf_counter() - started
-    return PreparedReload(model, items, plan, now, readback, reprocessor, partial, preflight_s)
+    return PreparedReload(
+        model, items, plan, now, readback, reprocessor, partial, preflight_s, pre_images
+    )
 
 
 class ReloadOptions(TypedDict, total=False):

@@ -10,11 +10,13 @@ live storage, by the segment's geometry), so a log holds about the bytes of the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from .derived import refresh_derived_state
+from .errors import DirectReloadError
 from .positions import Positions
 from .state import bridge_state
 
@@ -49,6 +51,35 @@ class UndoLog:
             whole.modules.update(log.modules)
             whole.fingerprints.update(log.fingerprints)
         return whole
+
+    @classmethod
+    def pre_images(
+        cls, model: torch.nn.Module, views: Iterable[torch.Tensor], refresh: Mapping[str, str]
+    ) -> UndoLog:
+        """A copy of each of ``views`` (live storage, before a write that has no file to give
+        it back: tensors pushed from memory), the served fingerprints, and ``refresh``: whose
+        derived state to re-derive after restoring."""
+        log = cls(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
+        for view in views:
+            log.log(view, None, view.clone())
+        return log
+
+    def restore_after(self, model: torch.nn.Module, error: DirectReloadError) -> DirectReloadError:
+        """After a write that failed with the model undefined: the pre-images back and the
+        model defined again (if restoring fails too, undefined naming both); the error to
+        raise, saying which."""
+        state = bridge_state(model)
+        why = state.undefined
+        try:
+            self.undo(model)
+        except Exception as failed:
+            state.undefined = f"{why}; restoring the pre-images failed too: {failed}"
+            return DirectReloadError(f"{error.summary}; {state.undefined}", error.problems)
+        state.undefined = None
+        return DirectReloadError(
+            f"{error.summary}; the previous weights were restored from their pre-images",
+            error.problems,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -50,6 +50,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ...checkpoint.live import is_live
 from ..generation import Generation
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
@@ -289,7 +290,8 @@ def _update_info(
 ) -> dict[str, Any]:
     """``update_info``: the version goes with the write (the engine stamps it in the same
     step), not only with ``finish_weight_update``."""
-    info: dict[str, Any] = {"checkpoint": str(Path(checkpoint).resolve())}
+    where = os.fspath(checkpoint) if is_live(checkpoint) else str(Path(checkpoint).resolve())
+    info: dict[str, Any] = {"checkpoint": where}
     if version is not None:
         info["version"] = str(version)
     if verify_hash is not None:

@@ -10,7 +10,9 @@ plus the engine it owns:
   ``AsyncLLM`` in this process on its own event loop (rollouts generated while the trainer trains,
   pushes landing in flight);
 * ``serve``: :class:`~weight_bridge.vllm.clients.served.ServedEngine`, a ``vllm serve`` process
-  started for the job, pushed over HTTP, in flight as well.
+  started for the job, pushed over HTTP, in flight as well;
+* ``ranks``: :class:`~weight_bridge.vllm.clients.ranks.RanksEngine`, a ``vllm.LLM`` inside every
+  trainer rank, tensor-parallel over the trainer's world, pushed from its live tensors.
 
 vLLM is imported only when an engine is started or recognized.
 """
@@ -24,7 +26,7 @@ from .bridge_client import EngineClient
 
 __all__ = ["ENGINE_MODES", "client_for", "connect", "start_engine"]
 
-ENGINE_MODES = ("colocated", "async", "serve")
+ENGINE_MODES = ("colocated", "async", "serve", "ranks")
 
 
 def start_engine(
@@ -35,13 +37,18 @@ def start_engine(
 ) -> EngineClient:
     """The engine of ``mode`` on ``model``; ``kwargs`` as the engine takes them (the bridge's
     options, ``kv_cache_gb``, ``plugins``, vLLM's engine arguments; ``api_key`` for
-    ``serve``). ``inflight``: the pushes' default in-flight mode (``async`` and ``serve``)."""
+    ``serve``; ``cpu_threads_bind`` for ``ranks``). ``inflight``: the pushes' default in-flight
+    mode (``async`` and ``serve``)."""
     if mode not in ENGINE_MODES:
         raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, not {mode!r}")
     if mode == "colocated":
         from .colocated import ColocatedEngine
 
         return ColocatedEngine(model, **kwargs)
+    if mode == "ranks":
+        from .ranks import RanksEngine
+
+        return RanksEngine(model, **kwargs)
     if mode == "async":
         from .async_colocated import AsyncColocatedEngine
 

@@ -36,10 +36,9 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    Conflict``) before it reaches a worker, naming since when and for which version; an update that
    makes no call for ``update_timeout_s`` (its trainer died) is abandoned by the next start, and
    vLLM's own ``finish_weight_update`` ends it at once;
-7. while the update runs, the engine core waits for the workers asleep instead of spinning
-   (:func:`~weight_bridge.vllm.internals.waiting_without_spinning`: a push's reply is one message at
-   its end, no burst a spin could catch sooner; the wait re-checks its queue like the bridged
-   worker's, :func:`~weight_bridge.vllm.worker.cpu_threads.idle_wait`), so the workers' push helpers
+7. while the update runs, the engine core waits for the workers asleep, not spinning
+   (:func:`~weight_bridge.vllm.internals.waiting_without_spinning`: a push's reply is one
+   message at its end), so the workers' push helpers
    (:mod:`~weight_bridge.vllm.worker.cpu_threads`) can use the CPU vLLM reserves for it;
 8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
    schedules nothing until a complete update succeeds; every request it holds or receives
@@ -56,8 +55,9 @@ client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s re
 vLLM's own calls.
 
 Workers never raise for an expected outcome: vLLM's multi-process executor raises at the first
-failed rank without collecting the others' replies, which would leave them queued for the
-next call.
+failed rank without collecting the others' replies (left queued for the next call). In the
+trainer's ranks (vLLM's external launcher) each rank's core hears every core's answers
+(:func:`~weight_bridge.vllm.internals.across_engine_ranks`): the same decisions on every rank.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ from ...checkpoint import CheckpointError, version_of
 from ...direct import DirectReloadError
 from ..errors import UpdateInProgressError, undefined_message
 from ..internals import (
+    across_engine_ranks,
     bridge_state_of,
     config_of,
+    engine_ranks_group,
     finish_every_request,
     forget_prefixes,
     pause_scheduling,
@@ -143,8 +145,9 @@ def _state(core: Any) -> BridgeCoreState:
 
 
 def _phase(rpc: Any, core: Any, timeout: float | None, phase: Phase, *args: Any) -> list:
-    # sent as its value: a multi-process executor's message carries plain data
-    return PushResult.every_rank(rpc(core, call_backend, timeout, (phase.value, *args), None))
+    # plain data (a multi-process executor's message); in the trainer's ranks, every core's
+    answers = across_engine_ranks(core, rpc(core, call_backend, timeout, (phase.value, *args)))
+    return PushResult.every_rank(answers)
 
 
 def weight_bridge_results(self: Any) -> dict | None:
@@ -155,8 +158,7 @@ def weight_bridge_results(self: Any) -> dict | None:
 
 
 def weight_bridge_conflict(self: Any) -> dict | None:
-    """Engine-core utility: the last refused ``start_weight_update``'s error, as a dict (a
-    caller in another process rebuilds :class:`UpdateConflictError` from it)."""
+    """Engine-core utility: the last refused ``start_weight_update``'s error, as a dict."""
     return _state(self).conflict
 
 
@@ -220,7 +222,8 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
         state.active.version = asked
     served = served_version(core)
     out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
-    results = _phase(rpc, core, timeout, Phase.RESULT) if len(out) > 1 else []
+    several = len(out) > 1 or engine_ranks_group(core) is not None
+    results = _phase(rpc, core, timeout, Phase.RESULT) if several else []
     if any(r.error is not None for r in results):
         results = _phase(rpc, core, timeout, Phase.ABANDON)  # a rank refused: no rank writes
     else:
@@ -289,8 +292,7 @@ def _resume_if_paused_by_bridge(core: Any, state: BridgeCoreState) -> None:
 
 
 def _query(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
-    """A read-only :func:`~weight_bridge.vllm.worker.backend.call_backend` action, sent by name from
-    any client."""
+    """A read-only :func:`~weight_bridge.vllm.worker.backend.call_backend` action, by name."""
     if not args or args[0] not in QUERIES:
         raise ValueError(f"{BACKEND_RPC}: the first argument must be one of {QUERIES}")
     return rpc(core, call_backend, timeout, args, kwargs)

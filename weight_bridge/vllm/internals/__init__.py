@@ -132,6 +132,8 @@ from .engine_client import (
     watched_call,
 )
 from .engine_core import (
+    across_engine_ranks,
+    engine_ranks_group,
     finish_every_request,
     forget_prefixes,
     pause_scheduling,
@@ -212,6 +214,8 @@ __all__ = [
     "dead_message",
     "drop_cpu_linear",
     "engine_resources",
+    "across_engine_ranks",
+    "engine_ranks_group",
     "finish_every_request",
     "forget_prefixes",
     "full_tensors",

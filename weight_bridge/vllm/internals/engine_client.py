@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...errors import WeightBridgeError
@@ -151,8 +151,32 @@ def watched_call(llm: Any, call: Callable[[Any], Any], what: str, timeout: float
 
 
 def shutdown(llm: Any) -> None:
-    """Stop the engine core (and, multi-process, its processes)."""
+    """Stop the engine core (and, multi-process, its processes). An engine core in this
+    process tears down vLLM's distributed state, and with it ``torch.distributed``'s default
+    process group: when that group is the trainer's (an engine in the trainer's ranks: vLLM
+    reused it), the trainer keeps it."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     stop = getattr(core, "shutdown", None)
     if callable(stop):
-        stop()
+        with _keeping_default_group():
+            stop()
+
+
+@contextlib.contextmanager
+def _keeping_default_group() -> Iterator[None]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        yield
+        return
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_default(group: Any = None) -> None:
+        if group is not None and group is not dist.group.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy

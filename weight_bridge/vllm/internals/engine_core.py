@@ -9,7 +9,11 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+from .objects import config_of
+
 __all__ = [
+    "across_engine_ranks",
+    "engine_ranks_group",
     "finish_every_request",
     "forget_prefixes",
     "pause_scheduling",
@@ -18,6 +22,33 @@ __all__ = [
     "unpause_scheduling",
     "waiting_without_spinning",
 ]
+
+
+def engine_ranks_group(core: Any) -> Any | None:
+    """The process group of every rank of an engine started with vLLM's external launcher
+    (vLLM's world group, on the trainer's own ``torch.distributed`` world), where each rank's
+    engine core drives only its own worker; None where one core drives every worker."""
+    parallel = getattr(config_of(core), "parallel_config", None)
+    launcher = getattr(parallel, "distributed_executor_backend", None) == "external_launcher"
+    if not launcher or getattr(parallel, "world_size", 1) <= 1:
+        return None
+    from vllm.distributed.parallel_state import get_world_group
+
+    return get_world_group().cpu_group
+
+
+def across_engine_ranks(core: Any, answers: list) -> list:
+    """``answers`` of this core's workers, with every other rank's core's (each core reaches
+    the same call in the same order: its decisions follow from what all answered), in rank
+    order; as they are where one core drives every worker."""
+    group = engine_ranks_group(core)
+    if group is None:
+        return answers
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(answers), group=group)
+    return [answer for part in gathered for answer in part]
 
 
 def served_version(core: Any) -> str | None:

@@ -40,6 +40,7 @@ import torch
 
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
 from ...checkpoint.delta import BASE_LINEAGE_KEY, is_delta
+from ...checkpoint.live import LiveCheckpoint, is_live, open_live
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import DirectReloadError, ReloadReport
 from ...direct.errors import BaseVersionError
@@ -59,11 +60,12 @@ __all__ = ["PushTransaction"]
 class _Pending:
     """A prepared update: the open checkpoint and its writer."""
 
-    reader: CheckpointReader
+    reader: CheckpointReader | LiveCheckpoint
     items: list[tuple[str, torch.Tensor]]
     writer: Writer
     path: str
     partial: bool
+    pre_images: bool = False  # its writer keeps what it replaces: held only while the update runs
 
 
 class PushTransaction:
@@ -87,6 +89,7 @@ class PushTransaction:
         # the chain served before the last commit, kept until no rank needs to roll back to it
         self._before: list[ServedCheckpoint] | None = None
         self._undone = False  # the last commit failed and its writer restored the bits
+        self._pre_images: ServedCheckpoint | None = None  # the link whose undo log to drop
         self._reload: Any = None  # the worker's reload_weights, handed in by commit/roll_back
 
     # -- phase 1 -----------------------------------------------------------------------------
@@ -97,9 +100,8 @@ class PushTransaction:
         result = self.result = PushResult(rank=self.rank, checkpoint=request.checkpoint)
         reader = None
         try:
-            path = str(trusted_checkpoint(request.checkpoint, self.options.checkpoint_root))
-            result.checkpoint = path
-            reader = CheckpointReader(path, hold=True)  # held from now: what is served is this
+            reader = self._open(request.checkpoint)
+            path = result.checkpoint = str(reader.path)
             verify = _choose(request.verify_hash, self.options.verify_hash)
             if verify:
                 reader.verify_hash()
@@ -113,9 +115,10 @@ class PushTransaction:
                 check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY), self.served)
             items = list(reader.tensors())
             finite = _choose(request.check_finite, self.options.check_finite)
-            writer = prepare_writer(self._job(path, metadata, items, finite, result.partial))
+            job = self._job(path, metadata, items, finite, result.partial)
+            writer = prepare_writer(job)
             result.mode = writer.mode
-            self._pending = _Pending(reader, items, writer, path, result.partial)
+            self._pending = _Pending(reader, items, writer, path, result.partial, job.pre_images)
         except BaseException as exc:  # any: nothing held past it (its descriptor, lock, map)
             if reader is not None:
                 reader.close()
@@ -123,6 +126,15 @@ class PushTransaction:
                 raise
             result.error = PushFailure.of(exc, "refused", reader)
         return self._finished(result)
+
+    def _open(self, checkpoint: str) -> CheckpointReader | LiveCheckpoint:
+        """The checkpoint to prepare: tensors the trainer published in this process
+        (:mod:`weight_bridge.checkpoint.live`), or a file under the checkpoint root, held from
+        now (what is served is exactly this)."""
+        if is_live(checkpoint):
+            return open_live(checkpoint)
+        path = trusted_checkpoint(checkpoint, self.options.checkpoint_root)
+        return CheckpointReader(path, hold=True)
 
     def _check_base(self, path: str, base: str, served: str | None) -> None:
         """A partial checkpoint applies on top of exactly its base version, or not at all."""
@@ -152,6 +164,8 @@ class PushTransaction:
             finite,
             partial,
             self._vllm_reload,
+            # no file to re-read what it replaces: the writer keeps the pre-images instead
+            is_live(path) or any(is_live(link.path) for link in self.served),
         )
 
     def _vllm_reload(self, **kwargs: Any) -> None:
@@ -206,11 +220,14 @@ class PushTransaction:
             older.undo = None
         chain = [*self.served, link] if pending.partial else [link]
         self.served, _ = compact(chain)  # what is dropped stays held in _before until settle
+        self._pre_images = link if pending.pre_images else None
 
     def settle(self) -> None:
         """The update ended (or a new one starts): release every file the served chain no
         longer needs (the chain before the last commit, links compacted away)."""
         self.abandon()
+        if self._pre_images is not None:  # a copy of what it replaced: no rollback needs it now
+            self._pre_images.undo, self._pre_images = None, None
         live = {id(link) for link in self.served}
         for link in self._before or ():
             if id(link) not in live:

@@ -52,6 +52,7 @@ class WriteJob:
     finite: bool
     partial: bool
     reload: Callable[..., None]
+    pre_images: bool = False  # keep what every write replaces (a rollback re-reads no file)
 
 
 def _delta(job: WriteJob, _: PushPlan | None) -> Writer:
@@ -71,6 +72,7 @@ def _direct(job: WriteJob, chosen: PushPlan | None) -> Writer:
         reprocessable=reprocessable or frozenset(),
         readback=job.options.readback,
         partial=job.partial,
+        pre_images=job.pre_images,
     )
 
 

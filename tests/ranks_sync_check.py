@@ -1,0 +1,211 @@
+"""The engine inside the trainer's ranks: Lightning on two ranks, vLLM tensor-parallel over them.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/ranks_sync_check.py MODEL OUT \
+        [--strategy ddp|fsdp] [--lora]
+
+Each rank runs a real ``Trainer`` (DDP, or FSDP2 through ``ModelParallelStrategy``) with
+``VLLMWeightSync(engine=EngineSpec(model, mode="ranks"))``: one ``vllm.LLM`` per rank, started
+with vLLM's external launcher on the trainer's own process group (TP=2), pushed every step from
+the live tensors (the embeddings are frozen, or with ``--lora`` the whole base: the syncs after
+the first are partial; LoRA merged by the callback). After each
+sync each rank records its engine's greedy tokens and logprobs; rank 0 saves the trainer's full
+weights as a model directory. At the end of training, two faults on the same engine:
+
+* ``refused``: rank 1 pushes a tensor holding NaN, rank 0 good tensors: both refuse, nothing
+  written, the label unchanged;
+* ``after_commit``: rank 1's refresh of derived state raises (FAULT INJECTION:
+  :mod:`weight_bridge.testing.faults`, a fault no real push can be made to hit on demand) after
+  rank 0 committed: both roll back (rank 1 from its writer's pre-images, rank 0 from its undo
+  log), the label unchanged.
+
+Then, with the trainer's engine closed, a cold TP=2 engine (the same external launcher) on each
+saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``.
+
+Two "nodes" of one process each (``torchrun --nnodes=2 --nproc_per_node=1 --node_rank=K`` on
+the loopback): one engine per node (TP=1, vLLM's data parallel across the nodes), the same
+checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the external launcher's condition
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA on q_proj and v_proj")
+    args = parser.parse_args()
+    out = Path(args.out)
+    rank = int(os.environ["RANK"])
+    fault = out / f"fault-rank{rank}"
+    from weight_bridge.testing import faults
+
+    os.environ[faults.FAULT_FILE_ENV] = str(fault)
+    faults.register()  # this process is the engine's: its refresh raises while the file exists
+
+    import lightning.pytorch as pl
+    import torch
+    from helpers import ENGINE_KWARGS, greedy, model_dir_with
+    from transformers import AutoModelForCausalLM
+
+    from callbacks import EngineSpec, Schedule, VLLMWeightSync
+    from weight_bridge import EngineUndefinedError  # noqa: F401 (an error a rank may raise)
+    from weight_bridge.vllm.clients.ranks import RanksEngine
+
+    world = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    # TP over a node's ranks, one core each; one engine per "node" (one process each) otherwise
+    bind = "|".join(str(r) for r in range(per_node)) if per_node > 1 else str(rank)
+    engine_args = dict(ENGINE_KWARGS, max_num_seqs=4, cpu_threads_bind=bind)
+
+    class Policy(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+            self.model.get_input_embeddings().weight.requires_grad_(False)
+            if args.lora:  # the base frozen: every sync after the first carries the merged targets
+                import peft
+
+                config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+                self.model = peft.get_peft_model(self.model, config)
+
+        def configure_model(self) -> None:
+            if args.strategy == "fsdp":
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in self.model.model.layers:
+                    fully_shard(layer, mesh=self.device_mesh)
+                fully_shard(self.model, mesh=self.device_mesh)
+
+        def training_step(self, batch, batch_idx):
+            ids = batch[0]
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+        def train_dataloader(self):
+            data = torch.randint(4, 500, (64, 16), generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+
+    report: dict = {"rank": rank, "pushes": []}
+
+    def full_state(pl_module) -> dict:
+        if args.lora:  # PEFT's own merge, on a copy
+            merged = copy.deepcopy(pl_module.model).merge_and_unload()
+            return {n: t.detach().clone() for n, t in merged.state_dict().items()}
+        state = pl_module.model.state_dict()
+        if args.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True)  # every rank: the full tensors
+            state = get_model_state_dict(pl_module.model, options=opts)
+        return {n: t.detach().clone() for n, t in state.items()}
+
+    class Probe(pl.Callback):
+        def _record(self, trainer, pl_module) -> None:
+            engine = pl_module.vllm_engine
+            step = trainer.global_step
+            if report["pushes"] and report["pushes"][-1]["step"] == step:
+                return
+            state = full_state(pl_module)
+            if rank == 0:
+                model_dir_with(Path(args.model), state, out / f"ref-{step}")
+            last = sync.history[-1]
+            report["pushes"].append(
+                {
+                    "step": step,
+                    "version": engine.version,
+                    "partial": last["partial"],
+                    "checkpoint": last["checkpoint"],
+                    "greedy": greedy(engine),
+                }
+            )
+
+        def on_train_start(self, trainer, pl_module):
+            self._record(trainer, pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, *unused):
+            self._record(trainer, pl_module)
+
+        def on_train_end(self, trainer, pl_module):
+            self._record(trainer, pl_module)
+            engine = pl_module.vllm_engine
+            before = (engine.version, greedy(engine))
+            good = full_state(pl_module)
+            bad = dict(good)
+            name = "model.layers.0.mlp.down_proj.weight"
+            if rank == 1:
+                bad[name] = bad[name].clone()
+                bad[name].view(-1)[3] = float("nan")
+            report["refused"] = _attempt(lambda: engine.push_tensors(bad, version="bad"))
+            report["after_refusal"] = (engine.version, greedy(engine)) == before
+            if rank == 1:
+                fault.touch()
+            changed = {n: t + 0.01 for n, t in good.items()}
+            report["after_commit"] = _attempt(lambda: engine.push_tensors(changed, version="x"))
+            fault.unlink(missing_ok=True)
+            report["after_rollback"] = (engine.version, greedy(engine)) == before
+            report["undefined"] = engine.undefined
+
+    sync = VLLMWeightSync(
+        engine=EngineSpec(model=args.model, mode="ranks", args=engine_args),
+        schedule=Schedule(every_n_train_steps=1),
+    )
+    if args.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy: object = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=per_node,
+        num_nodes=world // per_node,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sync, Probe()],
+    )
+    trainer.fit(Policy())
+    # the reference: a cold TP=2 engine in the same ranks on each saved directory
+    torch.distributed.barrier()
+    report["cold"] = {}
+    for push in report["pushes"]:
+        cold = RanksEngine(out / f"ref-{push['step']}", **engine_args)
+        report["cold"][str(push["step"])] = greedy(cold)
+        cold.close()
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def _attempt(push) -> dict:
+    try:
+        push()
+    except Exception as exc:  # the typed error each rank raises
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "problems": dict(getattr(exc, "problems", {}) or {}),
+        }
+    return {"error": None}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The engine inside the trainer's ranks (``EngineSpec(mode="ranks")``): a real Lightning
+``Trainer`` on two ranks under ``torchrun``, vLLM tensor-parallel over them with its external
+launcher, pushed from the live tensors (``tests/ranks_sync_check.py``).
+
+After every sync (a complete one, then partial ones: the embeddings are frozen) each rank's
+engine must equal a cold TP=2 engine on the trainer's full weights; both ranks generate the
+same tokens; a refusal on one rank (a NaN in its tensor) is a typed refusal on both, nothing
+written; a failure after rank 0 committed (rank 1's refresh raises, FAULT INJECTION) rolls both
+back: the label and the tokens as before, no rank undefined. Under DDP and FSDP2 on one
+"node" (TP=2), and as two "nodes" of one process each (one engine per node, TP=1) with PEFT
+LoRA (merged by the callback; the reference merged by PEFT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TESTS, assert_differs, assert_parity
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 600
+
+
+def run_ranks(model: Path, out: Path, strategy: str, nodes: int, *extra: str) -> list[dict]:
+    """The two-rank job under torchrun (one launcher per "node", on the loopback); each
+    rank's report."""
+    out.mkdir()
+    started = time.monotonic()
+    script = [str(TESTS / "ranks_sync_check.py"), str(model), str(out), "--strategy", strategy]
+    script += extra
+    port = str(_free_port())
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--nproc_per_node={2 // nodes}",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                *script,
+            ],
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(nodes)
+    ]
+    outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in launchers]
+    for p, output in zip(launchers, outputs, strict=True):
+        assert p.returncode == 0, output[-6000:]
+    print(f"ranks run {strategy} on {nodes} node(s) took {time.monotonic() - started:.0f} s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "nodes", "extra"),
+    [("ddp", 1, ()), ("fsdp", 1, ()), ("ddp", 2, ("--lora",))],
+    ids=["ddp", "fsdp2", "two-nodes-lora"],
+)
+def test_an_engine_in_the_ranks_equals_a_cold_start_after_every_sync_and_rolls_back_together(
+    models: dict[str, Path], tmp_path: Path, strategy: str, nodes: int, extra: tuple
+) -> None:
+    ranks = run_ranks(models["llama_A"], tmp_path / "out", strategy, nodes, *extra)
+    first, second = ranks
+    pushes = first["pushes"]
+    assert [p["step"] for p in pushes] == [0, 1, 2]
+    assert [p["version"] for p in pushes] == [0, 1, 2]
+    assert [p["partial"] for p in pushes] == [False, True, True]  # frozen embeddings left out
+    assert all(p["checkpoint"].startswith("live:") for p in pushes)  # no file on the way
+    for p in pushes:
+        assert_parity(p["greedy"], first["cold"][str(p["step"])])
+    assert [p["greedy"] for p in second["pushes"]] == [p["greedy"] for p in pushes]
+    assert_differs(pushes[-1]["greedy"], pushes[0]["greedy"])  # training changed the weights
+    for rank in ranks:
+        refused = rank["refused"]
+        assert refused["error"] == "DirectReloadError", refused
+        assert "nothing was written" in refused["message"]
+        assert "NaN" in refused["problems"]["model.layers.0.mlp.down_proj.weight"]
+        assert rank["after_refusal"]
+        failed = rank["after_commit"]
+        assert failed["error"] == "DirectReloadError", failed
+        assert "injected fault" in failed["message"]
+        assert "rolled back to version '2'" in failed["message"]
+        assert rank["after_rollback"] and rank["undefined"] is None
