@@ -121,10 +121,12 @@ def _job(args: argparse.Namespace) -> None:
         )
     del copies
     _COPIES.clear()
-    engine.push_tensors(states[0], version="B")  # the bridge's push of B, then the anchor's
-    pushed = greedy(engine)
+    engine.push_tensors(states[1], version="A")  # from A: the anchor's load of B...
     engine.llm.collective_rpc(_load_weights_each, args=(states[0],))
     anchor = greedy(engine)
+    engine.push_tensors(states[1], version="A")  # ...and, from A again, the bridge's push of B
+    engine.push_tensors(states[0], version="B")
+    pushed = greedy(engine)
     engine.close()
     cold = RanksEngine(model_b, **kwargs)
     reference = greedy(cold)

@@ -69,6 +69,8 @@ SERVER_ARGS = [
     "0",
     "--block-size",
     "32",  # CPU attention's smallest; a 70-token prompt fills two cacheable blocks
+    "--chat-template",  # the tiny models have none: the openai package's chat needs one
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
 ]
 LONG = 96  # tokens of a generation a push lands in the middle of
 UPDATE_TIMEOUT_S = 4.0  # the servers' update_timeout_s: a dead trainer's update is abandoned
@@ -736,3 +738,69 @@ def test_two_pushers_one_update_at_a_time_and_a_dead_trainer_is_abandoned(
     assert time.monotonic() - died >= UPDATE_TIMEOUT_S - 0.5
     assert client.weight_version() == "B"
     assert [generate(ids)[0] for ids in LABEL_PROMPTS] == [c[0] for c in cold["B"]]
+
+
+@pytest.mark.every_vllm
+def test_no_client_of_the_server_fails_during_pushes_in_any_mode(dense, stock_cold) -> None:
+    """Issue 50.1: other clients of a served engine never see a push. Six threads ask without a
+    break, each its own way: the ``openai`` package's completions and chat (``max_retries=0``:
+    a 503 would be an error), each streamed and not, raw HTTP, and ``HTTPClient``; meanwhile
+    B and A are pushed in every in-flight mode (``drain`` pauses through the bridge's route,
+    which queues what arrives, where vLLM 0.33+'s ``/pause?mode=wait`` answers 503). No request
+    fails, every way was served during the pushes, and the engine ends on A."""
+    import openai
+
+    client, a, b = dense["client"], dense["a"], dense["b"]
+    client.push(a, version="A")
+    model = client.call("v1/models", method="GET")["data"][0]["id"]
+    sdk = openai.OpenAI(base_url=f"{client.url}/v1", api_key="unused", max_retries=0)
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+    }
+    text = {"model": model, "prompt": [1, 2, 3], "max_tokens": 8}
+    raw = urllib.request.Request(
+        f"{client.url}/v1/completions",
+        json.dumps(text).encode(),
+        {"Content-Type": "application/json"},
+    )
+    ways = {
+        "openai completions": lambda: sdk.completions.create(**text),
+        "openai completions streamed": lambda: list(sdk.completions.create(**text, stream=True)),
+        "openai chat": lambda: sdk.chat.completions.create(**chat),
+        "openai chat streamed": lambda: list(sdk.chat.completions.create(**chat, stream=True)),
+        "raw HTTP": lambda: urllib.request.urlopen(raw, timeout=120).read(),
+        "HTTPClient": lambda: client.generate([[1, 2, 3]], {"max_tokens": 8}),
+    }
+    for way in ways.values():
+        way()  # each works before any push
+    stop = threading.Event()
+    served = dict.fromkeys(ways, 0)
+    errors: list[str] = []
+
+    def ask(name: str) -> None:
+        while not stop.is_set():
+            try:
+                ways[name]()
+            except Exception as exc:
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                return
+            served[name] += 1
+
+    threads = [threading.Thread(target=ask, args=(n,), daemon=True) for n in ways]
+    for t in threads:
+        t.start()
+    try:
+        for inflight in (None, "keep", "recompute", "drain"):
+            for path, version in ((b, "B"), (a, "A")):
+                client.push(path, version=version, inflight=inflight)
+                time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    assert all(count > 0 for count in served.values()), served
+    assert client.weight_version() == "A"
+    assert not client.call("is_paused", method="GET")["is_paused"]

@@ -375,6 +375,33 @@ MUTANTS = [
         "`DeltaState.failed` forgetting the engine's dtypes",
         [["tests/test_delta_trainer.py", "-k", "failed_sync_no_file"]],
     ),
+    Mutant(
+        "ranks-agree",
+        "an engine in the trainer's ranks: every rank's core decides on every rank's answers",
+        "weight_bridge/vllm/internals/engine_core.py",
+        "    if group is None:\n        return answers",
+        "    if True:\n        return answers",
+        "the exchange of the cores' answers in `across_engine_ranks` (each rank decides alone)",
+        [["tests/test_ranks.py", "-k", "ddp"]],
+    ),
+    Mutant(
+        "ranks-pre-images",
+        "a push from live tensors rolls back without a file",
+        "weight_bridge/vllm/worker/transaction.py",
+        "self.options.rollback and (is_live(path) or any(is_live(n.path) for n in self.served)),",
+        "False,",
+        "the pre-images a live push's writer keeps (`pre_images` in `PushTransaction._job`)",
+        [["tests/test_ranks.py", "-k", "ddp"]],
+    ),
+    Mutant(
+        "ranks-keep-group",
+        "closing an engine in the trainer's ranks keeps the trainer's process group",
+        "weight_bridge/vllm/internals/engine_client.py",
+        "        with _keeping_default_group():\n            stop()",
+        "        stop()",
+        "`_keeping_default_group` around the engine core's shutdown",
+        [["tests/test_ranks.py", "-k", "ddp"]],
+    ),
 ]
 
 

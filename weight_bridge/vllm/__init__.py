@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on 
     from .clients.colocated import ColocatedEngine
     from .clients.http import HTTPClient, RemoteUpdateError
     from .clients.llm import LLMClient, token_prompts
+    from .clients.ranks import RanksEngine
     from .clients.served import ServedEngine, VLLMServer
     from .errors import EngineUndefinedError, UpdateInProgressError
     from .generation import Completion, Generation, VersionSpan
@@ -64,6 +65,7 @@ __all__ = [
     "HTTPClient",
     "LLMClient",
     "PushReport",
+    "RanksEngine",
     "RemoteUpdateError",
     "ServedEngine",
     "UpdateInProgressError",
@@ -81,6 +83,7 @@ _WHERE = {
     "AsyncColocatedEngine": "clients.async_colocated",
     "AsyncLLMClient": "clients.async_llm",
     "ColocatedEngine": "clients.colocated",
+    "RanksEngine": "clients.ranks",
     "EngineClient": "clients.bridge_client",
     "EngineCoreDeadError": "internals",
     "EngineUndefinedError": "errors",

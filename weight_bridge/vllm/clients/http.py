@@ -12,10 +12,11 @@ without it is refused before it starts, naming that flag).
 Generation asks vLLM 0.33+ (read once from ``GET /version``) through OpenAI's ``/v1/completions``
 with ``return_weight_versions``, which labels every token without ``--enable-scale-out``; an older
 server through the token-in/token-out route ``/inference/v1/generate``, which needs that flag. Both
-give the same :class:`~weight_bridge.vllm.generation.Generation`. A generate request the server
-answers ``503`` (vLLM 0.33+ rejects requests while another client's pause holds generation; a
-``drain`` push of this client's is one) is sent again until generation resumes, for at most
-``timeout_s``: a request submitted during a push waits for it, as in process, and never fails.
+give the same :class:`~weight_bridge.vllm.generation.Generation`. A ``drain`` push pauses through
+the bridge's route, which queues the requests that arrive meanwhile, so no client of the server
+sees a failure; a generate request the server answers ``503`` all the same (vLLM 0.33+ rejects
+requests while another pauser's ``/pause?mode=wait`` holds generation) is sent again until
+generation resumes, for at most ``timeout_s``: it waits for the push, as in process.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..generation import Generation, prompt_token_ids
 from ..internals.versions import vllm_minor
 from ..outcome import PushOutcome, typed_error
 from ..report import PushReport
+from ..server.middleware import PAUSE_ROUTE
 from .bridge_client import BridgeClient, InflightMode, run_blocking
 
 __all__ = ["RESULTS_ROUTE", "HTTPClient", "RemoteUpdateError"]
@@ -134,7 +136,11 @@ class HTTPClient(BridgeClient):
         self._has_results_route = True
 
     async def _pause(self, mode: str, clear_cache: bool) -> None:
-        self.call(f"pause?mode={mode}&clear_cache={str(clear_cache).lower()}")
+        """``drain`` (``mode="wait"``) through the bridge's pause route, which queues the
+        requests that arrive meanwhile (vLLM 0.33+'s ``/pause?mode=wait`` answers every other
+        client 503 until resume); the other modes through vLLM's ``/pause``."""
+        route = PAUSE_ROUTE.lstrip("/") if mode == "wait" else "pause"
+        self.call(f"{route}?mode={mode}&clear_cache={str(clear_cache).lower()}")
 
     async def _start(self) -> None:
         self.call("start_weight_update")

@@ -7,7 +7,11 @@
    outcome leaves the weights undefined, a request vLLM fails with its bare ``500 Internal
    server error`` (the engine core ends each one with the reason, which vLLM's API server drops)
    is answered ``503`` with the reason instead, as an OpenAI error body of type
-   ``EngineUndefinedError``.
+   ``EngineUndefinedError``. ``POST /weight_bridge/pause?mode=wait&clear_cache=...`` pauses
+   generation for a ``drain`` push with the requests that arrive meanwhile *queued*
+   (:func:`~weight_bridge.vllm.internals.pause_queueing`, as in process): vLLM 0.33+'s own
+   ``/pause?mode=wait`` rejects them with ``503`` until ``/resume``, so every other client of the
+   server (the ``openai`` package, an evaluator) would see failed requests at every sync.
 2. :func:`require_api_key`: the API key on every route that can change what the server
    serves.
 
@@ -36,9 +40,10 @@ from typing import Any
 
 from ..errors import EngineUndefinedError, undefined_message
 
-__all__ = ["OPEN_ROUTES", "require_api_key", "update_results_route"]
+__all__ = ["OPEN_ROUTES", "PAUSE_ROUTE", "require_api_key", "update_results_route"]
 
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
+PAUSE_ROUTE = "/weight_bridge/pause"
 
 
 def _keys(request: Any) -> list[str]:
@@ -82,6 +87,8 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
     if path == "/weight_bridge/results" and request.method == "GET":
         core = server_core_client(request)
         return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))
+    if path == PAUSE_ROUTE and request.method == "POST":
+        return await _pause_queueing(request)
     response = await call_next(request)
     if response.status_code != HTTPStatus.INTERNAL_SERVER_ERROR:
         return response
@@ -96,3 +103,19 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
         "code": HTTPStatus.SERVICE_UNAVAILABLE,
     }
     return JSONResponse({"error": error}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+async def _pause_queueing(request: Any) -> Any:
+    """``POST /weight_bridge/pause?mode=...&clear_cache=...``: vLLM's pause with the requests
+    that arrive meanwhile queued until ``/resume``, never rejected."""
+    from starlette.responses import JSONResponse
+
+    from ..internals import pause_queueing
+
+    mode = request.query_params.get("mode", "wait")
+    clear_cache = request.query_params.get("clear_cache", "false").lower() == "true"
+    if mode not in ("wait", "keep"):
+        error = {"message": f"mode must be 'wait' or 'keep', not {mode!r}", "type": "BadRequest"}
+        return JSONResponse({"error": error}, status_code=HTTPStatus.BAD_REQUEST)
+    await pause_queueing(request.app.state.engine_client, mode, clear_cache)
+    return JSONResponse({"status": "paused", "mode": mode})

@@ -165,7 +165,7 @@ class PushTransaction:
             partial,
             self._vllm_reload,
             # no file to re-read what it replaces: the writer keeps the pre-images instead
-            is_live(path) or any(is_live(link.path) for link in self.served),
+            self.options.rollback and (is_live(path) or any(is_live(n.path) for n in self.served)),
         )
 
     def _vllm_reload(self, **kwargs: Any) -> None:
