@@ -489,6 +489,7 @@ RL_ROUTES = (
     ("POST", "/wake_up"),
     ("GET", "/is_sleeping"),
     ("GET", "/weight_bridge/results"),
+    ("POST", "/weight_bridge/pause?mode=wait"),
 )
 
 

@@ -156,6 +156,7 @@ from .objects import (
     config_of,
     core_client_of,
     server_core_client,
+    server_engine,
     set_spin_window,
     spin_window,
 )
@@ -204,6 +205,7 @@ __all__ = [
     "config_of",
     "core_client_of",
     "server_core_client",
+    "server_engine",
     "set_spin_window",
     "spin_window",
     "call_core_utility",

@@ -40,9 +40,14 @@ def config_of(engine: Any) -> Any:
     return config
 
 
+def server_engine(request: Any) -> Any:
+    """The ``AsyncLLM`` behind a ``vllm serve`` request."""
+    return request.app.state.engine_client
+
+
 def server_core_client(request: Any) -> Any:
     """The engine-core client of the ``AsyncLLM`` behind a ``vllm serve`` request."""
-    return request.app.state.engine_client.engine_core
+    return server_engine(request).engine_core
 
 
 def bridge_state_of(core: Any, new: Callable[[], _T]) -> _T:

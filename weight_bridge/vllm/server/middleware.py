@@ -110,12 +110,12 @@ async def _pause_queueing(request: Any) -> Any:
     that arrive meanwhile queued until ``/resume``, never rejected."""
     from starlette.responses import JSONResponse
 
-    from ..internals import pause_queueing
+    from ..internals import pause_queueing, server_engine
 
     mode = request.query_params.get("mode", "wait")
     clear_cache = request.query_params.get("clear_cache", "false").lower() == "true"
     if mode not in ("wait", "keep"):
         error = {"message": f"mode must be 'wait' or 'keep', not {mode!r}", "type": "BadRequest"}
         return JSONResponse({"error": error}, status_code=HTTPStatus.BAD_REQUEST)
-    await pause_queueing(request.app.state.engine_client, mode, clear_cache)
+    await pause_queueing(server_engine(request), mode, clear_cache)
     return JSONResponse({"status": "paused", "mode": mode})
