@@ -193,10 +193,11 @@ class VLLMWeightSync(Callback):
             where = open_dir(self.files, trainer, need, self._engine, starts, chained)
             self._dir, self._in_ram, owner = where
             self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
-            flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
-            self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             if self._live:  # every rank gathers, and pushes its engine from, its own tensors
                 self._writers = list(range(trainer.world_size))
+            else:
+                flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
+                self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             if starts:
                 assert self.spec is not None
                 self._engine = self.spec.start(self._dir)

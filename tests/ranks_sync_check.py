@@ -16,7 +16,7 @@ weights as a model directory. At the end of training, two faults on the same eng
 * ``after_commit``: rank 1's refresh of derived state raises (FAULT INJECTION:
   :mod:`weight_bridge.testing.faults`, a fault no real push can be made to hit on demand) after
   rank 0 committed: both roll back (rank 1 from its writer's pre-images, rank 0 from its undo
-  log), the label unchanged.
+  log), the label unchanged; the same for a partial push (``partial_after_commit``).
 
 Then, with the trainer's engine closed, a cold TP=2 engine (the same external launcher) on each
 saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``.
@@ -158,8 +158,12 @@ def main() -> None:
                 fault.touch()
             changed = {n: t + 0.01 for n, t in good.items()}
             report["after_commit"] = _attempt(lambda: engine.push_tensors(changed, version="x"))
-            fault.unlink(missing_ok=True)
             report["after_rollback"] = (engine.version, greedy(engine)) == before
+            part = {n: t for n, t in changed.items() if ".mlp." in n}  # a partial push, too
+            push = lambda: engine.push_tensors(part, version="y", base_version=engine.version)  # noqa: E731
+            report["partial_after_commit"] = _attempt(push)
+            fault.unlink(missing_ok=True)
+            report["after_partial_rollback"] = (engine.version, greedy(engine)) == before
             report["undefined"] = engine.undefined
 
     sync = VLLMWeightSync(

@@ -28,6 +28,7 @@ from weight_bridge.direct import (
     DirectReloadError,
     direct_reload,
     direct_reload_session,
+    prepare_direct_reload,
     record_checkpoint_layout,
 )
 from weight_bridge.direct.state import bridge_state, undefined_reason
@@ -308,6 +309,35 @@ def test_failure_mid_reload_marks_undefined_until_a_complete_reload() -> None:
     report = direct_reload(model, B)
     assert report.recovered_from_undefined and undefined_reason(model) is None
     assert_same_state(model, cold_start(B, move_proj_next_to_other))
+
+
+def test_a_write_with_pre_images_restores_itself_and_can_be_undone() -> None:
+    """Weights pushed from memory have no file to re-read (``pre_images=True``): a write that
+    fails midway puts back every byte and leaves the model defined, naming the failure; one
+    that succeeds hands over an undo log that takes it back bit for bit (the fused buffer
+    included), whose size is the targets'."""
+    model = cold_start(A, move_proj_next_to_other)
+    before = snapshot_bytes(model)
+
+    def failing_load(weights) -> None:
+        for i, (name, t) in enumerate(weights):
+            if i == 2:
+                raise OSError("injected: the trainer's tensor vanished")
+            model.get_parameter(name).data.copy_(t) if "scale" not in name else None
+
+    prepared = prepare_direct_reload(model, B, pre_images=True)
+    with pytest.raises(DirectReloadError, match="restored from their pre-images"):
+        prepared.run(failing_load)
+    assert undefined_reason(model) is None
+    assert snapshot_bytes(model) == before
+    assert prepared.undo_log is None  # nothing written to take back
+    prepared = prepare_direct_reload(model, B, pre_images=True)
+    prepared.run()
+    assert_same_state(model, cold_start(B, move_proj_next_to_other))
+    undo = prepared.undo_log
+    assert undo is not None and undo.nbytes == sum(t.numel() * 4 for t in B.values())
+    undo.undo(model)
+    assert snapshot_bytes(model) == before
 
 
 def test_a_session_exposes_views_to_the_normal_loading_path() -> None:

@@ -100,3 +100,7 @@ def test_an_engine_in_the_ranks_equals_a_cold_start_after_every_sync_and_rolls_b
         assert "injected fault" in failed["message"]
         assert "rolled back to version '2'" in failed["message"]
         assert rank["after_rollback"] and rank["undefined"] is None
+        failed = rank["partial_after_commit"]  # the same for a partial push
+        assert failed["error"] == "DirectReloadError" and "injected fault" in failed["message"]
+        assert "rolled back to version '2'" in failed["message"], failed
+        assert rank["after_partial_rollback"]

@@ -43,23 +43,16 @@ def is_live(checkpoint: object) -> bool:
 
 @dataclass
 class LiveCheckpoint:
-    """Tensors published in this process, read like a :class:`~.read.CheckpointReader`: the
-    same ``metadata``, ``tensors()``, ``specs()`` and ``close()``; it holds no file, so there is
-    nothing to hold, hash or re-read (``files`` is empty: a rollback needs the pre-images the
-    writer kept)."""
+    """Tensors published in this process, read like a :class:`~.read.CheckpointReader` (the
+    same ``metadata``, ``tensors()`` and ``close()``, what an update's worker reads); it holds
+    no file, so there is nothing to hold, hash or re-read (``files`` is empty: a rollback needs
+    the pre-images the writer kept)."""
 
     path: str
     items: list[tuple[str, torch.Tensor]]
     metadata: dict[str, str]
 
     files = ()  # no shard files: PushFailure names no file
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.items)
-
-    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(t.shape), t.dtype) for name, t in self.items}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.items
@@ -95,9 +88,10 @@ def published(
             _published.pop(name, None)
 
 
-def open_live(name: str) -> LiveCheckpoint:
+def open_live(name: str | os.PathLike) -> LiveCheckpoint:
     """The tensors published as ``name`` in this process; a name that is not (another
     process's, or one whose push ended) is refused by name."""
+    name = str(os.fspath(name))
     with _lock:
         live = _published.get(name)
     if live is None:

@@ -289,7 +289,7 @@ class PreparedReload:
         ``load_weights`` if it has one, else a copy by name); the report. A failure after
         writing started raises :class:`DirectReloadError` (an interrupt such as
         ``KeyboardInterrupt`` propagates as itself), the model left undefined."""
-        kept = None
+        kept, before = None, bridge_state(self.model).undefined
         if self.pre_images:  # a copy of every target, on its device
             views = [t.view for t in self.plan.targets.values()]
             kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
@@ -304,7 +304,7 @@ class PreparedReload:
             error = exc if isinstance(exc, DirectReloadError) else None
             error = error or DirectReloadError(undefined or str(exc))
             if kept is not None and undefined is not None:
-                raise kept.restore_after(self.model, error) from exc
+                raise kept.restore_after(self.model, error, before) from exc
             if error is exc:
                 raise
             raise error from exc

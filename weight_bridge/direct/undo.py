@@ -57,17 +57,23 @@ class UndoLog:
         cls, model: torch.nn.Module, views: Iterable[torch.Tensor], refresh: Mapping[str, str]
     ) -> UndoLog:
         """A copy of each of ``views`` (live storage, before a write that has no file to give
-        it back: tensors pushed from memory), the served fingerprints, and ``refresh``: whose
-        derived state to re-derive after restoring."""
+        it back: tensors pushed from memory), each distinct view once, the served fingerprints,
+        and ``refresh``: whose derived state to re-derive after restoring."""
         log = cls(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
-        for view in views:
-            log.log(view, None, view.clone())
+        seen = set()
+        for view in views:  # a tied weight's targets are one view: copied once
+            key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()), view.dtype)
+            if key not in seen:
+                seen.add(key)
+                log.log(view, None, view.clone())
         return log
 
-    def restore_after(self, model: torch.nn.Module, error: DirectReloadError) -> DirectReloadError:
+    def restore_after(
+        self, model: torch.nn.Module, error: DirectReloadError, before: str | None
+    ) -> DirectReloadError:
         """After a write that failed with the model undefined: the pre-images back and the
-        model defined again (if restoring fails too, undefined naming both); the error to
-        raise, saying which."""
+        model as it was (``before``: why it was undefined then, None: defined; if restoring
+        fails too, undefined naming both); the error to raise, saying which."""
         state = bridge_state(model)
         why = state.undefined
         try:
@@ -75,7 +81,7 @@ class UndoLog:
         except Exception as failed:
             state.undefined = f"{why}; restoring the pre-images failed too: {failed}"
             return DirectReloadError(f"{error.summary}; {state.undefined}", error.problems)
-        state.undefined = None
+        state.undefined = before
         return DirectReloadError(
             f"{error.summary}; the previous weights were restored from their pre-images",
             error.problems,
