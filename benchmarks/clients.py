@@ -26,10 +26,11 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_clients", "main"]
+__all__ = ["bench_clients", "main", "render"]
 
 MODES: tuple[str | None, ...] = (None, "recompute", "keep", "drain")
 
@@ -175,7 +176,7 @@ def render(result: dict[str, Any]) -> str:
             p["pushes"],
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,11 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=3.0, help="seconds between pushes")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--render", type=Path, help="only redraw the .md of a results JSON")
     args = parser.parse_args(argv)
+    if args.render is not None:  # redraw the .md of a results file
+        args.render.with_suffix(".md").write_text(render(json.loads(args.render.read_text())))
+        return 0
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="bench-clients-") as tmp:
         result = bench_clients(Path(tmp), args)
+    result["started"] = started
+    result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(render(result))
     print(render(result))
     failed = any(p["errors"] or p["push_errors"] for p in result["phases"].values())
     return 1 if failed else 0

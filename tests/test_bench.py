@@ -273,3 +273,73 @@ def test_readme_default_sync_numbers_match_results() -> None:
     assert f"(targets 1.1x and 4.7x: {'met' if met else 'missed'})" in line
     assert f"deltas cost {_x(disk['delta_vs_complete'], 2)}" in line
     assert f"the default {_x(disk['default_vs_complete'], 2)}" in line
+
+
+# The engine in the ranks (`make bench-ranks`) and other clients during pushes
+# (`make bench-clients`): their own results, and what the docs quote of them.
+
+SECTIONS = {
+    "ranks": ("Engine in the ranks", "Engine in the ranks (`make bench-ranks`"),
+    "clients": ("Other clients during pushes", "Other clients of a served engine"),
+}
+
+
+def _own(name: str) -> dict:
+    return json.loads((ROOT / "bench" / f"results-{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
+def test_a_sections_md_is_its_json_rendered_and_the_docs_quote_it(name: str) -> None:
+    """``bench/results-{name}.md`` is the rendering of its JSON; every table line of its
+    section of docs/benchmarks.md is a line of it, and the section names the run's date."""
+    results = ROOT / "bench" / f"results-{name}.json"
+    code = (
+        f"import json, sys; from benchmarks.{name} import render; "
+        "sys.stdout.write(render(json.load(open(sys.argv[1]))))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(results)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rendered = (ROOT / "bench" / f"results-{name}.md").read_text()
+    assert proc.stdout == rendered
+    heading = SECTIONS[name][0]
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = doc.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    tables = [line for line in section.splitlines() if line.startswith("|")]
+    assert tables and [line for line in tables if line not in rendered.splitlines()] == []
+    d = _own(name)
+    assert f"one run of {(d.get('started') or d['finished'])[:10]}" in " ".join(section.split())
+
+
+def test_readme_quotes_the_ranks_and_clients_results() -> None:
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [x for x in readme.splitlines() if x.startswith(SECTIONS["ranks"][1])]
+    r = _own("ranks")
+    m = r["median_s"]
+    assert f"{m['live'] / m['copy']:.1f}x one copy" in line
+    met = "met" if r["target_met"] else "missed"
+    assert (
+        f"{r['live_without_repack_over_copy']:.1f}x without the CPU re-pack; target 2x: {met}"
+        in line
+    )
+    assert f"{m['live'] / m['file']:.2f}x the file path" in line
+    wrong = "" if r["correct"]["load_weights"] else ", wrong on this CPU"
+    assert f"`load_weights` {m['load_weights'] / m['copy']:.1f}x{wrong}" in line
+    assert r["correct"]["live"]
+    c = _own("clients")
+    phases = c["phases"]
+    errors, sent = (
+        sum(p["errors"] for p in phases.values()),
+        sum(p["sent"] for p in phases.values()),
+    )
+    assert (
+        f"{errors} errors in {sent} requests (target: {'met' if errors == 0 else 'missed'})" in line
+    )
+    assert f"p99 {phases['no pushes']['latency_p99_s']:.3f} s without pushes" in line
+    worst = max(p["latency_p99_s"] for p in phases.values())
+    assert f"at most {worst:.3f} s with" in line
