@@ -805,3 +805,50 @@ def test_no_client_of_the_server_fails_during_pushes_in_any_mode(dense, stock_co
     assert all(count > 0 for count in served.values()), served
     assert client.weight_version() == "A"
     assert not client.call("is_paused", method="GET")["is_paused"]
+
+
+@pytest.mark.every_vllm
+def test_the_engine_holds_the_trainers_bits_after_every_kind_of_push(dense, tmp_path) -> None:
+    """Issue 50.3, through the bridge's fingerprints (vLLM 0.32 has no ``/weight_checker``; on
+    0.34 its checksums hash live parameters a trainer cannot compute): after a complete, a
+    partial and a delta push, and after a failed push rolled back (FAULT INJECTION:
+    :mod:`weight_bridge.testing.faults`), the engine holds exactly the trainer's tensors
+    (``weight_mismatches`` is empty); after a deliberately wrong push (one tensor not the
+    trainer's) the check names that tensor and no other."""
+    from weight_bridge.vllm.clients.checks import weight_mismatches
+
+    client, a, b, root, fault = (
+        dense["client"],
+        dense["a"],
+        dense["b"],
+        dense["root"],
+        dense["fault"],
+    )
+    ta, tb = _tensors(a / "model.safetensors"), _tensors(b / "model.safetensors")
+    report = client.push(a, version="A")
+    assert weight_mismatches(client, ta, report.dtypes) == {}
+    assert set(weight_mismatches(client, tb, report.dtypes)) == set(ta)  # every tensor differs
+    part = {n: t for n, t in tb.items() if ".layers.1." in n}
+    save_checkpoint(part, root / "checked-part.safetensors", {BASE_VERSION_KEY: "A"})
+    client.push(root / "checked-part.safetensors", version="A+")
+    assert weight_mismatches(client, {**ta, **part}, report.dtypes) == {}
+    ca, cb = engine_cast(ta, report.dtypes), engine_cast(tb, report.dtypes)
+    client.push(a, version="A")  # a keyframe for the delta
+    delta = delta_checkpoint(ca, cb, "A", "B", root / "checked-delta.safetensors")
+    assert client.push(delta, version="B").delta
+    assert weight_mismatches(client, tb, report.dtypes) == {}
+    fault.write_text("once")  # the push fails after writing; its rollback re-writes B's chain
+    try:
+        with pytest.raises(DirectReloadError, match="rolled back"):
+            client.push(a, version="never")
+    finally:
+        fault.unlink(missing_ok=True)
+    assert client.weight_version() == "B" and weight_mismatches(client, tb, report.dtypes) == {}
+    name = next(n for n in ta if n.endswith("mlp.down_proj.weight"))
+    wrong = dict(ta)
+    wrong[name] = wrong[name] + 0.5
+    save_checkpoint(wrong, root / "checked-wrong.safetensors")
+    client.push(root / "checked-wrong.safetensors", version="A?")
+    problems = weight_mismatches(client, ta, report.dtypes)
+    assert list(problems) == [name], problems
+    assert "the engine holds fingerprint" in problems[name]

@@ -4,11 +4,14 @@ take no function over HTTP (vLLM's development route calls worker methods by nam
 Started with ``WEIGHT_BRIDGE_PLUGINS=weight_bridge.testing.faults:register`` and
 ``WEIGHT_BRIDGE_TEST_FAULT_FILE=PATH``, every engine process refreshes derived state through a
 wrapper that raises while ``PATH`` exists: a push then fails after it wrote (in the refresh, the
-last step of a direct write), as a refresher that breaks would make it. Nothing else changes.
+last step of a direct write), as a refresher that breaks would make it. A file that reads
+``once`` is removed as the fault fires, so the rollback that follows refreshes as usual. Nothing
+else changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -31,8 +34,19 @@ def register() -> None:
 
     def refresh_unless_armed(*args: Any, **kwargs: Any) -> Any:
         if os.path.exists(path):
+            if _reads(path) == "once":  # disarmed as it fires: the rollback's refresh works
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             raise RuntimeError(f"injected fault: {path} exists")
         return refresh(*args, **kwargs)
 
     refresh_unless_armed.fault_file = path  # type: ignore[attr-defined]
     session.refresh_derived_state = refresh_unless_armed
+
+
+def _reads(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on 
     from .clients.async_llm import AsyncLLMClient
     from .clients.bridge_client import EngineClient
     from .clients.by_name import ENGINE_MODES, client_for, connect, start_engine
+    from .clients.checks import expected_fingerprints, weight_mismatches
     from .clients.colocated import ColocatedEngine
     from .clients.http import HTTPClient, RemoteUpdateError
     from .clients.llm import LLMClient, token_prompts
@@ -73,8 +74,10 @@ __all__ = [
     "VersionSpan",
     "client_for",
     "connect",
+    "expected_fingerprints",
     "start_engine",
     "token_prompts",
+    "weight_mismatches",
 ]
 
 _WHERE = {
@@ -102,6 +105,8 @@ _WHERE = {
     "start_engine": "clients.by_name",
     "client_for": "clients.by_name",
     "ENGINE_MODES": "clients.by_name",
+    "expected_fingerprints": "clients.checks",
+    "weight_mismatches": "clients.checks",
 }
 
 

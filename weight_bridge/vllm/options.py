@@ -20,6 +20,7 @@ from ..direct.readback import READBACK_MODES
 
 __all__ = [
     "BACKEND",
+    "BACKEND_RPC",
     "CPU_LINEAR_MODES",
     "RELOAD_MODES",
     "BridgeOptions",
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 BACKEND = "weight_bridge"  # the backend's name in vLLM's factories, and its additional_config key
+# the method name the engine core routes to the backend's read-only queries (any client sends it)
+BACKEND_RPC = "weight_bridge.call_backend"
 ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # the default checkpoint root of the bridge's engines
 # what init_weight_transfer_engine's init_info may change for a running engine
 SESSION_FIELDS = ("reload_mode", "readback", "check_finite", "verify_hash", "rollback")

@@ -36,6 +36,7 @@ from ...errors import WeightBridgeError
 from ..errors import UNDEFINED, EngineUndefinedError, UpdateInProgressError
 from ..generation import Generation, prompt_token_ids
 from ..internals.versions import vllm_minor
+from ..options import BACKEND_RPC
 from ..outcome import PushOutcome, typed_error
 from ..report import PushReport
 from ..server.middleware import PAUSE_ROUTE
@@ -170,6 +171,14 @@ class HTTPClient(BridgeClient):
 
     async def _resume(self) -> None:
         self.call("resume")
+
+    def fingerprints(self) -> list[dict[str, str]]:
+        """Per worker, checkpoint name -> the exact fingerprint of the full tensor it holds (as
+        :meth:`LLMClient.fingerprints <weight_bridge.vllm.clients.llm.LLMClient.fingerprints>`),
+        through vLLM's ``/collective_rpc`` development route (``VLLM_SERVER_DEV_MODE=1``, as
+        every RL route)."""
+        answer = self.call("collective_rpc", {"method": BACKEND_RPC, "args": ["fingerprints"]})
+        return list(answer["results"])
 
     async def _outcome(self) -> PushOutcome | None:
         return PushOutcome.from_dict(self.call(RESULTS_ROUTE, method="GET"))

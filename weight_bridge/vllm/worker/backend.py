@@ -39,14 +39,13 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from ..internals import check_vllm_version, config_of, reset_runner_caches, transfer_engine
-from ..options import BridgeOptions, bridge_options
+from ..options import BACKEND_RPC, BridgeOptions, bridge_options
 from .queries import worker_addresses, worker_fingerprints, worker_plan, worker_undefined
 from .transaction import PushTransaction
 from .update_request import UpdateRequest
 
 __all__ = ["BACKEND_RPC", "QUERIES", "Phase", "WeightBridgeEngine", "call_backend"]
 
-BACKEND_RPC = "weight_bridge.call_backend"  # the method name the engine core routes here
 _QUERIES: dict[str, Callable[..., Any]] = {
     "plan": worker_plan,  # args: the mode (default: the one the worker pushes with)
     "addresses": worker_addresses,

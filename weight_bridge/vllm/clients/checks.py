@@ -1,0 +1,59 @@
+"""Does the engine hold the trainer's weights, bit for bit? A check any client can run.
+
+Why: a push reads every write back, but an operator of a shared server wants to ask the engine
+itself, at any time, from the trainer's side of the wire: after a push, a rollback, someone
+else's push. vLLM 0.34's ``POST /weight_checker`` hashes every *live* parameter, which on a CPU
+engine is not the checkpoint's layout (fused projections, the linears beside their oneDNN packs,
+tensor-parallel shards), so a trainer cannot compute its baseline from its own tensors. The
+bridge's fingerprints can be: each worker fingerprints the full checkpoint tensor it holds, read
+from live storage through the write map recorded at load (:func:`~weight_bridge.vllm.worker.
+queries.worker_fingerprints`), and the trainer fingerprints its own tensor in the dtype the engine
+holds it in (:func:`weight_bridge.exact.exact_fingerprint`). Both vLLMs, every client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...exact import exact_fingerprint, format_fingerprint
+
+__all__ = ["expected_fingerprints", "weight_mismatches"]
+
+
+def expected_fingerprints(
+    tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The trainer's side of the check: each tensor's exact fingerprint, cast first to the dtype
+    the engine holds it in (``dtypes``: a complete push's ``PushReport.dtypes``; none: as given)."""
+    out = {}
+    for name, tensor in tensors.items():
+        want = (dtypes or {}).get(name)
+        t = tensor.detach().to(getattr(torch, want)) if want else tensor.detach()
+        out[name] = format_fingerprint(exact_fingerprint(t))
+    return out
+
+
+def weight_mismatches(
+    engine: Any, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Every tensor of ``tensors`` the engine does not hold bit for bit, naming why (empty: it
+    holds them all). ``engine``: a client with ``fingerprints()`` (per worker, what it holds
+    whole); ``dtypes``: as :func:`expected_fingerprints` (default: the engine's last complete
+    push's report)."""
+    if dtypes is None:
+        report = getattr(engine, "last_report", None)
+        dtypes = getattr(report, "dtypes", None) or {}
+    held: dict[str, str] = {}
+    for worker in engine.fingerprints():
+        held.update(worker)
+    problems = {}
+    for name, want in expected_fingerprints(tensors, dtypes).items():
+        got = held.get(name)
+        if got is None:
+            problems[name] = "no worker holds it whole (sharded, or not in the engine's layout)"
+        elif got != want:
+            problems[name] = f"the engine holds fingerprint {got}, the trainer's tensor is {want}"
+    return problems
