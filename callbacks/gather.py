@@ -25,6 +25,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 
 from weight_bridge.checkpoint import (
     SPARE,
+    CheckpointWriter,
     EngineDtypes,
     OpenSink,
     SavedCheckpoint,
@@ -229,6 +231,28 @@ class Gatherer:
             if writer is not None:
                 writer.abort()
             raise
+
+    def save_copy(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        path: Path,
+        metadata: Mapping[str, str],
+        collective: Collective,
+        writers: Sequence[int],
+        keep: int,
+    ) -> None:
+        """Where a sync pushes from memory (an engine in the trainer's ranks) and the user asked
+        for files: the weights also saved as a complete checkpoint at ``path``, loadable on its
+        own (every rank plans, sharded: every rank gathers; the ranks ``writers`` write), the
+        newest ``keep`` kept."""
+        writer = trainer.global_rank in writers
+        plan = self.plan(trainer, pl_module, False, writer)
+        meta = {**metadata, "source_dtype": plan.source_dtype}
+        sink = partial(CheckpointWriter, **self.writer_options())
+        self.stream(plan, path if writer else None, meta, collective, writers, sink)
+        if writer:
+            self.retire(path.parent, path, keep, ())
 
     def _one(
         self,

@@ -131,7 +131,8 @@ class VLLMWeightSync(Callback):
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
         self._in_ram = False
-        self._writers: list[int] = [0]
+        self._writers: list[int] = [0]  # the ranks the sync's tensors are gathered onto
+        self._files: list[int] = [0]  # the ranks that write files
 
     # -- what users and the recipe read --------------------------------------------------------
 
@@ -193,11 +194,10 @@ class VLLMWeightSync(Callback):
             where = open_dir(self.files, trainer, need, self._engine, starts, chained)
             self._dir, self._in_ram, owner = where
             self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
-            if self._live:  # every rank gathers, and pushes its engine from, its own tensors
-                self._writers = list(range(trainer.world_size))
-            else:
-                flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
-                self._writers = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
+            flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
+            self._files = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
+            # in the ranks every rank gathers, and pushes its engine from, its own tensors
+            self._writers = list(range(trainer.world_size)) if self._live else self._files
             if starts:
                 assert self.spec is not None
                 self._engine = self.spec.start(self._dir)
@@ -309,17 +309,23 @@ class VLLMWeightSync(Callback):
             return report
 
         failed: StepFailed | None = None
+        copy = self._live and self.files.dirpath is not None  # the files the user asked for
         try:
             with live:
-                agree = partial(trainer.strategy.broadcast)
-                sent = self.sender.send(path, turn, write, push, agree)
+                sent = self.sender.send(path, turn, write, push, trainer.strategy.broadcast)
+            if copy:
+                meta = {"step": str(step), "version": str(step)}
+                keep = self.files.keep(self._in_ram)
+                save = self.gatherer.save_copy
+                args = (trainer, pl_module, path, meta, collective, self._files, keep)
+                collective.run("save", partial(save, *args))
         except StepFailed as exc:
             failed = exc
         if failed is not None:
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
         self.clock.last_pushed_step = step
-        self.last_checkpoint = self.sender.last_checkpoint
+        self.last_checkpoint = str(path) if copy else self.sender.last_checkpoint
         record = sync_record(step, sent, gap[0])
         self._history.append(record)
         self._report(trainer, record, sent.report is not None)

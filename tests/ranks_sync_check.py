@@ -1,7 +1,7 @@
 """The engine inside the trainer's ranks: Lightning on two ranks, vLLM tensor-parallel over them.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/ranks_sync_check.py MODEL OUT \
-        [--strategy ddp|fsdp] [--lora]
+        [--strategy ddp|fsdp] [--lora] [--files]
 
 Each rank runs a real ``Trainer`` (DDP, or FSDP2 through ``ModelParallelStrategy``) with
 ``VLLMWeightSync(engine=EngineSpec(model, mode="ranks"))``: one ``vllm.LLM`` per rank, started
@@ -19,7 +19,9 @@ weights as a model directory. At the end of training, two faults on the same eng
   log), the label unchanged; the same for a partial push (``partial_after_commit``).
 
 Then, with the trainer's engine closed, a cold TP=2 engine (the same external launcher) on each
-saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``.
+saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``. ``--files``:
+the run also asks for files (``CheckpointFiles(dirpath=OUT/checkpoints, keep_last_k=2)``):
+each sync saves a complete checkpoint there, besides its push from memory.
 
 Two "nodes" of one process each (``torchrun --nnodes=2 --nproc_per_node=1 --node_rank=K`` on
 the loopback): one engine per node (TP=1, vLLM's data parallel across the nodes), the same
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA on q_proj and v_proj")
+    parser.add_argument("--files", action="store_true", help="files asked for: OUT/checkpoints")
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ["RANK"])
@@ -59,7 +62,7 @@ def main() -> None:
     from helpers import ENGINE_KWARGS, greedy, model_dir_with
     from transformers import AutoModelForCausalLM
 
-    from callbacks import EngineSpec, Schedule, VLLMWeightSync
+    from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge import EngineUndefinedError  # noqa: F401 (an error a rank may raise)
     from weight_bridge.vllm.clients.ranks import RanksEngine
 
@@ -166,9 +169,11 @@ def main() -> None:
             report["after_partial_rollback"] = (engine.version, greedy(engine)) == before
             report["undefined"] = engine.undefined
 
+    files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None
     sync = VLLMWeightSync(
         engine=EngineSpec(model=args.model, mode="ranks", args=engine_args),
         schedule=Schedule(every_n_train_steps=1),
+        files=files or CheckpointFiles(),
     )
     if args.strategy == "fsdp":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -189,6 +194,21 @@ def main() -> None:
         callbacks=[sync, Probe()],
     )
     trainer.fit(Policy())
+    report["last_checkpoint"] = sync.last_checkpoint
+    if args.files and rank == 0:  # the files asked for: complete, the newest kept, the weights
+        from weight_bridge.checkpoint import CheckpointReader
+
+        report["files"] = sorted(p.name for p in (out / "checkpoints").glob("*.safetensors"))
+        last = report["pushes"][-1]["step"]
+        with (
+            CheckpointReader(sync.last_checkpoint) as saved,
+            CheckpointReader(out / f"ref-{last}" / "model.safetensors") as ref,
+        ):
+            want = dict(ref.tensors())
+            got = dict(saved.tensors())
+            report["last_file_equal"] = got.keys() == want.keys() and all(
+                torch.equal(got[n], want[n]) for n in want
+            )
     # the reference: a cold TP=2 engine in the same ranks on each saved directory
     torch.distributed.barrier()
     report["cold"] = {}

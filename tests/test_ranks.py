@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize(
     ("strategy", "nodes", "extra"),
-    [("ddp", 1, ()), ("fsdp", 1, ()), ("ddp", 2, ("--lora",))],
+    [("ddp", 1, ()), ("fsdp", 1, ("--files",)), ("ddp", 2, ("--lora",))],
     ids=["ddp", "fsdp2", "two-nodes-lora"],
 )
 def test_an_engine_in_the_ranks_equals_a_cold_start_after_every_sync_and_rolls_back_together(
@@ -85,6 +85,12 @@ def test_an_engine_in_the_ranks_equals_a_cold_start_after_every_sync_and_rolls_b
     assert [p["version"] for p in pushes] == [0, 1, 2]
     assert [p["partial"] for p in pushes] == [False, True, True]  # frozen embeddings left out
     assert all(p["checkpoint"].startswith("live:") for p in pushes)  # no file on the way
+    if "--files" in extra:  # files asked for: each sync also saved, complete, the newest 2 kept
+        assert first["files"] == ["step-00000001.safetensors", "step-00000002.safetensors"]
+        assert first["last_checkpoint"].endswith("step-00000002.safetensors")
+        assert first["last_file_equal"]  # the trainer's full weights at that step, bit for bit
+    else:
+        assert first["last_checkpoint"] is None
     for p in pushes:
         assert_parity(p["greedy"], first["cold"][str(p["step"])])
     assert [p["greedy"] for p in second["pushes"]] == [p["greedy"] for p in pushes]
