@@ -382,7 +382,7 @@ MUTANTS = [
         "    if group is None:\n        return answers",
         "    if True:\n        return answers",
         "the exchange of the cores' answers in `across_engine_ranks` (each rank decides alone)",
-        [["tests/test_ranks.py", "-k", "ddp"]],
+        [["tests/test_ranks.py", "-k", "two_jobs"]],
     ),
     Mutant(
         "ranks-pre-images",
@@ -391,7 +391,16 @@ MUTANTS = [
         "self.options.rollback and (is_live(path) or any(is_live(n.path) for n in self.served)),",
         "False,",
         "the pre-images a live push's writer keeps (`pre_images` in `PushTransaction._job`)",
-        [["tests/test_ranks.py", "-k", "ddp"]],
+        [["tests/test_ranks.py", "-k", "two_jobs"]],
+    ),
+    Mutant(
+        "ranks-shm-names",
+        "two jobs with an engine in their ranks run on one machine at once",
+        "weight_bridge/vllm/worker/external_launcher.py",
+        "        if os.environ.get(\"VLLM_DIST_IDENT\") == _ENV_IDENT and os.environ.get(\"MASTER_PORT\"):",
+        "        if False:",
+        "the job's name for the CPU worker's shared memory in `naming_shm_by_job`",
+        [["tests/test_ranks.py", "-k", "two_jobs"]],
     ),
     Mutant(
         "ranks-keep-group",
@@ -400,7 +409,7 @@ MUTANTS = [
         "        with _keeping_default_group():\n            stop()",
         "        stop()",
         "`_keeping_default_group` around the engine core's shutdown",
-        [["tests/test_ranks.py", "-k", "ddp"]],
+        [["tests/test_ranks.py", "-k", "two_jobs"]],
     ),
 ]
 

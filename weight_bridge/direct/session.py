@@ -290,8 +290,8 @@ class PreparedReload:
         writing started raises :class:`DirectReloadError` (an interrupt such as
         ``KeyboardInterrupt`` propagates as itself), the model left undefined."""
         kept, before = None, bridge_state(self.model).undefined
-        if self.pre_images:  # a copy of every target this write reaches, on its device
-            views = {n: self.plan.targets[n].view for n, _ in self.items if n in self.plan.targets}
+        if self.pre_images:  # a copy of every target, on its device
+            views = [t.view for t in self.plan.targets.values()]
             kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
         try:
             with self.write() as reload:

@@ -10,7 +10,7 @@ live storage, by the segment's geometry), so a log holds about the bytes of the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +18,6 @@ import torch
 from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .positions import Positions
-from .proof import module_of
 from .state import bridge_state
 
 __all__ = ["UndoLog"]
@@ -55,17 +54,14 @@ class UndoLog:
 
     @classmethod
     def pre_images(
-        cls, model: torch.nn.Module, views: Mapping[str, torch.Tensor], refresh: Mapping[str, str]
+        cls, model: torch.nn.Module, views: Iterable[torch.Tensor], refresh: Mapping[str, str]
     ) -> UndoLog:
-        """A copy of each of ``views`` (checkpoint name -> its target in live storage, before a
-        write that has no file to give it back: tensors pushed from memory), each distinct view
-        once, the served fingerprints, and whose derived state to re-derive after restoring:
-        the modules of ``refresh`` (module -> kind) those names write into."""
-        modules = {module_of(name)[0] for name in views}
-        refresh = {module: kind for module, kind in refresh.items() if module in modules}
-        log = cls(modules=refresh, fingerprints=dict(bridge_state(model).fingerprints))
+        """A copy of each of ``views`` (live storage, before a write that has no file to give
+        it back: tensors pushed from memory), each distinct view once, the served fingerprints,
+        and ``refresh``: whose derived state to re-derive after restoring."""
+        log = cls(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
         seen = set()
-        for view in views.values():  # a tied weight's targets are one view: copied once
+        for view in views:  # a tied weight's targets are one view: copied once
             key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()), view.dtype)
             if key not in seen:
                 seen.add(key)

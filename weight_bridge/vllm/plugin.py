@@ -36,7 +36,7 @@ from .core import updates as core_updates
 from .lifeline import follow_parent
 from .options import BACKEND
 from .server import typed_errors
-from .worker import cpu_threads, load_recording, refresh
+from .worker import cpu_threads, external_launcher, load_recording, refresh
 
 __all__ = ["PLUGINS_ENV", "register", "run_engine_plugins"]
 
@@ -107,6 +107,7 @@ def _install_patches() -> None:
         internals.patch_cpu_linear(refresh.dispatch_cpu_linear)
         internals.patch_cpu_moe(refresh.process_cpu_moe)
         internals.patch_queue_waits(cpu_threads.idle_wait)
+        internals.patch_cpu_dist_init(external_launcher.naming_shm_by_job)
 
 
 def register() -> None:

@@ -119,6 +119,16 @@ Per version (what differs, and which part of an update is vLLM's and which the b
     ``finish_direct_reload(model, model_config, device)``, and its checks ``_check_params_kept``
     / ``_checkpoint_views`` (raise ``RuntimeError``, change nothing), the model's
     ``_ckpt_param_names`` (:mod:`.vllm_direct`).
+21. The CPU worker's distributed start (``v1.worker.cpu_worker``): it sets ``VLLM_DIST_IDENT``
+    from its init method's port (``//`` for the external launcher's ``env://``) just before
+    calling its module's ``init_worker_distributed_environment``, whose tensor-parallel
+    communicators name their shared memory after it; that call patched on the CPU, so an
+    engine in the trainer's ranks names them by the job's ``MASTER_PORT``
+    (:mod:`~weight_bridge.vllm.worker.external_launcher`). The engine core, in the trainer's
+    ranks, reads vLLM's world group (``distributed.parallel_state.get_world_group().cpu_group``)
+    and its config's ``parallel_config.distributed_executor_backend`` and ``world_size``
+    (:func:`across_engine_ranks`); a shutdown's ``cleanup_dist_env_and_memory`` still destroys
+    the default process group, which the bridge keeps (:func:`shutdown`).
 """
 
 from .engine_client import (
@@ -164,6 +174,7 @@ from .patches import (
     PATCHED,
     cpu_linear_of,
     drop_cpu_linear,
+    patch_cpu_dist_init,
     patch_cpu_linear,
     patch_cpu_moe,
     patch_default_loader,
@@ -225,6 +236,7 @@ __all__ = [
     "layerwise_begin",
     "layerwise_finish",
     "layerwise_reprocesses",
+    "patch_cpu_dist_init",
     "patch_cpu_linear",
     "patch_cpu_moe",
     "patch_default_loader",

@@ -22,6 +22,7 @@ __all__ = [
     "drop_cpu_linear",
     "patch_cpu_linear",
     "patch_cpu_moe",
+    "patch_cpu_dist_init",
     "patch_default_loader",
     "patch_engine_core",
     "patch_rl_api",
@@ -40,6 +41,7 @@ _GEMM = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
 _MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts"
 _PROCESS = "process_weights_after_loading"
 _QUEUE_WAIT = "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait"
+_CPU_DIST_INIT = "vllm.v1.worker.cpu_worker.init_worker_distributed_environment"
 
 #: Every vLLM module or class attribute replaced by a ``patch_*`` function.
 PATCHED = (
@@ -56,6 +58,7 @@ PATCHED = (
     _GEMM,
     f"{_MOE}.{_PROCESS}",
     _QUEUE_WAIT,
+    _CPU_DIST_INIT,
 )
 
 _patched: set[str] = set()
@@ -203,6 +206,12 @@ def patch_queue_waits(wait: Wrap) -> None:
     """Site 18: how a reader of vLLM's shared-memory message queues waits for the next
     message (spinning, then asleep)."""
     _patch("queue waits", {_QUEUE_WAIT: wait})
+
+
+def patch_cpu_dist_init(init: Wrap) -> None:
+    """Site 21: how vLLM's CPU worker initialises its distributed state (its shared-memory
+    communicators are named after ``VLLM_DIST_IDENT``, set just before)."""
+    _patch("cpu distributed init", {_CPU_DIST_INIT: init})
 
 
 def cpu_linear_of(layer: Any) -> Any:
