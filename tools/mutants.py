@@ -397,7 +397,8 @@ MUTANTS = [
         "ranks-shm-names",
         "two jobs with an engine in their ranks run on one machine at once",
         "weight_bridge/vllm/worker/external_launcher.py",
-        "        if os.environ.get(\"VLLM_DIST_IDENT\") == _ENV_IDENT and os.environ.get(\"MASTER_PORT\"):",
+        '        if os.environ.get("VLLM_DIST_IDENT") == _ENV_IDENT and '
+        'os.environ.get("MASTER_PORT"):',
         "        if False:",
         "the job's name for the CPU worker's shared memory in `naming_shm_by_job`",
         [["tests/test_ranks.py", "-k", "two_jobs"]],
