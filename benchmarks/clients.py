@@ -21,14 +21,14 @@ asserted; the exit code is 1 if a client saw an error or a push failed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from .section import run_section
 
 __all__ = ["bench_clients", "main", "render"]
 
@@ -189,18 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--render", type=Path, help="only redraw the .md of a results JSON")
     args = parser.parse_args(argv)
-    if args.render is not None:  # redraw the .md of a results file
-        args.render.with_suffix(".md").write_text(render(json.loads(args.render.read_text())))
+
+    def run() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="bench-clients-") as tmp:
+            return bench_clients(Path(tmp), args)
+
+    result = run_section(run, render, args.out, args.render)
+    if result is None:
         return 0
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with tempfile.TemporaryDirectory(prefix="bench-clients-") as tmp:
-        result = bench_clients(Path(tmp), args)
-    result["started"] = started
-    result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(render(result))
-    print(render(result))
     failed = any(p["errors"] or p["push_errors"] for p in result["phases"].values())
     return 1 if failed else 0
 

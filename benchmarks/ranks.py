@@ -38,9 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from .section import run_section
 
 __all__ = ["bench_ranks", "main", "render"]
 
@@ -282,18 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     if args._default:
         _default_footprint(args)
         return 0
-    if args.render is not None:  # redraw the .md of a results file
-        args.render.with_suffix(".md").write_text(render(json.loads(args.render.read_text())))
+
+    def run() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-ranks-") as tmp:
+            return bench_ranks(Path(tmp), args.size, args.reps)
+
+    result = run_section(run, render, args.out, args.render)
+    if result is None:
         return 0
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-ranks-") as tmp:
-        result = bench_ranks(Path(tmp), args.size, args.reps)
-    result["started"] = started
-    result["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(render(result))
-    print(render(result))
     return 0 if result["correct"]["live"] else 1  # the anchor's correctness is reported
 
 
