@@ -71,10 +71,15 @@ class EngineSpec:
         assert self.url is not None
         return connect(self.url, **self.args)
 
-    def start(self, checkpoint_root: Path) -> EngineClient:
-        """The engine on ``model``, reading checkpoints from ``checkpoint_root`` only."""
+    def start(self, checkpoint_root: Path, devices_per_node: int = 1) -> EngineClient:
+        """The engine on ``model``, reading checkpoints from ``checkpoint_root`` only; in the
+        trainer's ranks tensor-parallel over a node's ``devices_per_node`` ranks (the trainer's
+        own count: ``LOCAL_WORLD_SIZE`` may be stale, vLLM's CPU platform rewrites it in any
+        process that started an engine) unless ``args`` says otherwise."""
         assert self.model is not None
         args = {"checkpoint_root": str(checkpoint_root), **self.args}
+        if self.in_ranks:
+            args.setdefault("tensor_parallel_size", devices_per_node)
         return start_engine(self.model, self.mode, **args)
 
 

@@ -200,7 +200,7 @@ class VLLMWeightSync(Callback):
             self._writers = list(range(trainer.world_size)) if self._live else self._files
             if starts:
                 assert self.spec is not None
-                self._engine = self.spec.start(self._dir)
+                self._engine = self.spec.start(self._dir, trainer.num_devices)
                 self._owns_engine = True
             # in RAM the content hash only serves an engine that verifies it (an option of its)
             asked = self.spec is not None and bool(self.spec.args.get("verify_hash"))

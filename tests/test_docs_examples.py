@@ -95,6 +95,10 @@ def _environment() -> dict[str, str]:
         if not k.startswith(("VLLM_", "WEIGHT_BRIDGE_", "PYTEST_"))
     }
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # what vLLM's CPU platform leaves in any process that started an engine (this one's too,
+    # depending on which tests ran first): set as such a parent leaves it, so no example depends
+    # on it (an engine in the trainer's ranks once took it for its ranks per node)
+    env["LOCAL_WORLD_SIZE"] = "1"
     return env
 
 

@@ -56,13 +56,16 @@ class RanksEngine(ColocatedEngine):
                 "from a Lightning strategy's setup, or under torchrun after init_process_group)"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # what vLLM's external launcher reads (torchrun sets them; Lightning's launcher not all)
-        os.environ.setdefault("RANK", str(self.rank))
+        # what vLLM's external launcher reads (torchrun sets them; Lightning's launcher not all,
+        # and a RANK inherited from a parent process would be wrong: the world says)
+        os.environ["RANK"] = str(self.rank)
         os.environ.setdefault("LOCAL_RANK", str(self.rank))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_threads_bind)
-        # tensor parallel within a node, one engine per node (vLLM's data parallel) across nodes
+        # tensor parallel within a node, one engine per node (vLLM's data parallel) across nodes;
+        # LOCAL_WORLD_SIZE as the launcher set it (vLLM's CPU platform rewrites it in a process
+        # that started an engine, and a child inherits that: the callback passes its own count)
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         tp = kwargs.setdefault("tensor_parallel_size", per_node)
         if self.world_size % tp:
