@@ -39,12 +39,11 @@ from ..internals.versions import vllm_minor
 from ..options import BACKEND_RPC
 from ..outcome import PushOutcome, typed_error
 from ..report import PushReport
-from ..server.middleware import PAUSE_ROUTE
+from ..server.middleware import PAUSE_ROUTE, RESULTS_ROUTE
 from .bridge_client import BridgeClient, InflightMode, run_blocking
 
 __all__ = ["RESULTS_ROUTE", "HTTPClient", "RemoteUpdateError"]
 
-RESULTS_ROUTE = "weight_bridge/results"
 _GENERATE_THREADS = 16  # concurrent generate requests of one client (the engine batches them)
 _DEFAULT_MAX_TOKENS = 16  # vllm.SamplingParams' default: the server would fill to the model length
 _WEIGHT_VERSIONS_SINCE = (0, 33)  # the first vLLM whose /v1/completions returns weight_versions
@@ -130,7 +129,7 @@ class HTTPClient(BridgeClient):
                 raise
             raise RemoteUpdateError(
                 exc.status,
-                f"{self.url} has no /{RESULTS_ROUTE} route, so a push could not report what "
+                f"{self.url} has no {RESULTS_ROUTE} route, so a push could not report what "
                 "it wrote: start the server with --middleware "
                 "weight_bridge.vllm.server.middleware.update_results_route (nothing was pushed)",
             ) from None
@@ -140,7 +139,7 @@ class HTTPClient(BridgeClient):
         """``drain`` (``mode="wait"``) through the bridge's pause route, which queues the
         requests that arrive meanwhile (vLLM 0.33+'s ``/pause?mode=wait`` answers every other
         client 503 until resume); the other modes through vLLM's ``/pause``."""
-        route = PAUSE_ROUTE.lstrip("/") if mode == "wait" else "pause"
+        route = PAUSE_ROUTE if mode == "wait" else "pause"
         self.call(f"{route}?mode={mode}&clear_cache={str(clear_cache).lower()}")
 
     async def _start(self) -> None:

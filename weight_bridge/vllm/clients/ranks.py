@@ -19,7 +19,8 @@ held only while the update runs).
 
 Limits vLLM's external launcher sets: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set here), every rank
 must call :meth:`generate` and :meth:`push` together (the callback does), a ``vllm.LLM`` only (no
-``AsyncLLM``: nothing is in flight during a push), tensor parallelism over the whole world.
+``AsyncLLM``: nothing is in flight during a push), tensor parallelism within a node (one engine
+per node across nodes, vLLM's data parallel).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ __all__ = ["RanksEngine"]
 
 class RanksEngine(ColocatedEngine):
     """A :class:`~weight_bridge.vllm.ColocatedEngine` started in this trainer rank with vLLM's
-    external launcher, tensor-parallel over the initialised ``torch.distributed`` world (every
-    rank starts one, together). Keywords as :class:`~weight_bridge.vllm.ColocatedEngine`;
-    ``cpu_threads_bind`` (CPU backend): the cores each rank's worker computes on (vLLM's
-    ``VLLM_CPU_OMP_THREADS_BIND``, such as ``"0|1"`` for two ranks)."""
+    external launcher on the initialised ``torch.distributed`` world, tensor-parallel over a
+    node's ranks (every rank starts one, together). Keywords as
+    :class:`~weight_bridge.vllm.ColocatedEngine`; ``cpu_threads_bind`` (CPU backend): the cores
+    each rank's worker computes on (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, such as ``"0|1"`` for
+    two ranks)."""
 
     def __init__(
         self, model: str | os.PathLike, cpu_threads_bind: str | None = None, **kwargs: Any

@@ -40,9 +40,10 @@ from typing import Any
 
 from ..errors import EngineUndefinedError, undefined_message
 
-__all__ = ["OPEN_ROUTES", "PAUSE_ROUTE", "require_api_key", "update_results_route"]
+__all__ = ["OPEN_ROUTES", "PAUSE_ROUTE", "RESULTS_ROUTE", "require_api_key", "update_results_route"]
 
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
+RESULTS_ROUTE = "/weight_bridge/results"  # the bridge's routes, served here, called by HTTPClient
 PAUSE_ROUTE = "/weight_bridge/pause"
 
 
@@ -84,7 +85,7 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
     from ..internals import call_core_utility_async, server_core_client
 
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))
-    if path == "/weight_bridge/results" and request.method == "GET":
+    if path == RESULTS_ROUTE and request.method == "GET":
         core = server_core_client(request)
         return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))
     if path == PAUSE_ROUTE and request.method == "POST":
