@@ -267,25 +267,26 @@ def test_push_during_generate_waits_for_it(models, shared_engine, cold, monkeypa
     box: dict = {}
     llm_generate = engine.llm.generate
 
-    def timed(*args, **kwargs):  # instrumentation only: when vLLM's generate really ended
+    inside = threading.Event()
+
+    def timed(*args, **kwargs):  # instrumentation only: when vLLM's generate began and ended
+        inside.set()
         out = llm_generate(*args, **kwargs)
         box["end"] = time.monotonic()
         return out
 
     monkeypatch.setattr(engine.llm, "generate", timed)
-    started = threading.Event()
 
     def long_generate() -> None:
-        started.set()
         box["out"] = _tagged_greedy(engine, max_tokens=96)
 
-    for _ in range(5):  # until the push is issued while generate runs (it nearly always is)
-        started.clear()
-
+    # the push is issued once vLLM's generate has begun (a fixed sleep raced a fast generate on
+    # a loaded machine: all five tries issued it after generate had returned)
+    for _ in range(5):
+        inside.clear()
         t = threading.Thread(target=long_generate)
         t.start()
-        started.wait()
-        time.sleep(0.3)
+        inside.wait(timeout=300)
         issued = time.monotonic()
         report = engine.push(b, version="B")
         returned = time.monotonic()
