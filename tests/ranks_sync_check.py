@@ -12,7 +12,8 @@ sync each rank records its engine's greedy tokens and logprobs; rank 0 saves the
 weights as a model directory. At the end of training, two faults on the same engine:
 
 * ``refused``: rank 1 pushes a tensor holding NaN, rank 0 good tensors: both refuse, nothing
-  written, the label unchanged;
+  written, the label unchanged; the same for a tensor of the wrong shape on rank 1
+  (``wrong_shape``) and a partial push on a stale base on rank 1 (``stale_base``);
 * ``after_commit``: rank 1's refresh of derived state raises (FAULT INJECTION:
   :mod:`weight_bridge.testing.faults`, a fault no real push can be made to hit on demand) after
   rank 0 committed: both roll back (rank 1 from its writer's pre-images, rank 0 from its undo
@@ -157,6 +158,17 @@ def main() -> None:
                 bad[name].view(-1)[3] = float("nan")
             report["refused"] = _attempt(lambda: engine.push_tensors(bad, version="bad"))
             report["after_refusal"] = (engine.version, greedy(engine)) == before
+            # the other refusals a rank may meet alone: a tensor of a shape the engine does not
+            # hold, a partial push on top of a version the engine does not serve
+            wrong = dict(good)
+            if rank == 1:
+                wrong[name] = wrong[name][:, :-1]
+            report["wrong_shape"] = _attempt(lambda: engine.push_tensors(wrong, version="bad"))
+            part = {n: t for n, t in good.items() if ".mlp." in n}
+            base = engine.version if rank == 0 else "1"
+            push = lambda: engine.push_tensors(part, version="bad", base_version=base)  # noqa: E731
+            report["stale_base"] = _attempt(push)
+            report["after_other_refusals"] = (engine.version, greedy(engine)) == before
             if rank == 1:
                 fault.touch()
             changed = {n: t + 0.01 for n, t in good.items()}

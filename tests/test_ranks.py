@@ -3,12 +3,13 @@
 launcher, pushed from the live tensors (``tests/ranks_sync_check.py``).
 
 After every sync (a complete one, then partial ones: the embeddings are frozen) each rank's
-engine must equal a cold TP=2 engine on the trainer's full weights; both ranks generate the
-same tokens; a refusal on one rank (a NaN in its tensor) is a typed refusal on both, nothing
-written; a failure after rank 0 committed (rank 1's refresh raises, FAULT INJECTION) rolls both
-back: the label and the tokens as before, no rank undefined. Under DDP and FSDP2 on one
-"node" (TP=2; the two jobs at the same time), and as two "nodes" of one process each (one
-engine per node, TP=1) with PEFT LoRA (merged by the callback; the reference merged by PEFT).
+engine must equal a cold TP=2 engine on the trainer's full weights; both ranks generate the same
+tokens; a refusal on one rank (a NaN in its tensor, a tensor of the wrong shape, a stale base)
+is a typed refusal on both, nothing written; a failure after rank 0 committed (rank 1's refresh
+raises, FAULT INJECTION) rolls both back: the label and the tokens as before, no rank undefined.
+Under DDP and FSDP2 on one "node" (TP=2; the two jobs at the same time), and as two "nodes" of
+one process each (one engine per node, TP=1) with PEFT LoRA (merged by the callback; the
+reference merged by PEFT).
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def check(ranks: list[dict], extra: tuple) -> None:
         assert "nothing was written" in refused["message"]
         assert "NaN" in refused["problems"]["model.layers.0.mlp.down_proj.weight"]
         assert rank["after_refusal"]
+        wrong = rank["wrong_shape"]  # rank 1's tensor alone is wrong: both refuse, naming it
+        assert wrong["error"] == "DirectReloadError" and "nothing was written" in wrong["message"]
+        assert "model.layers.0.mlp.down_proj.weight" in wrong["message"], wrong
+        stale = rank["stale_base"]  # rank 1 alone names a base the engine does not serve
+        assert stale["error"] == "BaseVersionError", stale
+        assert "nothing was written" in stale["message"], stale
+        assert rank["after_other_refusals"]
         failed = rank["after_commit"]
         assert failed["error"] == "DirectReloadError", failed
         assert "injected fault" in failed["message"]
