@@ -561,6 +561,20 @@ def arm_write_fault(worker, action: str = "raise") -> int:
     return arm_fault(worker, FAULT_PARAM, action)
 
 
+def arm_cache_fault(engine, before: Callable | None = None) -> None:
+    """FAULT INJECTION (the engine core, in-process only): its next prefix-cache reset, the
+    step after the workers wrote, raises (``before(core)`` first). One shot."""
+    core = engine.llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore
+
+    def faulty(*args, **kwargs):
+        del core.reset_prefix_cache  # one shot: the class's method again
+        if before is not None:
+            before(core)
+        raise RuntimeError("injected fault in reset_prefix_cache")
+
+    core.reset_prefix_cache = faulty
+
+
 def input_embedding_kernels(worker) -> dict[str, str]:
     """Sent to the workers with ``collective_rpc``: per input embedding of the model, whether
     its ``cpu_linear`` is a packed oneDNN handle (``"packed"``) or still the bridge's packer,

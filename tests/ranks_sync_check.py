@@ -17,7 +17,10 @@ weights as a model directory. At the end of training, two faults on the same eng
 * ``after_commit``: rank 1's refresh of derived state raises (FAULT INJECTION:
   :mod:`weight_bridge.testing.faults`, a fault no real push can be made to hit on demand) after
   rank 0 committed: both roll back (rank 1 from its writer's pre-images, rank 0 from its undo
-  log), the label unchanged; the same for a partial push (``partial_after_commit``).
+  log), the label unchanged; the same for a partial push (``partial_after_commit``), and for
+  rank 1's loader raising mid-write (``fault_raise``), writing a wrong value that its read-back
+  finds (``fault_clobber``) and its engine core's prefix-cache reset raising (``fault_cache``),
+  all FAULT INJECTION (:func:`helpers.arm_fault`, :func:`helpers.arm_cache_fault`).
 
 Then, with the trainer's engine closed, a cold TP=2 engine (the same external launcher) on each
 saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``. ``--files``:
@@ -60,7 +63,14 @@ def main() -> None:
 
     import lightning.pytorch as pl
     import torch
-    from helpers import ENGINE_KWARGS, greedy, model_dir_with
+    from helpers import (
+        ENGINE_KWARGS,
+        FAULT_PARAM,
+        arm_cache_fault,
+        arm_fault,
+        greedy,
+        model_dir_with,
+    )
     from transformers import AutoModelForCausalLM
 
     from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
@@ -179,6 +189,14 @@ def main() -> None:
             report["partial_after_commit"] = _attempt(push)
             fault.unlink(missing_ok=True)
             report["after_partial_rollback"] = (engine.version, greedy(engine)) == before
+            for kind in ("raise", "clobber", "cache"):  # rank 1 alone: mid-write, read-back, reset
+                if rank == 1 and kind == "cache":
+                    arm_cache_fault(engine)
+                elif rank == 1:
+                    engine.llm.collective_rpc(arm_fault, args=(FAULT_PARAM, kind))
+                push = lambda: engine.push_tensors(changed, version="x")  # noqa: E731
+                report[f"fault_{kind}"] = _attempt(push)
+                report[f"after_fault_{kind}"] = (engine.version, greedy(engine)) == before
             report["undefined"] = engine.undefined
 
     files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None

@@ -138,3 +138,8 @@ def check(ranks: list[dict], extra: tuple) -> None:
         assert failed["error"] == "DirectReloadError" and "injected fault" in failed["message"]
         assert "rolled back to version '2'" in failed["message"], failed
         assert rank["after_partial_rollback"]
+        for kind in ("raise", "clobber", "cache"):  # rank 1 alone: mid-write, read-back, reset
+            failed = rank[f"fault_{kind}"]
+            assert failed["error"] == "DirectReloadError", (kind, failed)
+            assert "rolled back to version '2'" in failed["message"], (kind, failed)
+            assert rank[f"after_fault_{kind}"], kind

@@ -29,6 +29,7 @@ import pytest
 from helpers import (
     ENGINE_KWARGS,
     FAULT_PARAM,
+    arm_cache_fault,
     arm_write_fault,
     assert_differs,
     assert_parity,
@@ -92,25 +93,13 @@ def arm_refresh_fault(worker) -> str:
     return name
 
 
-def arm_cache_fault(engine) -> None:
-    """FAULT INJECTION (engine core, in-process only): its next prefix-cache reset raises."""
-    core = engine.llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore
-
-    def faulty(*args, **kwargs):
-        del core.reset_prefix_cache  # one shot: the class's method again
-        core.collective_rpc(_record_fingerprint)
-        raise RuntimeError("injected fault in reset_prefix_cache")
-
-    core.reset_prefix_cache = faulty
-
-
 def arm(engine, fault: str) -> None:
     if fault == "write":
         engine.llm.collective_rpc(arm_recorded_write_fault)
     elif fault == "refresh":
         engine.llm.collective_rpc(arm_refresh_fault)
     else:
-        arm_cache_fault(engine)
+        arm_cache_fault(engine, lambda core: core.collective_rpc(_record_fingerprint))
 
 
 FAULTS = ("write", "refresh", "cache")

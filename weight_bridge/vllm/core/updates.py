@@ -88,13 +88,7 @@ from ..internals import (
     waiting_without_spinning,
 )
 from ..options import BridgeOptions, bridge_options, is_bridged
-from ..outcome import (
-    PushOutcome,
-    PushResult,
-    merged_error,
-    shard_fingerprint_problems,
-    typed_error,
-)
+from ..outcome import PushOutcome, PushResult, merged_error, shard_fingerprint_problems, typed_error
 from ..worker.backend import BACKEND_RPC, QUERIES, Phase, call_backend
 
 __all__ = [
@@ -235,15 +229,10 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
         results = _phase(rpc, core, timeout, Phase.FAIL, why, wrong)
         error = merged_error(results)
     if error is None:
-        try:
-            state.updates += 1
-            forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")
-        except Exception as exc:
-            why = (
-                f"prefix cache reset failed after the update ({type(exc).__name__}: {exc}): "
-                "its cached KV may be from the old weights"
-            )
-            results = _phase(rpc, core, timeout, Phase.FAIL, why)
+        state.updates += 1
+        failed = _forget_prefixes_on_every_rank(core, f"weight-bridge-{state.updates}-{served}")
+        if failed is not None:
+            results = _phase(rpc, core, timeout, Phase.FAIL, failed)
             error = merged_error(results)
     if error is None:
         # The label changes in this same engine-core call: no step runs in between.
@@ -267,6 +256,18 @@ def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dic
     if undefined is not None:
         _stop_scheduling(core, state, undefined)
     raise typed_error(outcome) or error
+
+
+def _forget_prefixes_on_every_rank(core: Any, salt: str) -> str | None:
+    """Why the prefix-cache reset failed on any rank (None: on none): the cores agree, or a
+    rank that failed alone waits in the next phase's exchange for ranks that went on."""
+    why = None
+    try:
+        forget_prefixes(core, salt)
+    except Exception as exc:
+        why = f"prefix cache reset failed after the update ({type(exc).__name__}: {exc})"
+    failed = [w for w in across_engine_ranks(core, [why]) if w is not None]
+    return f"{failed[0]}: its cached KV may be from the old weights" if failed else None
 
 
 def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
@@ -300,8 +301,7 @@ def _query(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict
 
 def bridged_collective_rpc(original: Any) -> Any:
     """``EngineCore.collective_rpc``, each update a transaction over every rank (inert unless
-    the engine is bridged), :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` routed to
-    ``call_backend``."""
+    the engine is bridged), :data:`BACKEND_RPC` routed to :func:`call_backend`."""
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if isinstance(method, str) and method == BACKEND_RPC:
