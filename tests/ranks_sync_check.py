@@ -20,7 +20,8 @@ weights as a model directory. At the end of training, two faults on the same eng
   log), the label unchanged; the same for a partial push (``partial_after_commit``), and for
   rank 1's loader raising mid-write (``fault_raise``), writing a wrong value that its read-back
   finds (``fault_clobber``) and its engine core's prefix-cache reset raising (``fault_cache``),
-  all FAULT INJECTION (:func:`helpers.arm_fault`, :func:`helpers.arm_cache_fault`).
+  each for a complete and a partial push (``fault_raise_partial``, ...), all FAULT INJECTION
+  (:func:`helpers.arm_fault`, :func:`helpers.arm_cache_fault`).
 
 Then, with the trainer's engine closed, a cold TP=2 engine (the same external launcher) on each
 saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``. ``--files``:
@@ -36,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -189,14 +192,17 @@ def main() -> None:
             report["partial_after_commit"] = _attempt(push)
             fault.unlink(missing_ok=True)
             report["after_partial_rollback"] = (engine.version, greedy(engine)) == before
-            for kind in ("raise", "clobber", "cache"):  # rank 1 alone: mid-write, read-back, reset
+            # rank 1 alone: its loader raises mid-write, its read-back finds a wrong value, its
+            # core's prefix-cache reset raises; a complete push and a partial one
+            for kind, sent in itertools.product(("raise", "clobber", "cache"), (changed, part)):
                 if rank == 1 and kind == "cache":
                     arm_cache_fault(engine)
                 elif rank == 1:
                     engine.llm.collective_rpc(arm_fault, args=(FAULT_PARAM, kind))
-                push = lambda: engine.push_tensors(changed, version="x")  # noqa: E731
-                report[f"fault_{kind}"] = _attempt(push)
-                report[f"after_fault_{kind}"] = (engine.version, greedy(engine)) == before
+                base = engine.version if sent is part else None
+                key = f"{kind}_partial" if sent is part else kind
+                report[f"fault_{key}"] = _attempt(partial(engine.push_tensors, sent, "x", base))
+                report[f"after_fault_{key}"] = (engine.version, greedy(engine)) == before
             report["undefined"] = engine.undefined
 
     files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None

@@ -138,7 +138,8 @@ def check(ranks: list[dict], extra: tuple) -> None:
         assert failed["error"] == "DirectReloadError" and "injected fault" in failed["message"]
         assert "rolled back to version '2'" in failed["message"], failed
         assert rank["after_partial_rollback"]
-        for kind in ("raise", "clobber", "cache"):  # rank 1 alone: mid-write, read-back, reset
+        # rank 1 alone: mid-write, read-back, the prefix-cache reset; complete and partial
+        for kind in (f"{k}{p}" for k in ("raise", "clobber", "cache") for p in ("", "_partial")):
             failed = rank[f"fault_{kind}"]
             assert failed["error"] == "DirectReloadError", (kind, failed)
             assert "rolled back to version '2'" in failed["message"], (kind, failed)
