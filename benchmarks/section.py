@@ -32,8 +32,9 @@ def run_section(
     started = _now()
     result = run()
     result.update(started=started, finished=_now())
+    text = render(result)
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
-        out.with_suffix(".md").write_text(render(result))
-    print(render(result))
+        out.with_suffix(".md").write_text(text)
+    print(text)
     return result

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ...checkpoint import castable_dtype
 from ...exact import exact_fingerprint, format_fingerprint
 
 __all__ = ["expected_fingerprints", "weight_mismatches"]
@@ -30,8 +31,8 @@ def expected_fingerprints(
     the engine holds it in (``dtypes``: a complete push's ``PushReport.dtypes``; none: as given)."""
     out = {}
     for name, tensor in tensors.items():
-        want = (dtypes or {}).get(name)
-        t = tensor.detach().to(getattr(torch, want)) if want else tensor.detach()
+        want = castable_dtype((dtypes or {}).get(name))
+        t = tensor.detach().to(want) if want else tensor.detach()
         out[name] = format_fingerprint(exact_fingerprint(t))
     return out
 
