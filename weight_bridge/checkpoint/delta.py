@@ -50,6 +50,7 @@ __all__ = [
     "decode_indices",
     "delta_metadata",
     "encode_sparse",
+    "header_fingerprints",
     "part_name",
     "split_name",
     "stored_parts",
@@ -186,14 +187,33 @@ def decode_indices(blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return flat.add_(offsets.to(torch.int32).bitwise_and_(BLOCK - 1))  # its low 16 bits
 
 
-def _json(path: str, metadata: Mapping[str, str], key: str) -> dict:
+def _json(path: str, metadata: Mapping[str, str], key: str, what: str = "corrupt delta") -> dict:
     try:
         value = json.loads(metadata.get(key, "{}"))
     except ValueError as exc:
-        raise CheckpointError(path, f"corrupt delta: {key} is not JSON ({exc})") from None
+        raise CheckpointError(path, f"{what}: {key} is not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise CheckpointError(path, f"corrupt delta: {key} is not a JSON object")
+        raise CheckpointError(path, f"{what}: {key} is not a JSON object")
     return value
+
+
+def header_fingerprints(path: str, metadata: Mapping[str, str]) -> dict[str, int]:
+    """The fingerprints a checkpoint's header records (:data:`FINGERPRINTS_KEY`: name -> 16 hex
+    digits; none: empty), every one parsed and checked, so nothing is parsed after the first
+    write: a value that is not one (another tool's digest under the key) raises
+    :class:`CheckpointError` naming its tensor."""
+    recorded = _json(path, metadata, FINGERPRINTS_KEY, "malformed header")
+    parsed = {}
+    for name, value in recorded.items():
+        try:
+            if not isinstance(value, str) or len(value) != 16:
+                raise ValueError
+            parsed[name] = int(value, 16)
+        except ValueError:
+            raise CheckpointError(
+                path, f"malformed header: fingerprint {value!r} is not 16 hex digits", name
+            ) from None
+    return parsed
 
 
 def read_delta(
@@ -207,7 +227,7 @@ def read_delta(
     base = metadata.get(BASE_VERSION_KEY)
     if base is None:
         raise CheckpointError(path, f"corrupt delta: no {BASE_VERSION_KEY} in its metadata")
-    prints = _json(path, metadata, FINGERPRINTS_KEY)
+    prints = header_fingerprints(path, metadata)
     shapes = _json(path, metadata, SHAPES_KEY)
     delta = Delta(base, metadata.get(VERSION_KEY))
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -225,13 +245,9 @@ def read_delta(
         if name not in parts:
             raise CheckpointError(path, "truncated delta: its sparse parts are missing", name)
     for name in delta.names:
-        fp = prints.get(name)
-        if not isinstance(fp, str) or len(fp) != 16:
+        if name not in prints:
             raise CheckpointError(path, "corrupt delta: no fingerprint of the full tensor", name)
-        try:
-            delta.fingerprints[name] = int(fp, 16)
-        except ValueError:
-            raise CheckpointError(path, f"corrupt delta: fingerprint {fp!r}", name) from None
+        delta.fingerprints[name] = prints[name]
     if len({n for n in delta.names}) != len(delta.names):
         dup = next(n for n in delta.names if delta.names.count(n) > 1)
         raise CheckpointError(path, "corrupt delta: stored both dense and sparse", dup)

@@ -69,6 +69,21 @@ class LiveCheckpoint:
     def close(self) -> None:
         """The tensors are the publisher's: nothing to release."""
 
+    def check_on(self, device: torch.device) -> None:
+        """Every tensor materialised on ``device`` (where the engine holds its weights): one on
+        the meta device (never materialised) or on another device is refused by name, before
+        anything is written (the finiteness check, the write and the read-back all read it)."""
+        for name, tensor in self.items:
+            if tensor.is_meta:
+                raise CheckpointError(
+                    self.path, "is on the meta device: it holds no values (not materialised)", name
+                )
+            here = tensor.device
+            if here.type != device.type or (here.index or 0) != (device.index or 0):
+                raise CheckpointError(
+                    self.path, f"is on {here}, the engine holds its weights on {device}", name
+                )
+
 
 @contextlib.contextmanager
 def published(

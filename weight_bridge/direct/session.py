@@ -290,10 +290,10 @@ class PreparedReload:
         writing started raises :class:`DirectReloadError` (an interrupt such as
         ``KeyboardInterrupt`` propagates as itself), the model left undefined."""
         kept, before = None, bridge_state(self.model).undefined
-        if self.pre_images:  # a copy of every target, on its device
-            views = [t.view for t in self.plan.targets.values()]
-            kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
         try:
+            if self.pre_images:  # a copy of every target, before the first byte is written
+                views = [t.view for t in self.plan.targets.values()]
+                kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
             with self.write() as reload:
                 if load is None:
                     own = getattr(self.model, "load_weights", None)
@@ -302,7 +302,7 @@ class PreparedReload:
         except Exception as exc:
             undefined = bridge_state(self.model).undefined
             error = exc if isinstance(exc, DirectReloadError) else None
-            error = error or DirectReloadError(undefined or str(exc))
+            error = error or DirectReloadError(undefined or f"{type(exc).__name__}: {exc}")
             if kept is not None and undefined is not None:
                 raise kept.restore_after(self.model, error, before) from exc
             if error is exc:

@@ -1,47 +1,201 @@
-"""FAULT INJECTION for engines a test cannot reach into: a ``vllm serve`` process, whose workers
-take no function over HTTP (vLLM's development route calls worker methods by name only).
+"""FAULT INJECTION for engines a test cannot reach into (a ``vllm serve`` process, a
+multi-process or tensor-parallel engine, an engine in a trainer's ranks), and the fault points
+of an update, generated from the code.
 
 Started with ``WEIGHT_BRIDGE_PLUGINS=weight_bridge.testing.faults:register`` and
-``WEIGHT_BRIDGE_TEST_FAULT_FILE=PATH``, every engine process refreshes derived state through a
-wrapper that raises while ``PATH`` exists: a push then fails after it wrote (in the refresh, the
-last step of a direct write), as a refresher that breaks would make it. A file that reads
-``once`` is removed as the fault fires, so the rollback that follows refreshes as usual. Nothing
-else changes.
+``WEIGHT_BRIDGE_TEST_FAULT_FILE=PATH`` (or :func:`install` in the test's own process), every
+process of the engine wraps each fault point once; a wrapper raises while ``PATH`` arms it:
+
+* a file that reads ``once`` or anything else but JSON: the refresh of derived state raises a
+  ``RuntimeError`` (``once``: the file is removed as the fault fires, so the rollback that
+  follows refreshes as usual);
+* a JSON list of ``{"point": P, "kind": K, "rank": R}`` (:func:`arm_file`): the point ``P`` of
+  :func:`fault_points` raises an exception of kind ``K`` (:data:`KINDS`) in the process of rank
+  ``R`` (any rank: null), each once: the process that fires one takes it off the list first
+  (the file goes with the last), so a second fault can strike the recovery from the first.
+
+Nothing else changes; an unarmed wrapper costs one ``os.path.exists``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FAULT_FILE_ENV", "FAULTS", "register"]
+__all__ = ["FAULTS", "FAULT_FILE_ENV", "KINDS", "arm_file", "fault_points", "install", "register"]
 
 FAULT_FILE_ENV = "WEIGHT_BRIDGE_TEST_FAULT_FILE"
 FAULTS = "weight_bridge.testing.faults:register"
+ENDS = ("enter", "return")  # a phase's fault raises as it is entered, or as it returns
+
+
+def _kinds() -> dict[str, Callable[[str], BaseException]]:
+    from ..direct import DirectReloadError
+
+    return {"refusal": DirectReloadError, "ValueError": ValueError, "MemoryError": MemoryError}
+
+
+#: the kinds of exception a point raises: the project's typed error, a parser's untyped
+#: ``ValueError``, and a failed allocation
+KINDS = ("refusal", "ValueError", "MemoryError")
+
+
+def fault_points() -> list[str]:
+    """Every point of an update a fault can strike, from the code itself: each
+    :class:`~weight_bridge.vllm.outcome.Phase` of the worker's transaction as it is entered and
+    as it returns, each writer of the registry (:data:`~weight_bridge.vllm.worker.writers.
+    WRITERS`) as it starts, the weight loader after the first tensor was written, and the
+    refresh of derived state after the write."""
+    from ..vllm.outcome import Phase
+    from ..vllm.worker.writers import WRITERS
+
+    phases = [f"{phase.value}:{end}" for phase in Phase for end in ENDS]
+    writers = [f"writer:{mode}" for mode in WRITERS]
+    return [*phases, *writers, "loader", "refresh", "prefix_reset"]
+
+
+def arm_file(path: str | os.PathLike, *faults: tuple[str, str, int | None]) -> None:
+    """Arm each ``(point, kind, rank)`` of ``faults`` (a point of :func:`fault_points`, a kind
+    of :data:`KINDS`, a rank or None) to raise once, in that order."""
+    for point, kind, _ in faults:
+        if point not in fault_points() or kind not in KINDS:
+            raise ValueError(f"unknown fault {point!r}/{kind!r}")
+    _write(os.fspath(path), [{"point": p, "kind": k, "rank": r} for p, k, r in faults])
+
+
+def _write(path: str, specs: list[dict]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(specs, f)
+    os.replace(tmp, path)
 
 
 def register() -> None:
-    """Wrap the direct session's refresh of derived state (a vLLM plugin function)."""
+    """Install the wrappers in this process (a vLLM plugin function) when the fault file is
+    named in its environment."""
     path = os.environ.get(FAULT_FILE_ENV)
-    if not path:
+    if path:
+        install(path)
+
+
+def install(path: str | os.PathLike) -> None:
+    """Wrap every fault point in this process, armed by the file at ``path``."""
+    from ..direct import delta, session
+    from ..direct.readback import ReadBack
+    from ..vllm.core import updates
+    from ..vllm.outcome import Phase
+    from ..vllm.worker import writers
+    from ..vllm.worker.transaction import PushTransaction
+
+    path = os.fspath(path)
+    if getattr(PushTransaction, "fault_file", None) == path:
+        return  # installed already
+    PushTransaction.fault_file = path  # type: ignore[attr-defined]
+    for phase in Phase:
+        setattr(PushTransaction, phase.value, _phase(path, getattr(PushTransaction, phase.value)))
+    for mode, prepare in list(writers.WRITERS.items()):
+        writers.WRITERS[mode] = _writer(path, mode, getattr(prepare, "unwrapped", prepare))
+    track = getattr(ReadBack.track, "unwrapped", ReadBack.track)
+    ReadBack.track = _loader(path, track)  # type: ignore[method-assign]
+    for module in (session, delta):
+        refresh = getattr(module.refresh_derived_state, "unwrapped", module.refresh_derived_state)
+        module.refresh_derived_state = _at(path, "refresh", refresh)  # type: ignore[attr-defined]
+    forget = getattr(updates.forget_prefixes, "unwrapped", updates.forget_prefixes)
+    updates.forget_prefixes = _at(path, "prefix_reset", forget)  # type: ignore[attr-defined]
+
+
+def _fire(path: str, point: str) -> None:
+    """Raise the armed fault if it is ``point``'s on this rank (removing the file first)."""
+    if not os.path.exists(path):
         return
-    from ..direct import session
+    specs = _specs(path)
+    if specs is None:
+        if point != "refresh":
+            return
+        if _reads(path) == "once":  # disarmed as it fires: the rollback's refresh works
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise RuntimeError(f"injected fault: {path} exists")
+    mine = [s for s in specs if s.get("point") == point and s.get("rank") in (None, _rank())]
+    if not mine:
+        return
+    rest = [s for s in specs if s is not mine[0]]
+    if rest:
+        _write(path, rest)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            return  # another rank fired it
+    raise _kinds()[mine[0]["kind"]](f"injected fault at {point} ({mine[0]['kind']})")
 
-    refresh = session.refresh_derived_state
-    if getattr(refresh, "fault_file", None) == path:
-        return  # wrapped already in this process
 
-    def refresh_unless_armed(*args: Any, **kwargs: Any) -> Any:
-        if os.path.exists(path):
-            if _reads(path) == "once":  # disarmed as it fires: the rollback's refresh works
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise RuntimeError(f"injected fault: {path} exists")
-        return refresh(*args, **kwargs)
+def _specs(path: str) -> list[dict] | None:
+    try:
+        specs = json.loads(_reads(path))
+    except ValueError:
+        return None
+    return specs if isinstance(specs, list) else None
 
-    refresh_unless_armed.fault_file = path  # type: ignore[attr-defined]
-    session.refresh_derived_state = refresh_unless_armed
+
+def _rank() -> int:
+    from ..vllm.worker.backend import worker_rank
+
+    return worker_rank()
+
+
+def _phase(path: str, method: Any) -> Any:
+    method = getattr(method, "unwrapped", method)
+
+    @functools.wraps(method)
+    def phase(self, *args: Any) -> Any:
+        _fire(path, f"{method.__name__}:enter")
+        result = method(self, *args)
+        _fire(path, f"{method.__name__}:return")
+        return result
+
+    phase.unwrapped = method  # type: ignore[attr-defined]
+    return phase
+
+
+def _writer(path: str, mode: str, prepare: Callable) -> Callable:
+    def prepare_faulty(job: Any, chosen: Any) -> Any:
+        writer = prepare(job, chosen)
+        run = writer.run
+
+        def run_faulty() -> Any:
+            _fire(path, f"writer:{mode}")
+            return run()
+
+        writer.run = run_faulty
+        return writer
+
+    prepare_faulty.unwrapped = prepare  # type: ignore[attr-defined]
+    return prepare_faulty
+
+
+def _loader(path: str, track: Callable) -> Callable:
+    def track_faulty(self: Any, weights: Any) -> Any:
+        for i, item in enumerate(track(self, weights)):
+            if i == 1:  # the first tensor is written: mid-write
+                _fire(path, "loader")
+            yield item
+
+    track_faulty.unwrapped = track  # type: ignore[attr-defined]
+    return track_faulty
+
+
+def _at(path: str, point: str, function: Callable) -> Callable:
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        _fire(path, point)
+        return function(*args, **kwargs)
+
+    faulty.unwrapped = function  # type: ignore[attr-defined]
+    return faulty
 
 
 def _reads(path: str) -> str:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from ..checkpoint import CheckpointError
@@ -24,6 +25,7 @@ from ..direct.errors import BaseVersionError
 from ..direct.resolve import Relocation
 
 __all__ = [
+    "Phase",
     "PushFailure",
     "PushOutcome",
     "PushResult",
@@ -32,6 +34,28 @@ __all__ = [
     "outcome_of",
     "typed_error",
 ]
+
+
+class Phase(str, Enum):
+    """THE lifecycle of an update on a worker, named once: the engine core drives every rank
+    through these (:mod:`~weight_bridge.vllm.core.updates`), each worker runs them in one place
+    (:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`, one method of the same
+    name per phase), and every answer is that rank's :class:`PushResult`, whatever the phase
+    raised. A client drives it with vLLM's own calls: ``start_weight_update`` (the update is
+    claimed; ``ABANDON`` drops anything prepared), ``update_weights`` (``PREPARE``, then
+    ``COMMIT`` or ``ABANDON``, then ``FAIL``/``ROLL_BACK`` where needed, in that one call),
+    ``finish_weight_update`` (``SETTLE``)."""
+
+    PREPARE = "prepare"  # check everything, plan every write: nothing written
+    ABANDON = "abandon"  # a rank refused: drop what was prepared, no rank writes
+    COMMIT = "commit"  # every rank prepared: write, read back, refresh
+    FAIL = "fail"  # a check outside the workers failed after the write: record it
+    ROLL_BACK = "roll_back"  # take back what was written, on every rank that wrote
+    SETTLE = "settle"  # the update ended: release what no rollback needs any more
+
+
+#: the phases in which a failure may find bits already written (the others write nothing)
+WRITING_PHASES = frozenset({Phase.COMMIT, Phase.FAIL, Phase.ROLL_BACK})
 
 
 @dataclass
@@ -51,9 +75,16 @@ class PushFailure:
     path: str = ""
 
     @classmethod
-    def of(cls, exc: DirectReloadError | CheckpointError, phase: str, reader: Any) -> PushFailure:
-        """A worker's error as data; ``reader`` (the checkpoint's, if open) names each
-        problem's shard file where the checkpoint has several."""
+    def of(cls, exc: BaseException, phase: str, reader: Any) -> PushFailure:
+        """A worker's error as data, whatever its type; ``reader`` (the checkpoint's, if open)
+        names each problem's shard file where the checkpoint has several. An exception the
+        project did not type (a parser's ``ValueError``, a ``MemoryError``, a failed
+        allocation) is a :class:`~weight_bridge.direct.DirectReloadError` naming its type."""
+        if not isinstance(exc, (DirectReloadError, CheckpointError)):
+            what = "refused" if phase == "refused" else "failed after writing started"
+            return cls(
+                "DirectReloadError", f"update {what}: {type(exc).__name__}: {exc}", {}, phase
+            )
         if isinstance(exc, CheckpointError):
             problems = {exc.tensor: exc.problem} if exc.tensor else {}
             return cls("CheckpointError", exc.problem, problems, phase, exc.path)
@@ -99,6 +130,16 @@ class PushResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def unanswered(cls, phase: Phase, exc: BaseException) -> PushResult:
+        """The answer of a rank whose worker raised ``exc`` instead of answering ``phase`` (it
+        died, or its answer could not travel): in a phase that writes, its weights are not
+        known, so it is undefined, naming why; otherwise a refusal."""
+        writing = phase in WRITING_PHASES
+        failure = PushFailure.of(exc, "after-write" if writing else "refused", None)
+        why = f"a worker did not answer {phase.value}: {type(exc).__name__}: {exc}"
+        return cls(rank=-1, error=failure, written=writing, undefined=why if writing else None)
 
     @classmethod
     def every_rank(cls, raw: Any) -> list[PushResult]:

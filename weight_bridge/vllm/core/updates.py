@@ -78,7 +78,6 @@ from ..internals import (
     across_engine_ranks,
     bridge_state_of,
     config_of,
-    engine_ranks_group,
     finish_every_request,
     forget_prefixes,
     pause_scheduling,
@@ -139,9 +138,16 @@ def _state(core: Any) -> BridgeCoreState:
 
 
 def _phase(rpc: Any, core: Any, timeout: float | None, phase: Phase, *args: Any) -> list:
-    # plain data (a multi-process executor's message); in the trainer's ranks, every core's
-    answers = across_engine_ranks(core, rpc(core, call_backend, timeout, (phase.value, *args)))
-    return PushResult.every_rank(answers)
+    """Every rank's :class:`PushResult` for ``phase``. A worker answers whatever the phase
+    raised (:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`); a call that
+    raised anyway (a worker that died, a message that could not travel) is this rank's answer
+    too (:meth:`PushResult.unanswered`), so this core still reaches the exchange every other
+    rank's core waits in (:func:`~weight_bridge.vllm.internals.across_engine_ranks`)."""
+    try:
+        local = rpc(core, call_backend, timeout, (phase.value, *args))
+    except Exception as exc:
+        local = [PushResult.unanswered(phase, exc).to_dict()]
+    return PushResult.every_rank(across_engine_ranks(core, local))
 
 
 def weight_bridge_results(self: Any) -> dict | None:
@@ -206,56 +212,83 @@ def _with_served(info: Any, served: str | None) -> Any:
     return info
 
 
-def _update(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
+def _update(rpc: Any, core: Any, timeout: float | None, info: Any) -> PushOutcome:
+    """THE update on this rank's engine core, the one place that runs its phases: each phase
+    answered by every rank and agreed (:func:`_phase`), its outcome built from those answers
+    whatever any rank raised: refused with nothing written, rolled back, or undefined naming
+    why; or the new weights under their label."""
     state = _state(core)
-    state.outcome = None  # nothing of an earlier update may stand for this one
-    info = (kwargs or {}).get("update_info", args[0] if args else None)
-    asked = _asked_version(info)
-    if state.active is not None:
-        state.active.last_call = time.monotonic()
-        state.active.version = asked
     served = served_version(core)
-    out = rpc(core, "update_weights", timeout, (), {"update_info": _with_served(info, served)})
-    several = len(out) > 1 or engine_ranks_group(core) is not None
-    results = _phase(rpc, core, timeout, Phase.RESULT) if several else []
-    if any(r.error is not None for r in results):
-        results = _phase(rpc, core, timeout, Phase.ABANDON)  # a rank refused: no rank writes
-    else:
-        results = _phase(rpc, core, timeout, Phase.COMMIT)
-    error = merged_error(results)
-    wrong = shard_fingerprint_problems(results) if error is None else {}
-    if wrong:
-        why = "a delta's fingerprints, summed over the tensor-parallel ranks, do not check"
-        results = _phase(rpc, core, timeout, Phase.FAIL, why, wrong)
-        error = merged_error(results)
-    if error is None:
+    results = _phase(rpc, core, timeout, Phase.PREPARE, _with_served(info, served))
+    if merged_error(results) is not None:  # a rank refused: no rank writes
+        return _ended(rpc, core, timeout, _phase(rpc, core, timeout, Phase.ABANDON), served)
+    results = _phase(rpc, core, timeout, Phase.COMMIT)
+    if merged_error(results) is None:
         state.updates += 1
-        failed = _forget_prefixes_on_every_rank(core, f"weight-bridge-{state.updates}-{served}")
-        if failed is not None:
-            results = _phase(rpc, core, timeout, Phase.FAIL, failed)
-            error = merged_error(results)
-    if error is None:
-        # The label changes in this same engine-core call: no step runs in between.
-        label = _label(asked, results)
-        core.set_weight_version(label)
-        state.outcome = PushOutcome(results, label).to_dict()
+        why, wrong = _after_commit(core, results, f"weight-bridge-{state.updates}-{served}")
+        if why is not None:
+            results = _phase(rpc, core, timeout, Phase.FAIL, why, wrong)
+    if merged_error(results) is None:
+        return PushOutcome(results, _label(_asked_version(info), results))
+    return _ended(rpc, core, timeout, results, served)
+
+
+def _after_commit(core: Any, results: list[PushResult], salt: str) -> tuple[str | None, dict]:
+    """Why the update fails after every rank committed (None: it does not), and the tensors
+    named: a delta's fingerprints that do not add up over the tensor-parallel ranks, or a
+    prefix-cache reset that failed on any rank (agreed on every rank)."""
+    try:
+        wrong = shard_fingerprint_problems(results)
+    except Exception as exc:
+        return f"the ranks' fingerprints could not be checked ({type(exc).__name__}: {exc})", {}
+    if wrong:
+        return "a delta's fingerprints, summed over the tensor-parallel ranks, do not check", wrong
+    return _forget_prefixes_on_every_rank(core, salt), {}
+
+
+def _ended(
+    rpc: Any, core: Any, timeout: float | None, results: list[PushResult], served: str | None
+) -> PushOutcome:
+    """A refused or failed update's outcome, every rank that wrote rolled back first."""
+    error = merged_error(results)
+    if any(r.wrote for r in results):
+        results = _phase(rpc, core, timeout, Phase.ROLL_BACK, served)
+        error = merged_error(results) or error
+    undefined = next((r.undefined for r in results if r.undefined), None)
+    return PushOutcome(results, None, str(error), undefined)
+
+
+def _answered(rpc: Any, core: Any, timeout: float | None, outcome: PushOutcome) -> list:
+    """Make ``outcome`` the engine's: kept for ``weight_bridge_results``; a success stamps its
+    label in this same engine-core call (no step runs in between) and is returned to the call
+    that made the update; a refusal or failure ends the workers' session and is raised as the
+    typed error (:func:`~weight_bridge.vllm.outcome.typed_error`)."""
+    state = _state(core)
+    state.outcome = outcome.to_dict()
+    if outcome.failed is None:
+        core.set_weight_version(outcome.label)
         state.failed = None
         _resume_if_paused_by_bridge(core, state)
         if state.active is not None:
             state.active.last_call = time.monotonic()
-        return out
-    if any(r.wrote for r in results):
-        results = _phase(rpc, core, timeout, Phase.ROLL_BACK, served)
-        error = merged_error(results) or error
-    rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
-    undefined = next((r.undefined for r in results if r.undefined), None)
-    outcome = PushOutcome(results, None, str(error), undefined)
-    state.outcome = outcome.to_dict()
+        return [state.outcome]
+    with contextlib.suppress(Exception):
+        rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
     state.active = None
-    state.failed = str(error)
-    if undefined is not None:
-        _stop_scheduling(core, state, undefined)
-    raise typed_error(outcome) or error
+    state.failed = outcome.failed
+    if outcome.undefined is not None:
+        _stop_scheduling(core, state, outcome.undefined)
+    raise typed_error(outcome) or DirectReloadError(outcome.failed)
+
+
+def _core_failed(rpc: Any, core: Any, timeout: float | None, exc: Exception) -> PushOutcome:
+    """An update whose engine-core step raised between two phases (its own code, on the answers
+    every rank shares, so on every rank alike): every rank that wrote rolls back."""
+    why = f"the engine core's update raised {type(exc).__name__}: {exc}"
+    _logger.exception("weight_bridge: %s", why)
+    results = _phase(rpc, core, timeout, Phase.ROLL_BACK, served_version(core))
+    undefined = next((r.undefined for r in results if r.undefined), None)
+    return PushOutcome(results, None, why, undefined)
 
 
 def _forget_prefixes_on_every_rank(core: Any, salt: str) -> str | None:
@@ -319,9 +352,18 @@ def bridged_collective_rpc(original: Any) -> Any:
             state.failed = None
             return started
         if method == "update_weights":
+            info = (kwargs or {}).get("update_info", args[0] if args else None)
+            state.outcome = None  # nothing of an earlier update may stand for this one
+            if state.active is not None:
+                state.active.last_call = time.monotonic()
+                state.active.version = _asked_version(info)
             try:
                 with waiting_without_spinning(self):  # the push's helpers get its CPU
-                    return _update(original, self, timeout, args, kwargs)
+                    try:
+                        outcome = _update(original, self, timeout, info)
+                    except Exception as exc:  # the core's own step raised: take back any write
+                        outcome = _core_failed(original, self, timeout, exc)
+                return _answered(original, self, timeout, outcome)
             except (DirectReloadError, CheckpointError):
                 raise
             except BaseException:

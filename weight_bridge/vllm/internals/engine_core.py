@@ -34,7 +34,24 @@ def engine_ranks_group(core: Any) -> Any | None:
         return None
     from vllm.distributed.parallel_state import get_world_group
 
-    return get_world_group().cpu_group
+    group = get_world_group().cpu_group
+    timeout = _trainer_timeout()
+    if timeout is not None:  # vLLM made it with torch's default (30 min), not the trainer's
+        group.set_timeout(timeout)
+    return group
+
+
+def _trainer_timeout() -> Any:
+    """The trainer's process-group timeout (its default group's, as its strategy set it, such
+    as Lightning's ``DDPStrategy(timeout=...)``), None where it cannot be read."""
+    import torch
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):
+            return default._get_backend(torch.device(device)).options._timeout
+    return None
 
 
 def across_engine_ranks(core: Any, answers: list) -> list:

@@ -32,7 +32,6 @@ function itself crosses from a multi-process engine's client to its core only wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 import torch
@@ -40,11 +39,12 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from ..internals import check_vllm_version, config_of, reset_runner_caches, transfer_engine
 from ..options import BACKEND_RPC, BridgeOptions, bridge_options
+from ..outcome import Phase
 from .queries import worker_addresses, worker_fingerprints, worker_plan, worker_undefined
 from .transaction import PushTransaction
 from .update_request import UpdateRequest
 
-__all__ = ["BACKEND_RPC", "QUERIES", "Phase", "WeightBridgeEngine", "call_backend"]
+__all__ = ["BACKEND_RPC", "QUERIES", "Phase", "WeightBridgeEngine", "call_backend", "worker_rank"]
 
 _QUERIES: dict[str, Callable[..., Any]] = {
     "plan": worker_plan,  # args: the mode (default: the one the worker pushes with)
@@ -55,21 +55,8 @@ _QUERIES: dict[str, Callable[..., Any]] = {
 QUERIES = tuple(_QUERIES)  # the read-only actions: answered by any worker, bridged or not
 
 
-class Phase(str, Enum):
-    """The phases of an update the engine core drives after vLLM's ``update_weights`` (which
-    prepares), each answered with every rank's
-    :class:`~weight_bridge.vllm.outcome.PushResult`. ``RESULT`` is a second fetch of what
-    ``update_weights`` found: vLLM's worker discards what its backend's ``update_weights``
-    returns, so a rank's refusal cannot come back on that call."""
-
-    RESULT = "result"  # what the prepare found (nothing changes)
-    ABANDON = "abandon"  # a rank refused: drop what was prepared, no rank writes
-    COMMIT = "commit"  # every rank prepared: write
-    FAIL = "fail"  # a check outside the workers failed after the write: record it
-    ROLL_BACK = "roll_back"  # take back what was written, on every rank that wrote
-
-
-def _rank() -> int:
+def worker_rank() -> int:
+    """This worker's rank in vLLM's world group (0 without distributed state)."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
@@ -95,7 +82,9 @@ class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ig
         check_vllm_version()  # an untested vLLM is refused here, in every entry point
         super().__init__(config, vllm_config, device, model)
         self.options = bridge_options(vllm_config) or BridgeOptions()
-        self.transaction = PushTransaction(model, vllm_config.model_config, self.options, _rank())
+        self.transaction = PushTransaction(
+            model, vllm_config.model_config, self.options, worker_rank()
+        )
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateRequest:
         return UpdateRequest.from_dict(dict(update_dict))
@@ -108,26 +97,21 @@ class WeightBridgeEngine(WeightTransferEngine[dict, UpdateRequest]):  # type: ig
         self.transaction.options = self.options.with_session(chosen)
 
     def start_weight_update(self) -> None:
-        self.transaction.abandon()
+        self.transaction.run(Phase.ABANDON)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # Phase 1 only (nothing written, nothing asynchronous to wait for): the engine core
-        # commits once every rank prepared (see weight_bridge.vllm.core.updates). A malformed
-        # request is a refusal too: a worker that raised would leave vLLM's multi-process
-        # executor with the other ranks' replies queued.
-        try:
-            request = self.parse_update_info(update_info)
-        except (TypeError, ValueError) as exc:
-            self.transaction.refuse(f"invalid update_info: {exc}")
-            return
-        self.receive_weights(request)
+        # PREPARE only (nothing written), for a caller that reaches the worker without the
+        # engine core's transaction (which sends PREPARE itself: see
+        # weight_bridge.vllm.core.updates). Never raises: a worker that raised would leave
+        # vLLM's multi-process executor with the other ranks' replies queued.
+        self.transaction.run(Phase.PREPARE, update_info)
 
     def receive_weights(self, update_info: UpdateRequest) -> None:
-        self.transaction.prepare(update_info)
+        self.transaction.run(Phase.PREPARE, update_info)
 
     def finish_weight_update(self) -> None:
         # The update is over: no rank rolls back to the chain served before it any more.
-        self.transaction.settle()
+        self.transaction.run(Phase.SETTLE)
 
     def shutdown(self) -> None:
         """A trainer disconnected: nothing to release (the served chain stays for rollback)."""
@@ -146,23 +130,27 @@ def call_backend(worker: Any, action: str, *args: Any) -> Any:
     engine = transfer_engine(worker)
     if not isinstance(engine, WeightBridgeEngine):
         raise RuntimeError("this worker does not run the weight_bridge weight-transfer backend")
-    transaction = engine.transaction
     try:
         phase = Phase(action)
     except ValueError:
         raise ValueError(f"unknown backend action {action!r}") from None
+    if phase is Phase.PREPARE:
+        args = (_local_info(worker, args[0]),)
+    elif phase in (Phase.COMMIT, Phase.ROLL_BACK):
+        args = (worker.reload_weights, *args)
     with set_current_vllm_config(config_of(worker)):
-        if phase is Phase.COMMIT:
-            result = transaction.commit(worker.reload_weights)
-            if result.error is None:
-                reset_runner_caches(worker)  # encoder and multi-modal caches: old outputs
-        elif phase is Phase.ROLL_BACK:
-            result = transaction.roll_back(worker.reload_weights, *args)
-        elif phase is Phase.FAIL:
-            result = transaction.fail(*args)
-        elif phase is Phase.ABANDON:
-            transaction.abandon()
-            result = transaction.result
-        else:
-            result = transaction.result
+        result = engine.transaction.run(phase, *args)
+        if phase is Phase.COMMIT and result.error is None:
+            reset_runner_caches(worker)  # encoder and multi-modal caches: old outputs
     return result.to_dict()
+
+
+def _local_info(worker: Any, info: Any) -> Any:
+    """This worker's ``update_info``, as vLLM's own ``update_weights`` picks it: a list is
+    indexed by the worker's global rank across data-parallel replicas."""
+    if not isinstance(info, list):
+        return info
+    parallel = config_of(worker).parallel_config
+    rank = getattr(parallel, "data_parallel_index", 0) * parallel.world_size + worker.rank
+    # out of range: the list itself, which PREPARE refuses as a malformed request
+    return info[rank] if 0 <= rank < len(info) else info

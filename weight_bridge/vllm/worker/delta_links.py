@@ -8,15 +8,11 @@ trainer must cast to, which fingerprints become the next delta's base) lives in 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from ...checkpoint.delta import (
-    FINGERPRINTS_KEY,
-    is_delta,
     lineage_of,
     read_delta,
     split_name,
@@ -32,7 +28,6 @@ __all__ = [
     "link_fingerprints",
     "link_lineage",
     "plan_delta",
-    "recorded_fingerprints",
     "served_dtypes",
 ]
 
@@ -69,16 +64,17 @@ def served_dtypes(model: torch.nn.Module) -> dict[str, str]:
 
 
 def link_fingerprints(
-    model: torch.nn.Module, metadata: Mapping[str, str], items: list[Any], partial: bool
+    model: torch.nn.Module, recorded: Mapping[str, int], delta: bool, items: list, partial: bool
 ) -> None:
-    """After a link was written: the served fingerprints it records become the base of the
-    next delta. A complete checkpoint replaces them all (a trainer's keyframe records every
+    """After a link was written: the served fingerprints it records (``recorded``: its
+    header's, parsed at prepare:
+    :func:`~weight_bridge.checkpoint.delta.header_fingerprints`) become the base of the next
+    delta. A complete checkpoint replaces them all (a trainer's keyframe records every
     tensor's; a file without them leaves none known, and the first delta computes them from
     live storage); a partial one replaces those of its tensors. A delta updated its own."""
     state = bridge_state(model)
-    if is_delta(metadata):
+    if delta:
         return
-    recorded = recorded_fingerprints(metadata)
     if not partial:
         state.fingerprints = {}
     for key, _ in items:
@@ -88,23 +84,12 @@ def link_fingerprints(
             state.fingerprints[name] = recorded[name]
 
 
-def recorded_fingerprints(metadata: Mapping[str, str]) -> dict[str, int]:
-    """The fingerprints a checkpoint's header records (name -> value; none: empty)."""
-    try:
-        recorded = json.loads(metadata.get(FINGERPRINTS_KEY, "{}"))
-    except ValueError:
-        return {}
-    if not isinstance(recorded, dict):
-        return {}
-    return {n: int(v, 16) for n, v in recorded.items() if isinstance(v, str) and len(v) == 16}
-
-
-def link_lineage(metadata: Mapping[str, str], partial: bool, below: str | None) -> str | None:
+def link_lineage(prints: Mapping[str, int], partial: bool, below: str | None) -> str | None:
     """The lineage (:func:`~weight_bridge.checkpoint.delta.lineage_of`) of what the engine
-    serves once this checkpoint is written on top of weights of lineage ``below``: a
-    fingerprinted complete one starts a lineage, a fingerprinted one on top extends a known
-    one; anything else leaves none (nothing can be proven to apply on top of it)."""
-    prints = recorded_fingerprints(metadata)
+    serves once this checkpoint (``prints``: its recorded fingerprints) is written on top of
+    weights of lineage ``below``: a fingerprinted complete one starts a lineage, a
+    fingerprinted one on top extends a known one; anything else leaves none (nothing can be
+    proven to apply on top of it)."""
     if not prints:
         return None
     if not partial:

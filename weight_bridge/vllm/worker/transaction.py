@@ -26,20 +26,29 @@ Every file of the chain is held shared-locked, so no writer recycles it; the cha
 before the last commit is released when the update ends (vLLM's ``finish_weight_update``:
 :meth:`PushTransaction.settle`), so the trainer's next save may recycle it.
 
-Nothing here raises for an expected outcome: every phase leaves a :class:`PushResult`.
+Nothing here raises, for any outcome: :meth:`PushTransaction.run` is the one entry of every
+phase (:class:`~weight_bridge.vllm.outcome.Phase`), and whatever a phase raises, typed or not (a
+parser's ``ValueError``, a ``MemoryError``, a failed allocation on the device), becomes that
+phase's outcome in its :class:`PushResult`: in ``PREPARE`` a refusal with nothing written; in
+``COMMIT`` a failure after writing started, to be rolled back (a writer that raised its typed
+error left the model on its previous bits or undefined, as the writer protocol says; one that
+raised anything else is taken as having written, and the model is marked undefined until the
+rollback restores it; one that returned left new bits, defined, which the rollback takes back);
+in ``ROLL_BACK`` the model undefined, naming the cause. So every rank answers every phase: no
+rank's engine core waits for one that raised (:mod:`~weight_bridge.vllm.core.updates`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
-from ...checkpoint.delta import BASE_LINEAGE_KEY, is_delta
+from ...checkpoint.delta import BASE_LINEAGE_KEY, header_fingerprints, is_delta
 from ...checkpoint.live import LiveCheckpoint, is_live, open_live
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import DirectReloadError, ReloadReport
@@ -47,7 +56,7 @@ from ...direct.errors import BaseVersionError
 from ...direct.state import mark_undefined, undefined_reason
 from ...direct.writer import Writer
 from ..options import BridgeOptions
-from ..outcome import PushFailure, PushResult
+from ..outcome import Phase, PushFailure, PushResult
 from .delta_links import link_fingerprints, link_lineage, served_dtypes
 from .served_chain import ServedCheckpoint, check_lineage, compact, hold
 from .update_request import UpdateRequest
@@ -58,7 +67,8 @@ __all__ = ["PushTransaction"]
 
 @dataclass
 class _Pending:
-    """A prepared update: the open checkpoint and its writer."""
+    """A prepared update: the open checkpoint, its writer, and every header field the write's
+    bookkeeping needs, parsed at prepare (nothing is parsed after the first byte is written)."""
 
     reader: CheckpointReader | LiveCheckpoint
     items: list[tuple[str, torch.Tensor]]
@@ -66,6 +76,10 @@ class _Pending:
     path: str
     partial: bool
     pre_images: bool = False  # its writer keeps what it replaces: held only while the update runs
+    fingerprints: dict[str, int] = field(default_factory=dict)  # the header's, parsed
+    lineage: str | None = None  # of what is served once it is written
+    started: bool = False  # its writer was called: bytes may have been written
+    ran: bool = False  # its writer returned: the new bits are written, the model defined
 
 
 class PushTransaction:
@@ -90,49 +104,111 @@ class PushTransaction:
         self._before: list[ServedCheckpoint] | None = None
         self._undone = False  # the last commit failed and its writer restored the bits
         self._pre_images: ServedCheckpoint | None = None  # the link whose undo log to drop
+        # a writer that returned before what followed it in COMMIT failed: what to take back
+        self._unserved: Writer | None = None
+        self._opened: CheckpointReader | LiveCheckpoint | None = None  # by a PREPARE running
+        self._committing: _Pending | None = None  # the update COMMIT wrote (until it settles)
         self._reload: Any = None  # the worker's reload_weights, handed in by commit/roll_back
 
-    # -- phase 1 -----------------------------------------------------------------------------
-
-    def prepare(self, request: UpdateRequest) -> PushResult:
-        """Check everything about ``request``'s checkpoint; write nothing."""
-        self.settle()
-        result = self.result = PushResult(rank=self.rank, checkpoint=request.checkpoint)
-        reader = None
+    def run(self, phase: Phase, *args: Any) -> PushResult:
+        """Run ``phase`` (its method of the same name) and answer this rank's result, whatever
+        it raised (the module docstring says what each phase's failure means). An interrupt
+        (``KeyboardInterrupt``, ``SystemExit``) is not an outcome: it propagates."""
+        step = getattr(self, phase.value)
         try:
-            reader = self._open(request.checkpoint)
-            path = result.checkpoint = str(reader.path)
-            verify = _choose(request.verify_hash, self.options.verify_hash)
-            if verify:
-                reader.verify_hash()
-            metadata = reader.metadata
-            base = metadata.get(BASE_VERSION_KEY)
-            result.partial = base is not None
-            result.delta = is_delta(metadata)
-            result.version = metadata.get("version")
-            if base is not None:
-                self._check_base(path, base, request.served_version)
-                check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY), self.served)
-            items = list(reader.tensors())
-            finite = _choose(request.check_finite, self.options.check_finite)
-            job = self._job(path, metadata, items, finite, result.partial)
-            writer = prepare_writer(job)
-            result.mode = writer.mode
-            self._pending = _Pending(reader, items, writer, path, result.partial, job.pre_images)
-        except BaseException as exc:  # any: nothing held past it (its descriptor, lock, map)
-            if reader is not None:
-                reader.close()
-            if not isinstance(exc, (DirectReloadError, CheckpointError)):
-                raise
+            return step(*args)
+        except Exception as exc:
+            return self._failed(phase, exc)
+
+    def _failed(self, phase: Phase, exc: Exception) -> PushResult:
+        result = self.result
+        pending, self._pending = self._pending, None
+        reader = pending.reader if pending is not None else self._opened
+        self._opened = None
+        if reader is not None:
+            reader.close()  # nothing held past it (its descriptor, lock, map)
+        if phase is Phase.PREPARE:
             result.error = PushFailure.of(exc, "refused", reader)
+        elif phase is Phase.COMMIT:
+            self._failed_write(result, exc)
+        elif phase is Phase.ROLL_BACK:
+            why = f"rolling back failed: {type(exc).__name__}: {exc}"
+            before = undefined_reason(self.model) or "an update failed"
+            mark_undefined(self.model, f"{before}; {why}")
+            result.rolled_back = why
+        elif result.error is None and result.written:  # FAIL: the failure is recorded anyway
+            result.error = PushFailure.of(exc, "after-write", reader)
+        return self._finished(result)
+
+    def _failed_write(self, result: PushResult, exc: Exception) -> None:
+        """What a failed ``COMMIT`` left, for ``ROLL_BACK``: nothing, where the writer never
+        started; the writer's protocol, where it raised its typed error; new bits to take
+        back, where it returned (served or not); else bits nobody can vouch for (undefined)."""
+        pending = self._committing
+        result.written = True
+        result.error = PushFailure.of(exc, "after-write", pending.reader if pending else None)
+        if self._before is not None:
+            return  # committed and served: ROLL_BACK re-serves the chain from before
+        if pending is None or not pending.started:
+            self._undone = True  # not a byte written
+        elif pending.ran:
+            self._unserved = pending.writer  # new bits, defined: ROLL_BACK takes them back
+        elif isinstance(exc, (DirectReloadError, CheckpointError)):
+            self._undone = undefined_reason(self.model) is None  # the writer restored itself
+        elif undefined_reason(self.model) is None:
+            why = f"the write raised {type(exc).__name__}: {exc}; what it wrote is not known"
+            mark_undefined(self.model, why)
+
+    # -- the phases, each a method named as its Phase ------------------------------------------
+
+    def prepare(self, update_info: dict[str, Any] | UpdateRequest) -> PushResult:
+        """Check everything about the request's checkpoint (every header field the write or
+        its bookkeeping reads, each tensor materialised where the engine holds it); write
+        nothing."""
+        self.settle()
+        self.result = PushResult(rank=self.rank)
+        request = (
+            update_info
+            if isinstance(update_info, UpdateRequest)
+            else UpdateRequest.from_dict(dict(update_info))
+        )
+        result = self.result
+        result.checkpoint = request.checkpoint
+        reader = self._opened = self._open(request.checkpoint)
+        path = result.checkpoint = str(reader.path)
+        verify = _choose(request.verify_hash, self.options.verify_hash)
+        if verify:
+            reader.verify_hash()
+        metadata = reader.metadata
+        base = metadata.get(BASE_VERSION_KEY)
+        result.partial = base is not None
+        result.delta = is_delta(metadata)
+        result.version = metadata.get("version")
+        prints = header_fingerprints(path, metadata)
+        if base is not None:
+            self._check_base(path, base, request.served_version)
+            check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY), self.served)
+        items = list(reader.tensors())
+        finite = _choose(request.check_finite, self.options.check_finite)
+        job = self._job(path, metadata, items, finite, result.partial)
+        writer = prepare_writer(job)
+        result.mode = writer.mode
+        below = self.served[-1].lineage if self.served else None
+        lineage = link_lineage(prints, result.partial, below)
+        self._pending = _Pending(
+            reader, items, writer, path, result.partial, job.pre_images, prints, lineage
+        )
+        self._opened = None
         return self._finished(result)
 
     def _open(self, checkpoint: str) -> CheckpointReader | LiveCheckpoint:
         """The checkpoint to prepare: tensors the trainer published in this process
-        (:mod:`weight_bridge.checkpoint.live`), or a file under the checkpoint root, held from
-        now (what is served is exactly this)."""
+        (:mod:`weight_bridge.checkpoint.live`), each materialised on the engine's device, or a
+        file under the checkpoint root, held from now (what is served is exactly this)."""
         if is_live(checkpoint):
-            return open_live(checkpoint)
+            live = open_live(checkpoint)
+            live.check_on(_device_of(self.model))
+            return live
         path = trusted_checkpoint(checkpoint, self.options.checkpoint_root)
         return CheckpointReader(path, hold=True)
 
@@ -183,49 +259,48 @@ class PushTransaction:
         pending, result = self._pending, self.result
         if pending is None:
             return result  # refused in phase 1: nothing to write
-        self._pending = None
+        self._pending, self._committing = None, pending
         self._reload = reload_weights
         result.written = True  # from here on this worker's weights may have changed
-        self._undone = False
-        try:
-            result.report = self._write(pending)
-            self._serve(pending)
-            if not pending.partial:
-                result.report.dtypes = served_dtypes(self.model)
-        except (DirectReloadError, CheckpointError) as exc:
-            result.error = PushFailure.of(exc, "after-write", pending.reader)
-            # a writer that failed left the model on its previous bits, or undefined
-            self._undone = undefined_reason(self.model) is None
-        finally:
-            pending.reader.close()
+        self._undone, self._unserved = False, None
+        result.report = self._write(pending)
+        self._serve(pending)
+        if not pending.partial:
+            result.report.dtypes = served_dtypes(self.model)
+        pending.reader.close()
         return self._finished(result)
 
     def _write(self, pending: _Pending) -> ReloadReport:
+        pending.started = True
         report = pending.writer.run()
-        link_fingerprints(self.model, pending.reader.metadata, pending.items, pending.partial)
+        pending.ran = True
+        is_delta_link = is_delta(pending.reader.metadata)
+        link_fingerprints(
+            self.model, pending.fingerprints, is_delta_link, pending.items, pending.partial
+        )
         return report
 
     def _serve(self, pending: _Pending) -> None:
         """Record the written checkpoint as (the last part of) what this worker serves, its
         files held since it was prepared; the chain it replaces is kept until the update ends,
         in case another rank failed. Links every tensor of which the new one holds too go."""
-        self._before = list(self.served)
-        reader = pending.reader
         undo = pending.writer.undo_log
         names = frozenset(n for n, _ in pending.items)
-        below = self.served[-1].lineage if self.served else None
-        lineage = link_lineage(reader.metadata, pending.partial, below)
-        link = ServedCheckpoint(pending.path, None, reader.take_held(), names, undo, lineage)
-        for older in self.served:  # a rollback of this update undoes the new link alone
-            older.undo = None
+        held = pending.reader.take_held()
+        link = ServedCheckpoint(pending.path, None, held, names, undo, pending.lineage)
         chain = [*self.served, link] if pending.partial else [link]
-        self.served, _ = compact(chain)  # what is dropped stays held in _before until settle
+        served, _ = compact(chain)  # what is dropped stays held in _before until settle
+        # nothing above can fail half-way through what follows: the chain changes at once
+        self._before, self.served = list(self.served), served
+        for older in self._before:  # a rollback of this update undoes the new link alone
+            older.undo = None
         self._pre_images = link if pending.pre_images else None
 
-    def settle(self) -> None:
+    def settle(self) -> PushResult:
         """The update ended (or a new one starts): release every file the served chain no
         longer needs (the chain before the last commit, links compacted away)."""
         self.abandon()
+        self._unserved = self._committing = None
         if self._pre_images is not None:  # a copy of what it replaced: no rollback needs it now
             self._pre_images.undo, self._pre_images = None, None
         live = {id(link) for link in self.served}
@@ -233,12 +308,14 @@ class PushTransaction:
             if id(link) not in live:
                 link.release()
         self._before = None
+        return self.result
 
     # -- phase 3 -----------------------------------------------------------------------------
 
     def roll_back(self, reload_weights: Any, version: str | None) -> PushResult:
         """After a failed update on any rank: re-write the version served before, if this
         worker's weights changed (a success here, or a failure past the first write)."""
+        self.abandon()  # prepared here, committed nowhere
         result = self.result
         if not result.wrote:
             return result
@@ -261,26 +338,19 @@ class PushTransaction:
             undo = dropped[0].undo if len(dropped) == 1 else None
             for link in dropped:
                 link.release()
+        elif self._unserved is not None:  # the write returned, what followed it failed
+            undo, self._unserved = self._unserved.undo_log, None
         started = time.perf_counter()
         label = f"version {version!r}" if version is not None else "the version served before"
-        try:
-            if undo is not None:  # the writer's pre-images, O(what it wrote), no file re-read
-                undo.undo(self.model)
-            else:
-                self._rewrite(self.served)
-        except Exception as exc:
-            mark_undefined(
-                self.model,
-                f"{undefined_reason(self.model) or 'an update failed'}; rolling back to {label} "
-                f"failed too: {type(exc).__name__}: {exc}",
-            )
-            result.rolled_back = f"rolling back to {label} failed: {exc}"
+        if undo is not None:  # the writer's pre-images, O(what it wrote), no file re-read
+            undo.undo(self.model)
         else:
-            result.rollback_s = time.perf_counter() - started
-            result.rolled_back = (
-                f"the engine rolled back to {label} ({self.served[-1].path}) in "
-                f"{result.rollback_s:.2f} s and serves it"
-            )
+            self._rewrite(self.served)
+        result.rollback_s = time.perf_counter() - started
+        result.rolled_back = (
+            f"the engine rolled back to {label} ({self.served[-1].path}) in "
+            f"{result.rollback_s:.2f} s and serves it"
+        )
         return self._finished(result)
 
     def _finished(self, result: PushResult) -> PushResult:
@@ -302,17 +372,12 @@ class PushTransaction:
                 # a partial link (pushed in the bridge's own mode) is re-written by the bridge's
                 # writer: vLLM's direct reload takes complete checkpoints only
                 mode = "direct" if i > 0 and self.options.reload_mode == "vllm-direct" else None
-                self._write(_Pending(reader, items, prepare_writer(job, mode), link.path, i > 0))
+                writer = prepare_writer(job, mode)
+                prints = header_fingerprints(link.path, reader.metadata)
+                self._write(_Pending(reader, items, writer, link.path, i > 0, False, prints))
         finally:
             for reader in readers:
                 reader.close()
-
-    def refuse(self, why: str) -> PushResult:
-        """A request that cannot even be prepared (malformed): a refusal, nothing written."""
-        self.abandon()
-        self.result = PushResult(rank=self.rank)
-        self.result.error = PushFailure("DirectReloadError", why, {}, "refused")
-        return self._finished(self.result)
 
     def fail(self, why: str, problems: dict | None = None) -> PushResult:
         """The update written here failed in a later step outside this worker (the engine
@@ -322,11 +387,18 @@ class PushTransaction:
         self.result.error = PushFailure("DirectReloadError", why, problems, "after-write")
         return self._finished(self.result)
 
-    def abandon(self) -> None:
+    def abandon(self) -> PushResult:
         """Drop a prepared update that will not be committed."""
         if self._pending is not None:
             self._pending.reader.close()
             self._pending = None
+        return self.result
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where the engine holds its weights (the device of its first tensor)."""
+    first = next(iter(model.state_dict(keep_vars=True).values()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _choose(asked: bool | None, default: bool) -> bool:
