@@ -203,6 +203,13 @@ def main() -> None:
                 key = f"{kind}_partial" if sent is part else kind
                 report[f"fault_{key}"] = _attempt(partial(engine.push_tensors, sent, "x", base))
                 report[f"after_fault_{key}"] = (engine.version, greedy(engine)) == before
+            # a tensor never materialised (on the meta device) on rank 1 alone: refused on both
+            meta = dict(good)
+            if rank == 1:
+                meta[name] = torch.empty_like(good[name], device="meta")
+            report["meta"] = _attempt(lambda: engine.push_tensors(meta, version="bad"))
+            report["after_meta"] = (engine.version, greedy(engine)) == before
+            report["matrix"] = _matrix(engine, rank, fault, good, changed, before[0])
             report["undefined"] = engine.undefined
 
     files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None
@@ -253,6 +260,45 @@ def main() -> None:
         report["cold"][str(push["step"])] = greedy(cold)
         cold.close()
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def _matrix(engine, rank: int, fault: Path, good: dict, changed: dict, label: str) -> dict:
+    """The fault matrix on rank 1 alone (FAULT INJECTION, :mod:`weight_bridge.testing.faults`):
+    every point the code has, every kind, a complete push from memory each. Each case ends on
+    both ranks with the old weights under the old label, the new under the new, or undefined
+    (nothing generated); never a rank waiting (the job's own deadline). Rank 0 repairs each."""
+    from fault_matrix import after_failure, weights_digest
+
+    from weight_bridge import EngineUndefinedError
+    from weight_bridge.testing.faults import KINDS, arm_file, fault_points
+
+    def state() -> tuple:
+        try:
+            got = engine.generate([[1, 20]], {"max_tokens": 1})[0].policy_version
+        except EngineUndefinedError:
+            got = None
+        return got, engine.llm.collective_rpc(weights_digest)[0]
+
+    engine.push_tensors(changed, version="m")
+    landed = state()
+    engine.push_tensors(good, version=label)
+    was = state()
+    bad: list[str] = []
+    cases = 0
+    for point, kind in itertools.product(fault_points(), KINDS):
+        if rank == 1:
+            first = [("prefix_reset", "refusal", None)] if after_failure(point) else []
+            arm_file(fault, *first, (point, kind, None))
+        result = _attempt(lambda: engine.push_tensors(changed, version="m"))
+        fault.unlink(missing_ok=True)
+        now = state()
+        cases += 1
+        failed = result["error"] is not None
+        ok = (now == was and failed) or (now == landed and not failed)
+        if not (ok or (now[0] is None and failed)):
+            bad.append(f"{point} {kind}: {result} -> {now[0]}")
+        engine.push_tensors(good, version=label)  # on every rank alike: back on the old weights
+    return {"cases": cases, "bad": bad, "points": len(fault_points())}
 
 
 def _attempt(push) -> dict:

@@ -42,7 +42,9 @@ def _judge(r: dict) -> None:
             ok = (on_a and c["error"] is not None) or (landed and c["error"] is None)
         else:  # a rollback or settle that failed: any outcome but bits apart from their label
             ok = (on_a and c["error"] is not None) or (landed and c["error"] is None)
-            ok = ok or (c["undefined"] is not None and c["label"] is None and c["error"] is not None)
+            ok = ok or (
+                c["undefined"] is not None and c["label"] is None and c["error"] is not None
+            )
         if not c["fired"] and c["error"] is None and landed:
             ok = True  # a point this push does not reach (another writer's): a clean push
         if not ok:

@@ -125,6 +125,12 @@ def check(ranks: list[dict], extra: tuple) -> None:
         wrong = rank["wrong_shape"]  # rank 1's tensor alone is wrong: both refuse, naming it
         assert wrong["error"] == "DirectReloadError" and "nothing was written" in wrong["message"]
         assert "model.layers.0.mlp.down_proj.weight" in wrong["message"], wrong
+        meta = rank["meta"]  # rank 1 alone hands a tensor on the meta device: refused by name
+        assert meta["error"] == "CheckpointError", meta
+        assert "meta device" in meta["message"], meta
+        assert rank["after_meta"], "a refused meta tensor changed the engine"
+        matrix = rank["matrix"]  # every fault point, every kind, on rank 1 alone: one outcome
+        assert matrix["cases"] == matrix["points"] * 3 and not matrix["bad"], matrix
         stale = rank["stale_base"]  # rank 1 alone names a base the engine does not serve
         assert stale["error"] == "BaseVersionError", stale
         assert "nothing was written" in stale["message"], stale

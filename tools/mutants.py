@@ -58,9 +58,9 @@ MUTANTS = [
         "prefix",
         "prefix-cache reset after a push",
         "weight_bridge/vllm/core/updates.py",
-        'forget_prefixes(core, f"weight-bridge-{state.updates}-{served}")',
-        "pass",
-        "the `forget_prefixes(...)` call in `_update`",
+        "        forget_prefixes(core, salt)",
+        "        pass",
+        "the `forget_prefixes(...)` call in `_forget_prefixes_on_every_rank`",
         [
             ["tests/test_engine.py", "-k", "test_prefix_cache_is_reset_by_a_push"],
             ["tests/test_serve.py", "-k", "prefix"],
@@ -130,9 +130,9 @@ MUTANTS = [
         "trust-call",
         "the checkpoint root: every update",
         "weight_bridge/vllm/worker/transaction.py",
-        "path = str(trusted_checkpoint(request.checkpoint, self.options.checkpoint_root))",
-        "path = str(request.checkpoint)",
-        "the `trusted_checkpoint(...)` call in `PushTransaction.prepare`",
+        "path = trusted_checkpoint(checkpoint, self.options.checkpoint_root)",
+        "path = checkpoint",
+        "the `trusted_checkpoint(...)` call in `PushTransaction._open`",
         [["tests/test_serve.py", "-k", "must_not_read"]],
     ),
     Mutant(
@@ -188,8 +188,8 @@ MUTANTS = [
         "compact",
         "the served chain stays bounded (issue 37)",
         "weight_bridge/vllm/worker/transaction.py",
-        "self.served, _ = compact(chain)",
-        "self.served = chain",
+        "served, _ = compact(chain)",
+        "served = chain",
         "`compact(...)` in `PushTransaction._serve`",
         [["tests/test_transport_integrity.py", "-k", "two_hundred and frozen"]],
     ),
@@ -215,9 +215,9 @@ MUTANTS = [
         "label",
         "per-token label/weights agreement",
         "weight_bridge/vllm/core/updates.py",
-        "core.set_weight_version(label)",
+        "core.set_weight_version(outcome.label)",
         "pass",
-        "`core.set_weight_version(label)` in `_update` (the label set with the weights)",
+        "`core.set_weight_version(...)` in `_answered` (the label set with the weights)",
         [
             ["tests/test_serve.py", "-k", "every_label and None"],
             ["tests/test_native_api.py", "-k", "labels"],
@@ -411,6 +411,27 @@ MUTANTS = [
         "        stop()",
         "`_keeping_default_group` around the engine core's shutdown",
         [["tests/test_ranks.py", "-k", "two_jobs"]],
+    ),
+    Mutant(
+        "catch-all",
+        "any exception, one outcome: every phase of a worker answers whatever it raised",
+        "weight_bridge/vllm/worker/transaction.py",
+        "        try:\n            return step(*args)\n        except Exception as exc:\n"
+        "            return self._failed(phase, exc)",
+        "        return step(*args)",
+        "the catch-all of `PushTransaction.run` (a phase's exception propagates)",
+        [["tests/test_fault_matrix.py", "-k", "in_process"]],
+    ),
+    Mutant(
+        "header",
+        "every header field parsed before the first write",
+        "weight_bridge/checkpoint/delta.py",
+        "            parsed[name] = int(value, 16)",
+        "            parsed[name] = int(value, 16) if all(c in '0123456789abcdef' for c in "
+        "value) else 0",
+        "the check of each recorded fingerprint in `header_fingerprints` (a malformed one passes "
+        "prepare)",
+        [["tests/test_fault_matrix.py", "-k", "in_process"]],
     ),
 ]
 
