@@ -336,6 +336,9 @@ def test_a_write_with_pre_images_restores_itself_and_can_be_undone() -> None:
     assert_same_state(model, cold_start(B, move_proj_next_to_other))
     undo = prepared.undo_log
     assert undo is not None and undo.nbytes == sum(t.numel() * 4 for t in B.values())
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for _, _, pre in undo.entries:  # the store: in host memory, none of it the model's storage
+        assert pre.device.type == "cpu" and pre.untyped_storage().data_ptr() not in live
     undo.undo(model)
     assert snapshot_bytes(model) == before
     part = {"proj.weight": B["proj.weight"]}  # a partial write: the same, every target kept

@@ -13,6 +13,7 @@ raised, or (``--matrix``) ``auto`` mode refused a push. Without CUDA: 2 with ``-
     python tools/gpu_check.py [--require-gpu] [--size 100m] [--arch qwen2] [--dtype bfloat16]
     python tools/gpu_check.py --matrix      # the architecture matrix, direct and auto
     python tools/gpu_check.py --delta-memory   # a delta's peak device memory, no engine
+    python tools/gpu_check.py --ranks-memory   # a push from memory's peak device memory
 
 ``--matrix`` runs every family of :data:`weight_bridge.testing.models.MATRIX` (dense, tied,
 MoE, MLA + MoE: the MoE kernels differ on CUDA, e.g. FlashInfer shuffles expert weights) in
@@ -24,6 +25,12 @@ written, the engine still equal to its own start), or FAIL with the reason.
 (dense, every element changed; sparse, 45 % changed) and checks the bound the CPU tests check
 with resident memory: ``torch.cuda.max_memory_allocated`` over what was allocated before stays
 within twice the tensor plus the undo log (:mod:`weight_bridge.testing.deltas`).
+
+``--ranks-memory`` starts the engine inside this process's rank (``RanksEngine``, one rank, the
+external launcher) on a ``--size`` model and pushes the trainer's tensors from device memory:
+``torch.cuda.max_memory_allocated`` during the push over what was allocated before stays within
+twice the largest tensor plus :data:`RANKS_BUFFER` (the rollback's pre-images live in host
+memory, none on the device), and the push equals a cold start on the pushed weights.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 
 LOGPROB_TOL = 1e-4  # the CPU tests' parity (tests/helpers.py: assert_parity)
 NO_GPU_EXIT = 2
+RANKS_BUFFER = 64 * 2**20  # a push from memory's fixed allowance on the device, besides 2 tensors
 
 
 def parity_failures(got: list, want: list) -> list[str]:
@@ -101,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         "--delta-memory", action="store_true", help="a delta's peak device memory, its bound"
     )
     parser.add_argument(
+        "--ranks-memory", action="store_true", help="a push from memory's peak device memory"
+    )
+    parser.add_argument(
         "--require-gpu",
         action="store_true",
         help=f"without a CUDA device, fail (exit {NO_GPU_EXIT}) instead of skipping",
@@ -121,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.delta_memory:
             return delta_memory("cuda")
+        if args.ranks_memory:
+            return ranks_memory(args)
         return matrix(args.dtype) if args.matrix else single(args)
     except Exception:
         traceback.print_exc()
@@ -152,6 +165,62 @@ def delta_memory(device: str) -> int:
     for label in failed:
         print(f"gpu-check: FAILED: a delta ({label}) exceeded its memory bound", file=sys.stderr)
     return 1 if failed else 0
+
+
+def ranks_memory(args: argparse.Namespace) -> int:
+    """A push from device memory into an engine in this rank: peak device memory, its bound."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from weight_bridge.checkpoint import CheckpointReader
+    from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
+    from weight_bridge.testing.parity import PROMPTS, greedy
+    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge.vllm.clients.ranks import RanksEngine
+
+    root = Path(tempfile.mkdtemp(prefix="wb-gpu-check-ranks-"))
+    a = build_tiny_model(root / "A", arch=args.arch, size=args.size, seed=0)
+    b = perturb_checkpoint(a, root / "B", scale=0.3, seed=1)
+    kwargs = dict(dtype=args.dtype, max_model_len=256, seed=0, gpu_memory_utilization=0.3)
+    with ColocatedEngine(b, **kwargs) as cold_b:
+        want = greedy(cold_b, PROMPTS[:3], max_tokens=16, logprobs=3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1)
+    engine = RanksEngine(a, **kwargs)
+    try:
+        dtype = getattr(torch, args.dtype)
+        with CheckpointReader(b) as reader:
+            tensors = {n: t.to("cuda", dtype) for n, t in reader.tensors()}
+        largest = max(t.numel() * t.element_size() for t in tensors.values())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        engine.push_tensors(tensors, version="B")
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        problems = parity_failures(greedy(engine, PROMPTS[:3], max_tokens=16, logprobs=3), want)
+    finally:
+        engine.close()
+        dist.destroy_process_group()
+    bound = 2 * largest + RANKS_BUFFER
+    print(
+        f"  push from memory, {args.arch} {args.size} {args.dtype}: peak {peak / 2**20:.0f} MiB "
+        f"on the device, bound {bound / 2**20:.0f} MiB (2x largest tensor "
+        f"{largest / 2**20:.0f} MiB + {RANKS_BUFFER / 2**20:.0f} MiB): "
+        f"{'ok' if peak <= bound else 'FAIL'}; equal to a cold start: "
+        f"{'ok' if not problems else 'FAIL'}"
+    )
+    for p in problems[:5]:
+        print(f"gpu-check: FAILED: the push from memory differs from a cold start: {p}")
+    if peak > bound:
+        print("gpu-check: FAILED: a push from memory exceeded its device-memory bound")
+    return 1 if problems or peak > bound else 0
 
 
 def single(args: argparse.Namespace) -> int:

@@ -20,7 +20,18 @@ from .errors import DirectReloadError
 from .positions import Positions
 from .state import bridge_state
 
-__all__ = ["UndoLog"]
+__all__ = ["UndoLog", "host_copy"]
+
+
+def host_copy(view: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view`` in host memory (pinned where the view is on a CUDA device, so the copy
+    back is a DMA): the store of a rollback that has no file to re-read. Why host memory: an
+    engine at 90 % of its accelerator's memory has no room for a second copy of its weights,
+    and the copy goes straight from the view into the host tensor, through no buffer on the
+    device. On a CPU engine, host and device are the same memory."""
+    pinned = view.device.type == "cuda"
+    copy = torch.empty(view.shape, dtype=view.dtype, device="cpu", pin_memory=pinned)
+    return copy.copy_(view)
 
 
 @dataclass
@@ -57,15 +68,16 @@ class UndoLog:
         cls, model: torch.nn.Module, views: Iterable[torch.Tensor], refresh: Mapping[str, str]
     ) -> UndoLog:
         """A copy of each of ``views`` (live storage, before a write that has no file to give
-        it back: tensors pushed from memory), each distinct view once, the served fingerprints,
-        and ``refresh``: whose derived state to re-derive after restoring."""
+        it back: tensors pushed from memory) in host memory (:func:`host_copy`: nothing on the
+        engine's device), each distinct view once, the served fingerprints, and ``refresh``:
+        whose derived state to re-derive after restoring."""
         log = cls(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
         seen = set()
         for view in views:  # a tied weight's targets are one view: copied once
             key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()), view.dtype)
             if key not in seen:
                 seen.add(key)
-                log.log(view, None, view.clone())
+                log.log(view, None, host_copy(view))
         return log
 
     def restore_after(

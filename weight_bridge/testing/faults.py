@@ -105,7 +105,7 @@ def install(path: str | os.PathLike) -> None:
         refresh = getattr(module.refresh_derived_state, "unwrapped", module.refresh_derived_state)
         module.refresh_derived_state = _at(path, "refresh", refresh)  # type: ignore[attr-defined]
     forget = getattr(updates.forget_prefixes, "unwrapped", updates.forget_prefixes)
-    updates.forget_prefixes = _at(path, "prefix_reset", forget)  # type: ignore[attr-defined]
+    updates.forget_prefixes = _at(path, "prefix_reset", forget)
 
 
 def _fire(path: str, point: str) -> None:

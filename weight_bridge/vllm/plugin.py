@@ -32,6 +32,7 @@ import logging
 import os
 
 from . import internals
+from .core import undefined as core_undefined
 from .core import updates as core_updates
 from .lifeline import follow_parent
 from .options import BACKEND
@@ -92,8 +93,8 @@ def _install_patches() -> None:
     )
     internals.patch_engine_core(
         collective_rpc=core_updates.bridged_collective_rpc,
-        resume_scheduler=core_updates.releasing_resume,
-        step=core_updates.failing_while_undefined,
+        resume_scheduler=core_undefined.releasing_resume,
+        step=core_undefined.failing_while_undefined,
         utilities=core_updates.UTILITIES,
         log_filter=core_updates.quiet_refusals,
     )

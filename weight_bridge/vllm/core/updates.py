@@ -3,9 +3,11 @@
 vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the engine core's
 ``collective_rpc``. For an engine running the ``weight_bridge`` backend, the plugin wraps it
 (with :func:`bridged_collective_rpc`, in the engine-core process) so that one
-``update_weights`` is a transaction over every rank:
+``update_weights`` is a transaction over every rank, run in one place (:func:`_update`), through
+the phases of :class:`~weight_bridge.vllm.outcome.Phase`, each answered by every rank:
 
-1. each rank *prepares* (vLLM's own ``update_weights`` call into the backend): the whole
+1. each rank *prepares* (``PREPARE``, sent by the core itself so that the answer comes back on
+   the call: vLLM's worker ``update_weights`` discards what its backend returns): the whole
    checkpoint checked, every weight planned, nothing written; the version the engine serves
    (kept here, by vLLM) is passed along, for a partial checkpoint's base;
 2. only if every rank prepared does every rank *commit*; if any rank then failed past its first
@@ -17,9 +19,12 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
    every rank's problems merged, each naming its tensor (a plain ``Exception`` with the same
    message across vLLM's process boundary, where the caller's side rebuilds it from the
    outcome with the same function; over HTTP a non-2xx answer, from which the client does
-   too), logged on one line without a traceback. The workers' update session is closed, so the next
-   ``start_weight_update`` works, and a ``finish_weight_update`` for the failed update is
-   refused, so vLLM does not stamp the version that was not written;
+   too), logged on one line without a traceback; a success's outcome is what the call returns
+   (vLLM's own ``LLM``/``AsyncLLM.update_weights`` and its HTTP route discard it: a client
+   of those fetches it once, the one adapter
+   :func:`~weight_bridge.vllm.server.typed_errors.update_outcome`). The workers' update session
+   is closed, so the next ``start_weight_update`` works, and a ``finish_weight_update`` for
+   the failed update is refused, so vLLM does not stamp the version that was not written;
 4. after a successful update no request that arrives later reuses KV computed by the old
    weights (:func:`~weight_bridge.vllm.internals.forget_prefixes`; vLLM's own update leaves the
    prefix cache as it was);
@@ -43,21 +48,26 @@ vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the e
 8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
    schedules nothing until a complete update succeeds; every request it holds or receives
    meanwhile ends at the core's next step with vLLM's ``error`` finish reason and the reason
-   as its ``stop_reason`` (:func:`failing_while_undefined`), so no caller waits:
+   as its ``stop_reason`` (:func:`~.undefined.failing_while_undefined`), so no caller waits:
    ``vllm.LLM.generate`` and ``AsyncLLM`` return at once, ``vllm serve`` answers 503 with the
    reason (:func:`~weight_bridge.vllm.server.middleware.update_results_route`). A
-   ``resume_generation`` meanwhile releases the pause it ends (:func:`releasing_resume`), so
-   the repair leaves the engine generating.
+   ``resume_generation`` meanwhile releases the pause it ends
+   (:func:`~.undefined.releasing_resume`), so the repair leaves the engine generating.
 
 The same wrapper routes :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` (a method name any
 client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
 (:data:`~weight_bridge.vllm.worker.backend.QUERIES`): the one channel into the workers besides
 vLLM's own calls.
 
-Workers never raise for an expected outcome: vLLM's multi-process executor raises at the first
-failed rank without collecting the others' replies (left queued for the next call). In the
-trainer's ranks (vLLM's external launcher) each rank's core hears every core's answers
-(:func:`~weight_bridge.vllm.internals.across_engine_ranks`): the same decisions on every rank.
+Workers never raise, whatever a phase raised
+(:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`): vLLM's multi-process
+executor raises at the first failed rank without collecting the others' replies (left queued
+for the next call). In the trainer's ranks (vLLM's external launcher) each rank's core hears
+every core's answers (:func:`~weight_bridge.vllm.internals.across_engine_ranks`, within the
+trainer's process-group timeout): the same decisions on every rank; a worker call that raised
+anyway is that rank's answer (:func:`_phase`), and a step of the core's own that raised rolls
+every writer back (:func:`_core_failed`), so no rank waits for another and no label is stamped
+on bits it does not name.
 """
 
 from __future__ import annotations
@@ -65,7 +75,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -73,32 +82,21 @@ from vllm.exceptions import GracefulHTTPError
 
 from ...checkpoint import CheckpointError, version_of
 from ...direct import DirectReloadError
-from ..errors import UpdateInProgressError, undefined_message
+from ..errors import UpdateInProgressError
 from ..internals import (
     across_engine_ranks,
-    bridge_state_of,
     config_of,
-    finish_every_request,
     forget_prefixes,
-    pause_scheduling,
     served_version,
-    set_pause_state,
-    unpause_scheduling,
     waiting_without_spinning,
 )
 from ..options import BridgeOptions, bridge_options, is_bridged
 from ..outcome import PushOutcome, PushResult, merged_error, shard_fingerprint_problems, typed_error
 from ..worker.backend import BACKEND_RPC, QUERIES, Phase, call_backend
+from .state import ActiveUpdate, core_state
+from .undefined import resume_if_paused, stop_scheduling
 
-__all__ = [
-    "UTILITIES",
-    "BridgeCoreState",
-    "UpdateConflictError",
-    "bridged_collective_rpc",
-    "failing_while_undefined",
-    "quiet_refusals",
-    "releasing_resume",
-]
+__all__ = ["UTILITIES", "UpdateConflictError", "bridged_collective_rpc", "quiet_refusals"]
 
 _logger = logging.getLogger(__name__)
 _HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")
@@ -109,32 +107,6 @@ class UpdateConflictError(UpdateInProgressError, GracefulHTTPError):
     ``409 Conflict`` with the message (vLLM's ``GracefulHTTPError``), no traceback."""
 
     http_status = HTTPStatus.CONFLICT
-
-
-@dataclass
-class ActiveUpdate:
-    """The update between its ``start_weight_update`` and its end."""
-
-    since: float  # time.time() of its start
-    last_call: float  # time.monotonic() of its last call
-    version: str | None = None  # what its update_weights asked to stamp
-
-
-@dataclass
-class BridgeCoreState:
-    """What the engine core remembers between the calls of an update."""
-
-    failed: str | None = None  # the last update failed: its finish is refused
-    undefined: str | None = None  # a rank's weights are half-written: nothing is scheduled
-    paused_before: Any = None  # the scheduler's pause state before the bridge paused it
-    updates: int = 0
-    outcome: dict | None = None  # the last update's PushOutcome, as a dict (None: none yet)
-    active: ActiveUpdate | None = None
-    conflict: dict | None = None  # the last refused start's UpdateInProgressError, as a dict
-
-
-def _state(core: Any) -> BridgeCoreState:
-    return bridge_state_of(core, BridgeCoreState)
 
 
 def _phase(rpc: Any, core: Any, timeout: float | None, phase: Phase, *args: Any) -> list:
@@ -154,19 +126,19 @@ def weight_bridge_results(self: Any) -> dict | None:
     """Engine-core utility: the last update's :class:`~weight_bridge.vllm.outcome.PushOutcome`,
     as a dict (None before the first, or while one runs): the caller rebuilds the report or
     the typed error from it (:func:`~weight_bridge.vllm.outcome.typed_error`)."""
-    return _state(self).outcome
+    return core_state(self).outcome
 
 
 def weight_bridge_conflict(self: Any) -> dict | None:
     """Engine-core utility: the last refused ``start_weight_update``'s error, as a dict."""
-    return _state(self).conflict
+    return core_state(self).conflict
 
 
 def _claim(rpc: Any, core: Any, timeout: float | None) -> None:
     """Make this start the engine's one active update, or refuse it by name. An active update
     idle for ``update_timeout_s`` is abandoned first (its workers' session closed; what it
     committed was stamped with its label when it was written)."""
-    state = _state(core)
+    state = core_state(core)
     active = state.active
     if active is not None:
         limit = (bridge_options(config_of(core)) or BridgeOptions()).update_timeout_s
@@ -217,7 +189,7 @@ def _update(rpc: Any, core: Any, timeout: float | None, info: Any) -> PushOutcom
     answered by every rank and agreed (:func:`_phase`), its outcome built from those answers
     whatever any rank raised: refused with nothing written, rolled back, or undefined naming
     why; or the new weights under their label."""
-    state = _state(core)
+    state = core_state(core)
     served = served_version(core)
     results = _phase(rpc, core, timeout, Phase.PREPARE, _with_served(info, served))
     if merged_error(results) is not None:  # a rank refused: no rank writes
@@ -263,12 +235,12 @@ def _answered(rpc: Any, core: Any, timeout: float | None, outcome: PushOutcome) 
     label in this same engine-core call (no step runs in between) and is returned to the call
     that made the update; a refusal or failure ends the workers' session and is raised as the
     typed error (:func:`~weight_bridge.vllm.outcome.typed_error`)."""
-    state = _state(core)
+    state = core_state(core)
     state.outcome = outcome.to_dict()
     if outcome.failed is None:
         core.set_weight_version(outcome.label)
         state.failed = None
-        _resume_if_paused_by_bridge(core, state)
+        resume_if_paused(core, state)
         if state.active is not None:
             state.active.last_call = time.monotonic()
         return [state.outcome]
@@ -277,7 +249,7 @@ def _answered(rpc: Any, core: Any, timeout: float | None, outcome: PushOutcome) 
     state.active = None
     state.failed = outcome.failed
     if outcome.undefined is not None:
-        _stop_scheduling(core, state, outcome.undefined)
+        stop_scheduling(core, state, outcome.undefined)
     raise typed_error(outcome) or DirectReloadError(outcome.failed)
 
 
@@ -303,28 +275,6 @@ def _forget_prefixes_on_every_rank(core: Any, salt: str) -> str | None:
     return f"{failed[0]}: its cached KV may be from the old weights" if failed else None
 
 
-def _stop_scheduling(core: Any, state: BridgeCoreState, why: str) -> None:
-    before = pause_scheduling(core)  # running requests preempted, no cached KV kept
-    # ...and unpaused again, so that the core's loop steps: each step is then
-    # failing_while_undefined's, which schedules nothing and ends every request
-    unpause_scheduling(core)
-    if state.undefined is None:
-        state.paused_before = before
-    state.undefined = why
-    _logger.error(
-        "weight_bridge: the engine's weights are undefined (%s); nothing is scheduled until a "
-        "complete update succeeds",
-        why,
-    )
-
-
-def _resume_if_paused_by_bridge(core: Any, state: BridgeCoreState) -> None:
-    if state.undefined is None:
-        return
-    state.undefined = None
-    set_pause_state(core, state.paused_before)
-
-
 def _query(rpc: Any, core: Any, timeout: float | None, args: tuple, kwargs: dict | None) -> list:
     """A read-only :func:`~weight_bridge.vllm.worker.backend.call_backend` action, by name."""
     if not args or args[0] not in QUERIES:
@@ -341,7 +291,7 @@ def bridged_collective_rpc(original: Any) -> Any:
             return _query(original, self, timeout, args, kwargs)
         if not (isinstance(method, str) and method in _HOOKED and is_bridged(config_of(self))):
             return original(self, method, timeout, args, kwargs)
-        state = _state(self)
+        state = core_state(self)
         if method == "start_weight_update":
             _claim(original, self, timeout)
             try:
@@ -385,42 +335,6 @@ def bridged_collective_rpc(original: Any) -> Any:
         return original(self, method, timeout, args, kwargs)
 
     return collective_rpc
-
-
-def failing_while_undefined(step: Any) -> Any:
-    """``EngineCore.step`` (and ``step_with_batch_queue``): while a rank's weights are
-    undefined, one step finishes every request the scheduler holds with vLLM's ``error``
-    finish reason and :func:`undefined_message` as its ``stop_reason``, and runs no model.
-
-    The scheduler is left unpaused so that the core's loop steps at all; before, it was
-    paused, each step returned nothing while the requests stayed, ``vllm.LLM.generate`` stepped
-    again at once (a spin at full CPU, forever), and ``AsyncLLM`` and ``vllm serve`` waited
-    forever. A request that arrives later ends at the next step the same way."""
-
-    def wrapped(self, *args, **kwargs):
-        undefined = _state(self).undefined  # only ever set on a bridged core
-        if undefined is None:
-            return step(self, *args, **kwargs)
-        return finish_every_request(self, undefined_message(undefined)), False
-
-    return wrapped
-
-
-def releasing_resume(resume: Any) -> Any:
-    """``resume_scheduler`` while a rank's weights are undefined: the pause it was asked to end
-    is released, nothing more. The scheduler keeps ending every request with the reason
-    (:func:`failing_while_undefined`), and the complete update that repairs the engine leaves
-    it unpaused. Refusing the resume instead kept the pause of a push that paused and then
-    failed: the engine stayed paused after its repair, every request waiting."""
-
-    def resume_scheduler(self, *args, **kwargs):
-        state = _state(self) if is_bridged(config_of(self)) else None
-        if state is None or state.undefined is None:
-            return resume(self, *args, **kwargs)
-        state.paused_before = unpause_scheduling(self)  # a pause taken while undefined, too
-        return None
-
-    return resume_scheduler
 
 
 def quiet_refusals(record: logging.LogRecord) -> bool:

@@ -5,17 +5,20 @@ weight loaders keep only its shard. An update runs in phases, so that the engine
 (:mod:`weight_bridge.vllm.core.updates`) can make every rank agree before any rank writes, and
 roll back every rank that wrote if one failed:
 
-1. :meth:`PushTransaction.prepare`: the path is checked against the engine's checkpoint root
-   (:mod:`weight_bridge.checkpoint.trust`), the file's headers (and, if asked, its content
-   hash), a partial checkpoint's base version against the version served, the whole checkpoint
+1. ``PREPARE`` (:meth:`PushTransaction.prepare`): the path is checked against the engine's
+   checkpoint root (:mod:`weight_bridge.checkpoint.trust`), the file's headers (and, if asked,
+   its content hash; every field the write's bookkeeping reads, such as the recorded
+   fingerprints, parsed now), a partial checkpoint's base version against the version served,
+   tensors pushed from memory materialised on the engine's device, the whole checkpoint
    against the layout recorded at load (names, shapes, dtypes, NaN/Inf), and every weight is
    resolved and proven. Nothing is written; a refusal is a result naming each tensor.
-2. :meth:`PushTransaction.commit`: the one writer prepared for it (:mod:`.writers`, by mode:
-   every writer follows :class:`~weight_bridge.direct.writer.Writer`) writes, reads back and
-   refreshes derived state. A failure past the first write is a result too: the writer left
-   the model on its previous bits or marked undefined.
-3. :meth:`PushTransaction.roll_back`: take back what the writer wrote: from its undo log (a
-   delta's pre-images, O(delta)), or by re-writing the version served before (its complete
+2. ``COMMIT`` (:meth:`PushTransaction.commit`): the one writer prepared for it
+   (:mod:`.writers`, by mode: every writer follows :class:`~weight_bridge.direct.writer.Writer`)
+   writes, reads back and refreshes derived state. A failure past the first write is a result
+   too: the writer left the model on its previous bits or marked undefined.
+3. ``ROLL_BACK`` (:meth:`PushTransaction.roll_back`): take back what the writer wrote: from its
+   undo log (a delta's pre-images, O(delta); pre-images in host memory of what a push from
+   memory replaced), or by re-writing the version served before (its complete
    checkpoint, then each partial one on top of it), re-read through the descriptors held since
    each was pushed, each file's identity checked before any byte is re-written
    (:mod:`~weight_bridge.vllm.worker.served_chain`): a file deleted or renamed over meanwhile still
@@ -42,7 +45,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,27 +61,10 @@ from ..options import BridgeOptions
 from ..outcome import Phase, PushFailure, PushResult
 from .delta_links import link_fingerprints, link_lineage, served_dtypes
 from .served_chain import ServedCheckpoint, check_lineage, compact, hold
-from .update_request import UpdateRequest
+from .update_request import PreparedUpdate, UpdateRequest
 from .writers import WriteJob, prepare_writer
 
 __all__ = ["PushTransaction"]
-
-
-@dataclass
-class _Pending:
-    """A prepared update: the open checkpoint, its writer, and every header field the write's
-    bookkeeping needs, parsed at prepare (nothing is parsed after the first byte is written)."""
-
-    reader: CheckpointReader | LiveCheckpoint
-    items: list[tuple[str, torch.Tensor]]
-    writer: Writer
-    path: str
-    partial: bool
-    pre_images: bool = False  # its writer keeps what it replaces: held only while the update runs
-    fingerprints: dict[str, int] = field(default_factory=dict)  # the header's, parsed
-    lineage: str | None = None  # of what is served once it is written
-    started: bool = False  # its writer was called: bytes may have been written
-    ran: bool = False  # its writer returned: the new bits are written, the model defined
 
 
 class PushTransaction:
@@ -93,7 +78,7 @@ class PushTransaction:
         self.options = options
         self.rank = rank
         self.result = PushResult(rank=rank)
-        self._pending: _Pending | None = None
+        self._pending: PreparedUpdate | None = None
         start = str(getattr(model_config, "model", "") or "")
         # what the served version is made of: a complete checkpoint, then partials on top of it
         self.served: list[ServedCheckpoint] = (
@@ -107,7 +92,7 @@ class PushTransaction:
         # a writer that returned before what followed it in COMMIT failed: what to take back
         self._unserved: Writer | None = None
         self._opened: CheckpointReader | LiveCheckpoint | None = None  # by a PREPARE running
-        self._committing: _Pending | None = None  # the update COMMIT wrote (until it settles)
+        self._committing: PreparedUpdate | None = None  # the update COMMIT wrote (until it settles)
         self._reload: Any = None  # the worker's reload_weights, handed in by commit/roll_back
 
     def run(self, phase: Phase, *args: Any) -> PushResult:
@@ -125,8 +110,10 @@ class PushTransaction:
         pending, self._pending = self._pending, None
         reader = pending.reader if pending is not None else self._opened
         self._opened = None
-        if reader is not None:
-            reader.close()  # nothing held past it (its descriptor, lock, map)
+        committing = self._committing.reader if self._committing is not None else None
+        for opened in (reader, committing):  # nothing held past it (its descriptor, lock, map)
+            if opened is not None:
+                opened.close()
         if phase is Phase.PREPARE:
             result.error = PushFailure.of(exc, "refused", reader)
         elif phase is Phase.COMMIT:
@@ -195,7 +182,7 @@ class PushTransaction:
         result.mode = writer.mode
         below = self.served[-1].lineage if self.served else None
         lineage = link_lineage(prints, result.partial, below)
-        self._pending = _Pending(
+        self._pending = PreparedUpdate(
             reader, items, writer, path, result.partial, job.pre_images, prints, lineage
         )
         self._opened = None
@@ -249,8 +236,6 @@ class PushTransaction:
         when a phase that writes is called (:func:`~.backend.call_backend` passes it)."""
         self._reload(**kwargs)
 
-    # -- phase 2 -----------------------------------------------------------------------------
-
     def commit(self, reload_weights: Any) -> PushResult:
         """Write the prepared update (directly through the model's ``load_weights``, or with
         ``reload_weights``, the worker's vLLM layerwise reload, where that was planned);
@@ -270,7 +255,7 @@ class PushTransaction:
         pending.reader.close()
         return self._finished(result)
 
-    def _write(self, pending: _Pending) -> ReloadReport:
+    def _write(self, pending: PreparedUpdate) -> ReloadReport:
         pending.started = True
         report = pending.writer.run()
         pending.ran = True
@@ -280,7 +265,7 @@ class PushTransaction:
         )
         return report
 
-    def _serve(self, pending: _Pending) -> None:
+    def _serve(self, pending: PreparedUpdate) -> None:
         """Record the written checkpoint as (the last part of) what this worker serves, its
         files held since it was prepared; the chain it replaces is kept until the update ends,
         in case another rank failed. Links every tensor of which the new one holds too go."""
@@ -309,8 +294,6 @@ class PushTransaction:
                 link.release()
         self._before = None
         return self.result
-
-    # -- phase 3 -----------------------------------------------------------------------------
 
     def roll_back(self, reload_weights: Any, version: str | None) -> PushResult:
         """After a failed update on any rank: re-write the version served before, if this
@@ -374,7 +357,7 @@ class PushTransaction:
                 mode = "direct" if i > 0 and self.options.reload_mode == "vllm-direct" else None
                 writer = prepare_writer(job, mode)
                 prints = header_fingerprints(link.path, reader.metadata)
-                self._write(_Pending(reader, items, writer, link.path, i > 0, False, prints))
+                self._write(PreparedUpdate(reader, items, writer, link.path, i > 0, False, prints))
         finally:
             for reader in readers:
                 reader.close()

@@ -1,12 +1,18 @@
 """The ``update_info`` of vLLM's ``update_weights`` for the bridge's backend, as each worker
-parses it."""
+parses it, and the update a worker prepares from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["UpdateRequest"]
+import torch
+
+from ...checkpoint import CheckpointReader
+from ...checkpoint.live import LiveCheckpoint
+from ...direct.writer import Writer
+
+__all__ = ["PreparedUpdate", "UpdateRequest"]
 
 
 @dataclass
@@ -39,3 +45,20 @@ class UpdateRequest:
                 f"got {sorted(data)}"
             )
         return cls(**data)
+
+
+@dataclass
+class PreparedUpdate:
+    """A prepared update: the open checkpoint, its writer, and every header field the write's
+    bookkeeping needs, parsed at prepare (nothing is parsed after the first byte is written)."""
+
+    reader: CheckpointReader | LiveCheckpoint
+    items: list[tuple[str, torch.Tensor]]
+    writer: Writer
+    path: str
+    partial: bool
+    pre_images: bool = False  # its writer keeps what it replaces: held only while the update runs
+    fingerprints: dict[str, int] = field(default_factory=dict)  # the header's, parsed
+    lineage: str | None = None  # of what is served once it is written
+    started: bool = False  # its writer was called: bytes may have been written
+    ran: bool = False  # its writer returned: the new bits are written, the model defined
