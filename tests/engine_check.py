@@ -8,6 +8,7 @@ default) and tensor parallelism are tested from their own processes through this
     python tests/engine_check.py stock MODEL [--prompts JSON] [--max-tokens N] [--ignore-eos]
     python tests/engine_check.py partial MODEL_A PARTIAL [--tp 2]
     python tests/engine_check.py pushes MODEL_A FILE [FILE ...] [--tp 2] [--drift NAME]
+    python tests/engine_check.py mismatches MODEL_A --tp 2 --drift NAME
 
 ``push`` starts a bridged engine on A, pushes B then A, and separately cold-starts B, recording
 greedy outputs, every worker's addresses and the push reports; ``cold`` only cold-starts (each
@@ -18,7 +19,9 @@ pushes each file in turn (version: its position), recording each report or typed
 greedy outputs after it; with ``--drift NAME`` the last file (a delta) is pushed with
 ``readback="full"`` after one element of rank 0's shard of ``NAME`` that the delta does not
 change was flipped in live storage (FAULT INJECTION: silent drift, which nothing healthy
-causes).
+causes). ``mismatches`` pushes A's own checkpoint, then records
+:func:`~weight_bridge.vllm.weight_mismatches` against A's tensors before and after one element
+of rank 0's copy of ``NAME`` was flipped in live storage (the same FAULT INJECTION).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["cold", "push", "partial", "stock", "pushes"])
+    parser.add_argument(
+        "scenario", choices=["cold", "push", "partial", "stock", "pushes", "mismatches"]
+    )
     parser.add_argument("model_a")
     parser.add_argument("model_b", nargs="?")
     parser.add_argument("more", nargs="*", help="cold: more models, one after the other")
@@ -44,7 +49,9 @@ def main() -> None:
     parser.add_argument("--prompts", help="stock: JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--drift", help="pushes: drift this tensor before the last (a delta)")
+    parser.add_argument(
+        "--drift", help="pushes: drift this tensor before the last (a delta); mismatches: flip it"
+    )
     args = parser.parse_args()
 
     from helpers import ENGINE_KWARGS, PROMPTS, for_model, greedy
@@ -97,6 +104,10 @@ def main() -> None:
                 result["steps"].append(step)
         print("RESULT " + json.dumps(result, default=str))
         return
+    if args.scenario == "mismatches":
+        result.update(_mismatches(args.model_a, args.drift, kwargs))
+        print("RESULT " + json.dumps(result, default=str))
+        return
     if args.scenario == "partial":
         with ColocatedEngine(args.model_a, **kwargs) as engine:
             addresses = engine.addresses()
@@ -124,6 +135,23 @@ def main() -> None:
         with ColocatedEngine(args.model_b, **kwargs) as engine:
             result["b_cold"] = greedy(engine)
     print("RESULT " + json.dumps(result, default=str))
+
+
+def _mismatches(model: str, name: str, kwargs: dict) -> dict:
+    """``weight_mismatches`` on the engine holding A, before and after rank 0's copy of
+    ``name`` drifted (the flipped position per rank)."""
+    from weight_bridge.checkpoint import CheckpointReader
+    from weight_bridge.vllm import ColocatedEngine, weight_mismatches
+
+    with CheckpointReader(Path(model) / "model.safetensors") as reader:
+        tensors = {n: t.clone() for n, t in reader.tensors()}
+    with ColocatedEngine(model, **kwargs) as engine:
+        report = engine.push(model, version="A")
+        out: dict = {"workers": report.workers, "before": weight_mismatches(engine, tensors)}
+        out["drifted"] = engine.llm.collective_rpc(drift_unchanged, args=(name, []))
+        out["after"] = weight_mismatches(engine, tensors)
+        out["held"] = [name in worker for worker in engine.fingerprints()]
+    return out
 
 
 def _changed_positions(path: str, name: str) -> list[int]:

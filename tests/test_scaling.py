@@ -31,6 +31,37 @@ def test_tensor_parallel_push_matches_tensor_parallel_cold_start(models) -> None
     assert r["addresses_unchanged"]
 
 
+@pytest.mark.slow
+def test_weight_mismatches_names_the_tensor_parallel_rank_that_holds_other_bits(models) -> None:
+    """Issue 56.4: a replicated tensor (``model.norm.weight``, held whole by both ranks of a
+    TP=2 multi-process engine) flipped in rank 0's live storage only (FAULT INJECTION: one bit,
+    which nothing healthy causes) is named by ``weight_mismatches``, with rank 0 and its
+    fingerprint, while rank 1 still holds the trainer's bits; before the flip it is not (the
+    tensors split between the ranks are named as held whole by no worker, before and after)."""
+    from weight_bridge.vllm.clients.checks import expected_fingerprints
+
+    a, name = models["qwen2_A"], "model.norm.weight"
+    env = {**TP2_ENV, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the fault's callable only
+    r = run_engine_check("mismatches", str(a), "--tp", "2", "--drift", name, env=env)
+    assert r["workers"] == 2 and r["held"] == [True, True]  # replicated: whole on each rank
+    sharded = "no worker holds it whole (sharded, or not in the engine's layout)"
+    assert name not in r["before"] and set(r["before"].values()) == {sharded}, r["before"]
+    assert r["drifted"][0] is not None and r["drifted"][1] is None
+    assert name in r["after"], "rank 0's flipped copy reads as the trainer's (rank 1's hid it)"
+    assert r["after"] == {**r["before"], name: r["after"][name]}, r["after"]
+    (want,) = expected_fingerprints({name: _tensor(a, name)}).values()
+    assert r["after"][name].startswith("rank 0 holds fingerprint "), r["after"]
+    assert r["after"][name].endswith(f", the trainer's tensor is {want}"), r["after"]
+    assert "rank 1" not in r["after"][name]
+
+
+def _tensor(model, name: str):
+    from weight_bridge.checkpoint import CheckpointReader
+
+    with CheckpointReader(model / "model.safetensors") as reader:
+        return dict(reader.tensors())[name].clone()
+
+
 # Seconds from the kill to the end of the whole job, as the README states. Measured 28.7, 11.2
 # and 25.4 s in three runs here (2 cores shared with other jobs; start-up took 142-235 s more).
 DDP_FAILURE_BOUND_S = 120

@@ -509,9 +509,11 @@ def _status(url: str, method: str, key: str | None) -> int:
 @pytest.mark.every_vllm
 def test_every_rl_route_answers_401_without_the_key(moe) -> None:
     """A server started with an API key (``VLLMServer(api_key=...)``: vLLM's ``--api-key``
-    plus the bridge's ``require_api_key``): every RL, development and bridge route answers
-    ``401`` to a request with no key or a wrong one, and nothing changed; with the key the
-    same middleware lets a request through (a read-only route answers ``200``)."""
+    and the bridge's results middleware alone, which checks the key itself): every RL,
+    development and bridge route answers ``401`` to a request with no key or a wrong one, and
+    nothing changed; with the key the same middleware lets a request through (a read-only
+    route answers ``200``). Without dev mode, and the middlewares in either order:
+    ``tests/test_serve_keys.py``."""
     client = moe["client"]
     version = client.weight_version()
     for method, route in RL_ROUTES:
@@ -851,4 +853,4 @@ def test_the_engine_holds_the_trainers_bits_after_every_kind_of_push(dense, tmp_
     client.push(root / "checked-wrong.safetensors", version="A?")
     problems = weight_mismatches(client, ta, report.dtypes)
     assert list(problems) == [name], problems
-    assert "the engine holds fingerprint" in problems[name]
+    assert problems[name].startswith("rank 0 holds fingerprint "), problems  # one worker

@@ -433,6 +433,49 @@ MUTANTS = [
         "prepare)",
         [["tests/test_fault_matrix.py", "-k", "in_process"]],
     ),
+    Mutant(
+        "route-key",
+        "every route the bridge adds checks the API key itself, whatever the middleware order "
+        "(issue 56)",
+        "weight_bridge/vllm/server/middleware.py",
+        "    refused = _refusal(request)\n    if refused is not None:\n        return refused\n",
+        "",
+        "the key check in `update_results_route` (left to `require_api_key`, as before)",
+        [
+            ["tests/test_serve_keys.py", "-k", "whatever_the_middleware_order"],
+            ["tests/test_serve_keys.py", "-k", "answers_nobody_without_the_key"],
+        ],
+    ),
+    Mutant(
+        "route-pause-served",
+        "the bridge's pause is served only where vLLM serves /resume, or with a key (issue 56)",
+        "weight_bridge/vllm/server/middleware.py",
+        "return bool(_keys(request)) or any(",
+        "return True or any(",
+        "the dev-mode-or-key condition in `_pause_served`",
+        [["tests/test_serve_keys.py", "-k", "only_where_vllm_serves_resume"]],
+    ),
+    Mutant(
+        "route-pause-release",
+        "a pause no update follows is released after update_timeout_s (issue 56)",
+        "weight_bridge/vllm/server/middleware.py",
+        "released = await release_pause(engine, lambda: pauses.calls == mark)",
+        "released = False",
+        "the release in `_release` (the pause holds until someone resumes)",
+        [
+            ["tests/test_serve_keys.py", "-k", "nothing_follows"],
+            ["tests/test_serve_keys.py", "-k", "no_update_follows"],
+        ],
+    ),
+    Mutant(
+        "per-rank-fingerprints",
+        "weight_mismatches compares every worker's copy and names the rank that differs (issue 56)",
+        "weight_bridge/vllm/clients/checks.py",
+        "held = {rank: worker[name] for rank, worker in enumerate(workers) if name in worker}",
+        "held = {0: worker[name] for worker in workers if name in worker}",
+        "the per-rank comparison (the mutant keeps the last worker's copy, as the old merge did)",
+        [["tests/test_scaling.py", "-k", "weight_mismatches"]],
+    ),
 ]
 
 

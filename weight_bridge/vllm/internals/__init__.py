@@ -101,7 +101,10 @@ Per version (what differs, and which part of an update is vLLM's and which the b
     ``request.app.state.engine_client`` still the ``AsyncLLM``, its ``engine_core
     .call_utility_async(name)`` still reaching the engine-core utilities of item 5; the RL
     routes (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
-    ``/pause``, ``/resume``, ``/weight_info``) still answering under ``VLLM_SERVER_DEV_MODE=1``.
+    ``/pause``, ``/resume``, ``/weight_info``) still answering under ``VLLM_SERVER_DEV_MODE=1``
+    only (the bridge's pause is served without a key only where ``request.app.routes`` has
+    ``/resume``), ``request.app.state.args.api_key`` still the ``--api-key`` keys, and
+    ``engine_client.vllm_config`` the engine's config (its ``update_timeout_s``).
 18. How vLLM's processes wait on their shared-memory message queues
     (``distributed.device_communicators.shm_broadcast.SpinCondition``: ``wait(self,
     timeout_ms)`` spins while the last message came less than ``busy_loop_s`` ago, else sleeps
@@ -113,7 +116,9 @@ Per version (what differs, and which part of an update is vLLM's and which the b
 19. The ``drain`` pause (:func:`pause_queueing`): ``AsyncLLM.engine_core
     .pause_scheduler_async(mode, clear_cache)`` still reaching the engine core's
     ``pause_scheduler``, which queues requests that arrive while paused (0.33+'s
-    ``pause_generation`` rejects them, HTTP 503); ``resume_generation`` still releases them.
+    ``pause_generation`` rejects them, HTTP 503); ``resume_generation`` still releases them,
+    and ``AsyncLLM.is_paused()`` still says whether the scheduler is paused
+    (:func:`release_pause`).
 20. (0.34+) vLLM's direct reload, ``model_loader.reload.direct``: ``record_checkpoint_layout``
     (called by the bridge's load recording, before post-load processing), ``begin_direct_reload``,
     ``finish_direct_reload(model, model_config, device)``, and its checks ``_check_params_kept``
@@ -184,7 +189,7 @@ from .patches import (
     processing_watched,
     set_cpu_linear,
 )
-from .pause import pause_queueing
+from .pause import pause_queueing, release_pause
 from .sources import full_tensors, sender_gaps, source_metadata
 from .versions import (
     ALLOW_UNTESTED_ENV,
@@ -244,6 +249,7 @@ __all__ = [
     "patch_queue_waits",
     "patch_rl_api",
     "pause_queueing",
+    "release_pause",
     "pause_scheduling",
     "processing_watched",
     "reset_runner_caches",
@@ -300,6 +306,8 @@ SITES = (
     "vllm.v1.executor.multiproc_executor.MultiprocExecutor.collective_rpc",
     f"{_CLIENT}.AsyncMPClient.pause_scheduler_async",
     f"{_CORE}.EngineCore.pause_scheduler",
+    "vllm.v1.engine.async_llm.AsyncLLM.is_paused",
+    "vllm.v1.engine.async_llm.AsyncLLM.resume_generation",
 )
 
 #: The sites one tested minor version has and another has not (the per-version checklist).

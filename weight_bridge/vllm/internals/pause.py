@@ -10,14 +10,19 @@ new request (``RetryableRequestError``, HTTP 503) until resume: a caller generat
 still queues (``PauseState.PAUSED_NEW``: running requests keep stepping, queued ones are not
 scheduled), and ``resume_scheduler`` (what ``resume_generation`` calls) releases them. So the
 bridge calls it directly, on every tested vLLM: one path, 0.32's behaviour on both.
+
+:func:`release_pause` ends such a pause that nobody else ended (the API server's release of a
+pause no update followed): ``AsyncLLM.is_paused()`` and ``resume_generation()``, public on every
+tested vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["pause_queueing"]
+__all__ = ["pause_queueing", "release_pause"]
 
 # AsyncLLM.pause_generation sleeps this long after the engine core answered, so that the final
 # outputs of the requests that drained reach their callers before the pause returns.
@@ -31,3 +36,12 @@ async def pause_queueing(engine: Any, mode: str, clear_cache: bool) -> None:
     ``engine.resume_generation()``."""
     await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
     await asyncio.sleep(_SETTLE_S)
+
+
+async def release_pause(engine: Any, still_ours: Callable[[], bool]) -> bool:
+    """Resume an ``AsyncLLM``'s generation if it is paused and ``still_ours()`` (checked last,
+    after the engine answered); whether it did."""
+    if not await engine.is_paused() or not still_ours():
+        return False
+    await engine.resume_generation()
+    return True

