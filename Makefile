@@ -22,7 +22,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM034_WHEEL ?= $(firstword $(wildcard ../shared/wheels/vllm-0.34.0+cpu-*.whl \
 	/work/shared/wheels/vllm-0.34.0+cpu-*.whl))
 
-.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server test test-fast lint mutants bench bench-ranks bench-clients bench-vllm034 bench-delta bench-default explain gpu-check clean
+.PHONY: setup setup-vllm034 test-vllm034 demo demo-real demo-async demo-server demo-ranks test test-fast lint mutants bench bench-ranks bench-clients bench-vllm034 bench-delta bench-default explain gpu-check clean
 
 ifeq ($(VLLM),0.34)
 setup: $(STAMP)
@@ -114,6 +114,12 @@ demo-async: setup
 demo-server: setup
 	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml \
 		--config examples/grpo/server.yaml
+
+# The engine inside the trainer's ranks: 2 DDP processes (Lightning's own launcher), vLLM
+# tensor-parallel over them with its external launcher, pushed from the live tensors (no file).
+demo-ranks: setup
+	$(PY) examples/grpo/train.py fit --config examples/grpo/config.yaml \
+		--config examples/grpo/ranks.yaml
 
 bench: setup
 	$(PY) -m pytest -q -m bench tests/test_bench.py

@@ -210,6 +210,11 @@ def main() -> None:
             report["meta"] = _attempt(lambda: engine.push_tensors(meta, version="bad"))
             report["after_meta"] = (engine.version, greedy(engine)) == before
             report["matrix"] = _matrix(engine, rank, fault, good, changed, before[0])
+            # submit generates on the rank's own thread (another thread fails in vLLM's CPU
+            # attention: the OpenMP thread count cpu_threads_bind set is that thread's)
+            asked = ([[1, 20, 21]], {"max_tokens": 4})
+            got = engine.submit(*asked).result()[0].completions[0].token_ids
+            report["submit_equal"] = got == engine.generate(*asked)[0].completions[0].token_ids
             report["undefined"] = engine.undefined
 
     files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None

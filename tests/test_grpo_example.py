@@ -8,8 +8,11 @@ checkpoint on disk that holds exactly the trainer's weights.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -34,15 +37,17 @@ def _recipe() -> ModuleType:
 
 
 def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: object) -> Path:
-    """``config.yaml`` (with an ``overlay``'s model and callback options) with every path under
-    ``tmp_path`` (the checkpoints' ``files.dirpath`` too: none goes to ``./runs``) and the
-    callback's options overridden (an option group given as a mapping, e.g.
-    ``schedule={"every_n_train_steps": 4}``, replaces that group)."""
+    """``config.yaml`` (with an ``overlay``'s trainer, model and callback options) with every
+    path under ``tmp_path`` (the checkpoints' ``files.dirpath`` too, unless the overlay clears
+    it: none goes to ``./runs``) and the callback's options overridden (an option group given as
+    a mapping, e.g. ``schedule={"every_n_train_steps": 4}``, replaces that group)."""
     cfg = yaml.safe_load((RECIPE / "config.yaml").read_text())
     if overlay is not None:
         extra = yaml.safe_load((RECIPE / overlay).read_text())
         paths = ("model_dir", "run_dir")  # moved under tmp_path below (the engine's model too)
         cfg["model"].update({k: v for k, v in extra.get("model", {}).items() if k not in paths})
+        own = ("callbacks", "logger", "default_root_dir")  # set below
+        cfg["trainer"].update({k: v for k, v in extra["trainer"].items() if k not in own})
         for cb in extra["trainer"].get("callbacks", []):
             options = {k: v for k, v in cb["init_args"].items() if k not in paths}
             sync = {**options, **sync}
@@ -55,7 +60,9 @@ def _config(tmp_path: Path, steps: int, overlay: str | None = None, **sync: obje
     init_args = callback["init_args"]
     init_args.update(**sync)
     init_args["engine"] = {**init_args["engine"], "model": str(model_dir)}
-    init_args["files"] = {**init_args.get("files", {}), "dirpath": str(run / "checkpoints")}
+    files = init_args.get("files", {})
+    if files.get("dirpath", "") is not None:  # None: no file (ranks.yaml: pushed from memory)
+        init_args["files"] = {**files, "dirpath": str(run / "checkpoints")}
     cfg["model"].update(model_dir=str(model_dir), run_dir=str(run))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -212,3 +219,64 @@ def test_server_overlay_trains_against_a_vllm_serve_process_and_stops_it(
         except psutil.Error:  # gone, or a zombie of an engine process not reaped yet
             continue
     assert not servers
+
+
+def _metrics(run: Path) -> list[dict[str, float]]:
+    """The rows of the run's CSV log (rank zero's), the values it holds in each."""
+    (path,) = sorted(run.glob("logs/version_*/metrics.csv"))
+    with path.open() as f:
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+
+
+def test_ranks_overlay_trains_in_two_ddp_ranks_on_policy_as_the_default_recipe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ranks.yaml``: two DDP ranks started by Lightning's own launcher (the recipe's command as
+    a user runs it, in a subprocess: the launcher starts rank 1 by running it again), vLLM in
+    each, tensor-parallel over both, every sync from the live tensors (no file). Every rank
+    samples the step's whole batch with the same prompts and trains on its half: on policy
+    (rollouts tagged with the step pushed last), the run ends, and the reward climbs as the
+    one-process recipe's does over the same steps (same seeds, same update)."""
+    import psutil
+
+    steps, window = 30, 10  # the reward leaves its start (~0.002) within 30 steps
+    ranks_dir, default_dir = tmp_path / "ranks", tmp_path / "default"
+    ranks_dir.mkdir()
+    default_dir.mkdir()
+    config = _config(ranks_dir, steps, "ranks.yaml")
+    moved = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in (*moved, "WEIGHT_BRIDGE_SYNC")}
+    command = [sys.executable, str(RECIPE / "train.py"), "fit", "--config", str(config)]
+    done = subprocess.run(
+        command, cwd=ranks_dir, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
+    left = []  # the run ends: no rank of it left behind
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(config) in " ".join(proc.info["cmdline"] or []):
+            left.append(proc)
+    assert not psutil.wait_procs(left, timeout=30)[1]
+
+    run = ranks_dir / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    cfg = yaml.safe_load(config.read_text())["model"]
+    tokens = steps * cfg["prompts_per_step"] * cfg["group_size"] * cfg["max_new_tokens"]
+    assert summary["steps"] == steps
+    # Every rollout of step N was sampled by the weights pushed at step N: the whole batch's.
+    assert summary["staleness_max"] == 0 and summary["staleness_tokens"] == {"0": tokens}
+    rows = [r for r in _metrics(run) if "reward" in r]  # the recipe's, one a step
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["policy_version"] for r in rows] == list(range(steps))
+    assert summary["logprob_gap_max"] < 1e-3  # the TP=2 engine computes what the trainer does
+    pushes = [r for r in _metrics(run) if "weight_sync/version" in r]  # the callback's
+    assert [r["weight_sync/version"] for r in pushes] == list(range(steps + 1))
+    assert summary["last_checkpoint"] == "" and not (run / "checkpoints").exists()  # no file
+
+    cli, _ = _fit(monkeypatch, default_dir, steps)  # the default recipe, one process
+    ranks = [r["reward"] for r in rows]
+    default = [h["reward"] for h in cli.model.history]
+    first, last = sum(ranks[:window]) / window, sum(ranks[-window:]) / window
+    assert last > 5 * first, ranks  # it learns
+    reference = sum(default[-window:]) / window
+    assert 0.5 * reference <= last <= 2 * reference, (ranks, default)

@@ -46,6 +46,7 @@ from weight_bridge.checkpoint import (
     CheckpointReader,
     save_checkpoint,
 )
+from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.direct.errors import BaseVersionError
 from weight_bridge.testing import parity
@@ -213,7 +214,16 @@ def test_http_push_equals_a_stock_cold_start_and_refusals_keep_the_served_versio
     save_checkpoint(nan, root / "nan.safetensors")
     shape = {**tensors, name: tensors[name][:-1].clone()}
     save_checkpoint(shape, root / "shape.safetensors")
-    for bad, words in (("nan.safetensors", "NaN"), ("shape.safetensors", "shape")):
+    # another tool's digest under the bridge's fingerprint key: parsed at prepare, refused by
+    # name (it was parsed after the write: new bits under the old label, an untyped 500)
+    malformed = {FINGERPRINTS_KEY: json.dumps({name: "not-hex-digest!!"})}
+    save_checkpoint(_tensors(a), root / "malformed.safetensors", malformed)
+    cases = (
+        ("nan.safetensors", "NaN"),
+        ("shape.safetensors", "shape"),
+        ("malformed.safetensors", "not 16 hex digits"),
+    )
+    for bad, words in cases:
         error = _refused(client, root / bad)
         assert error.__cause__.status == 400 and words in error.problems[name], error
         assert client.weight_version() == "b1"

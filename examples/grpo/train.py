@@ -13,6 +13,10 @@ Run it (from the repository root; a few minutes on 2 CPU cores, nothing is downl
     # small sums in its own chat template (or `make demo-real`; 6-15 min on 2 cores):
     python examples/grpo/train.py fit --config examples/grpo/config.yaml \\
         --config examples/grpo/real_model.yaml
+    # the engine inside the trainer's 2 DDP ranks (Lightning's own launcher), TP=2 over them,
+    # pushed from memory (or `make demo-ranks`):
+    python examples/grpo/train.py fit --config examples/grpo/config.yaml \\
+        --config examples/grpo/ranks.yaml
 
 Features:
     - Model: a tiny seeded Llama (``weight_bridge.testing.models.build_tiny_model``) written to
@@ -53,6 +57,11 @@ Features:
       :class:`ArithmeticChatTask`). The trainer runs each prompt once and its ``group_size``
       completions on a copy of its key/value cache, so a step costs about one prompt pass per
       group instead of one per completion.
+    - DDP (``ranks.yaml``: the engine inside the trainer's ranks, vLLM's external launcher):
+      every rank samples the step's whole batch, the same prompts (the ranks' engines run in
+      lockstep; ``use_distributed_sampler: false`` gives every rank every step's prompts), on
+      its own thread, and trains on its equal share of the groups (:meth:`GRPO._share`); DDP
+      averages the shares' gradients into the whole batch's.
     - Engine log: vLLM logs at WARNING, its known CPU-backend warnings are explained once and
       then filtered (:func:`_quiet_vllm`), and the sync callback's per-push line is shown every
       ``push_log_every`` steps (50 for the tiny model's 200 quick steps, 1 for the real model).
@@ -203,15 +212,20 @@ def step_of(version: str | None) -> int:
 
 
 class Rollouts:
-    """Each step's batch, submitted ``ahead`` steps before the step trains on it (0: when the
-    step asks for it): at step k, batches up to k + ``ahead`` are being generated while step k
-    trains on its own."""
+    """Each step's batch, submitted ``ahead`` steps before the step trains on it (0: generated
+    when the step asks for it, on the calling thread): at step k, batches up to k + ``ahead``
+    are being generated while step k trains on its own."""
 
     def __init__(self, engine: Any, sampling: dict[str, Any], ahead: int = 0):
         self.engine, self.sampling, self.ahead = engine, sampling, max(0, ahead)
         self.pending: deque[tuple[int, concurrent.futures.Future]] = deque()
 
     def get(self, step: int, prompts: Callable[[int], list[list[int]]]) -> list[Generation]:
+        if self.ahead == 0:
+            # On this thread: an engine in the trainer's ranks generates where its worker started
+            # (on the CPU backend its attention kernels check the thread's OpenMP thread count,
+            # which cpu_threads_bind set on this thread only).
+            return list(self.engine.generate(prompts(step), self.sampling))
         while self.pending and self.pending[0][0] < step:
             self.pending.popleft()[1].cancel()  # a step that will never train (resumed past it)
         requested = self.pending[-1][0] if self.pending else step - 1
@@ -463,6 +477,26 @@ class GRPO(pl.LightningModule):
             self._source = Rollouts(self._engine(), sampling, ahead)
         return self._source
 
+    def _share(self, batch: torch.Tensor, step: int) -> torch.Tensor:
+        """The rows of the step's completions (``group_size`` per prompt, prompt by prompt)
+        this rank trains on: all of them in one process. Under DDP every rank samples the
+        step's whole batch, the same prompts (an engine in the trainer's ranks is one engine:
+        every rank must call ``generate`` with the same prompts, docs/scaling.md), then trains
+        on its equal share of the groups; DDP averages the shares' gradients into the whole
+        batch's, the update one process would make."""
+        hp, world = self.hparams, self.trainer.world_size
+        rows = torch.arange(hp.prompts_per_step * hp.group_size).view(hp.prompts_per_step, -1)
+        if world == 1:
+            return rows.reshape(-1)
+        if not torch.equal(batch.cpu(), self._data[step]):
+            raise RuntimeError(
+                "every rank must see the step's prompts, the same on every rank: set "
+                "trainer.use_distributed_sampler: false (examples/grpo/ranks.yaml does)"
+            )
+        if hp.prompts_per_step % world:
+            raise ValueError(f"prompts_per_step {hp.prompts_per_step} over {world} ranks")
+        return torch.tensor_split(rows, world)[self.global_rank].reshape(-1)
+
     def _token_logprobs(
         self, model: Any, ids: torch.Tensor, prompt_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -504,6 +538,8 @@ class GRPO(pl.LightningModule):
         groups = r.view(len(prompts), hp.group_size)
         adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + hp.adv_eps)
         adv = adv.reshape(-1, 1)
+        mine = self._share(batch, step)  # the rows this rank trains on (rewards: the whole batch)
+        ids, old, adv = ids[mine], old[mine], adv[mine]
 
         new, entropy = self._token_logprobs(self.model, ids, len(prompts[0]))
         gap = (new.detach() - old).abs()
@@ -528,7 +564,7 @@ class GRPO(pl.LightningModule):
         pushes = getattr(cb, "history", None) if synced else None
         if pushes:  # the callback logs weight_sync/* to the loggers; mirror its push time here
             metrics["push_s"] = float(pushes[-1]["push_s"])
-        self.log_dict(metrics, prog_bar=True, on_step=True, batch_size=len(seqs))
+        self.log_dict(metrics, prog_bar=True, on_step=True, batch_size=len(mine))
         self.log_dict(
             {
                 "logprob_gap_max": gap.max().item(),
@@ -540,7 +576,7 @@ class GRPO(pl.LightningModule):
                 "reward_std": r.std().item(),
             },
             on_step=True,
-            batch_size=len(seqs),
+            batch_size=len(mine),
         )
         self.history.append({"step": step, **metrics, "generate_s": gen_s, "synced": synced})
         return loss
@@ -613,8 +649,11 @@ class GRPO(pl.LightningModule):
         groups = r.view(len(pairs), hp.group_size)
         adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + hp.adv_eps)
         adv = adv.reshape(-1, 1)
+        mine = self._share(batch, step)  # the rows this rank trains on (rewards: the whole batch)
+        ids_t, old, mask, adv = ids_t[mine], old[mine], mask[mine], adv[mine]
 
-        prompts = [list(o.prompt_token_ids) for o in outputs]
+        firsts = (mine[:: hp.group_size] // hp.group_size).tolist()  # the share's prompts
+        prompts = [list(outputs[i].prompt_token_ids) for i in firsts]
         new, entropy = self._grouped_logprobs(self.model, prompts, ids_t, hp.group_size)
         n_tokens = mask.sum()
         gap = (new.detach() - old).abs() * mask
@@ -639,7 +678,7 @@ class GRPO(pl.LightningModule):
         pushes = getattr(cb, "history", None) if synced else None
         if pushes:
             metrics["push_s"] = float(pushes[-1]["push_s"])
-        self.log_dict(metrics, prog_bar=True, on_step=True, batch_size=len(tokens))
+        self.log_dict(metrics, prog_bar=True, on_step=True, batch_size=len(mine))
         clip = (((ratio.detach() - 1.0).abs() > hp.clip_eps).float() * mask).sum() / n_tokens
         self.log_dict(
             {
@@ -650,10 +689,10 @@ class GRPO(pl.LightningModule):
                 "generate_s": gen_s,
                 "step_s": step_s,
                 "reward_std": r.std().item(),
-                "completion_tokens": n_tokens.item() / len(tokens),
+                "completion_tokens": n_tokens.item() / len(mine),
             },
             on_step=True,
-            batch_size=len(tokens),
+            batch_size=len(mine),
         )
         self.history.append(
             {
@@ -727,7 +766,8 @@ class GRPO(pl.LightningModule):
         print(f"reward plot:     {run_dir / 'reward.png'}")
         print(f"summary:         {run_dir / 'summary.json'}")
         # the newest complete checkpoint (deltas between keyframes load nowhere on their own)
-        print(f"last checkpoint: {summary['last_checkpoint'] or '(none: weight sync was off)'}")
+        none = "(none: pushed from memory, no file)" if synced else "(none: weight sync was off)"
+        print(f"last checkpoint: {summary['last_checkpoint'] or none}")
 
 
 def _plot(steps: list, rewards: list, gaps: list, path: Path, summary: dict) -> None:

@@ -25,14 +25,16 @@ per node across nodes, vLLM's data parallel).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ...checkpoint import BASE_VERSION_KEY
 from ...checkpoint.live import published
+from ..generation import Generation
 from ..report import PushReport
 from .colocated import ColocatedEngine
 
@@ -76,6 +78,20 @@ class RanksEngine(ColocatedEngine):
             kwargs.setdefault("data_parallel_size", self.world_size // tp)
         kwargs["distributed_executor_backend"] = "external_launcher"
         super().__init__(model, **kwargs)
+
+    def submit(
+        self, prompts: Sequence[Any], sampling: Any = None
+    ) -> concurrent.futures.Future[list[Generation]]:
+        """:meth:`generate` on the calling thread, its future already done: the engine runs in
+        the rank's own thread, in lockstep with the other ranks (nothing is generated ahead in
+        this mode), and on the CPU backend its attention kernels check the OpenMP thread count
+        ``cpu_threads_bind`` set on that thread (another thread fails: ``thread_num 2 vs. 1``)."""
+        done: concurrent.futures.Future[list[Generation]] = concurrent.futures.Future()
+        try:
+            done.set_result(self.generate(prompts, sampling))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
     def push_tensors(
         self,
