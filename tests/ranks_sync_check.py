@@ -69,6 +69,7 @@ def main() -> None:
     from helpers import (
         ENGINE_KWARGS,
         FAULT_PARAM,
+        PROMPTS,
         arm_cache_fault,
         arm_fault,
         greedy,
@@ -78,6 +79,7 @@ def main() -> None:
 
     from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge import EngineUndefinedError  # noqa: F401 (an error a rank may raise)
+    from weight_bridge.testing.parity import collect
     from weight_bridge.vllm.clients.ranks import RanksEngine
 
     world = int(os.environ["WORLD_SIZE"])
@@ -212,9 +214,9 @@ def main() -> None:
             report["matrix"] = _matrix(engine, rank, fault, good, changed, before[0])
             # submit generates on the rank's own thread (another thread fails in vLLM's CPU
             # attention: the OpenMP thread count cpu_threads_bind set is that thread's)
-            asked = ([[1, 20, 21]], {"max_tokens": 4})
-            got = engine.submit(*asked).result()[0].completions[0].token_ids
-            report["submit_equal"] = got == engine.generate(*asked)[0].completions[0].token_ids
+            greedy_params = {"max_tokens": 12, "temperature": 0.0, "logprobs": 3}
+            report["submitted"] = collect(engine.submit(PROMPTS, greedy_params).result())
+            report["generated"] = greedy(engine)
             report["undefined"] = engine.undefined
 
     files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None

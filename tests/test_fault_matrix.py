@@ -21,6 +21,7 @@ REACHED = {
     "partial": ("writer:direct", "loader", "refresh"),
     "delta": ("writer:delta", "refresh"),
     "layerwise": ("writer:layerwise",),
+    "vllm-direct": ("writer:vllm-direct", "loader"),
 }
 TP2_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",
@@ -70,11 +71,19 @@ def _judge_malformed(r: dict) -> None:
 
 @pytest.mark.every_vllm
 def test_fault_matrix_in_process(models, tmp_path) -> None:
+    """Every writer the engine's vLLM has (vLLM's own direct reload from 0.34 on)."""
+    import vllm
+
+    pushes = "direct,partial,delta,layerwise"
+    if tuple(int(x) for x in vllm.__version__.split(".")[:2]) >= (0, 34):
+        pushes += ",vllm-direct"
     r, _ = run_script(
         "fault_matrix.py",
         str(models["llama_A"]),
         str(models["llama_B"]),
         str(tmp_path),
+        "--pushes",
+        pushes,
         multiprocess=False,
     )
     _judge(r)

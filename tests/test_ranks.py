@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import TESTS, assert_differs, assert_parity
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.every_vllm]  # both vLLMs (0.34: issue 58)
 
 RUN_TIMEOUT_S = 600
 
@@ -129,7 +129,7 @@ def check(ranks: list[dict], extra: tuple) -> None:
         assert meta["error"] == "CheckpointError", meta
         assert "meta device" in meta["message"], meta
         assert rank["after_meta"], "a refused meta tensor changed the engine"
-        assert rank["submit_equal"], "submit differs from generate on a rank"
+        assert_parity(rank["submitted"], rank["generated"])  # submit: on the rank's thread
         matrix = rank["matrix"]  # every fault point, every kind, on rank 1 alone: one outcome
         assert matrix["cases"] == matrix["points"] * 3 and not matrix["bad"], matrix
         stale = rank["stale_base"]  # rank 1 alone names a base the engine does not serve
