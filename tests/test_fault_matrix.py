@@ -69,6 +69,13 @@ def _judge_malformed(r: dict) -> None:
         assert got["digest"] == r["states"]["A"]["digest"]
 
 
+def _run_and_judge(models: dict, tmp_path, *args: str, **kwargs) -> None:
+    a, b = str(models["llama_A"]), str(models["llama_B"])
+    r, _ = run_script("fault_matrix.py", a, b, str(tmp_path), *args, **kwargs)
+    _judge(r)
+    _judge_malformed(r)
+
+
 @pytest.mark.every_vllm
 def test_fault_matrix_in_process(models, tmp_path) -> None:
     """Every writer the engine's vLLM has (vLLM's own direct reload from 0.34 on)."""
@@ -77,17 +84,7 @@ def test_fault_matrix_in_process(models, tmp_path) -> None:
     pushes = "direct,partial,delta,layerwise"
     if tuple(int(x) for x in vllm.__version__.split(".")[:2]) >= (0, 34):
         pushes += ",vllm-direct"
-    r, _ = run_script(
-        "fault_matrix.py",
-        str(models["llama_A"]),
-        str(models["llama_B"]),
-        str(tmp_path),
-        "--pushes",
-        pushes,
-        multiprocess=False,
-    )
-    _judge(r)
-    _judge_malformed(r)
+    _run_and_judge(models, tmp_path, "--pushes", pushes, multiprocess=False)
 
 
 @pytest.mark.slow
@@ -95,18 +92,5 @@ def test_fault_matrix_on_one_rank_of_the_tensor_parallel_multiprocess_engine(
     models, tmp_path
 ) -> None:
     """Rank 1 alone raises at each point; rank 0 must never wait on it, and both end alike."""
-    r, _ = run_script(
-        "fault_matrix.py",
-        str(models["llama_A"]),
-        str(models["llama_B"]),
-        str(tmp_path),
-        "--tp",
-        "2",
-        "--rank",
-        "1",
-        "--pushes",
-        "direct,delta",
-        env=TP2_ENV,
-    )
-    _judge(r)
-    _judge_malformed(r)
+    args = ("--tp", "2", "--rank", "1", "--pushes", "direct,delta")
+    _run_and_judge(models, tmp_path, *args, env=TP2_ENV)
