@@ -34,6 +34,7 @@ import os
 from . import internals
 from .core import undefined as core_undefined
 from .core import updates as core_updates
+from .internals.inductor_cache_isa import apply as apply_isa_cache_key
 from .lifeline import follow_parent
 from .options import BACKEND
 from .server import typed_errors
@@ -118,6 +119,7 @@ def register() -> None:
         return
     _registered = True
     follow_parent()
+    apply_isa_cache_key()  # logprobs compiled for another CPU's vector width: wrong (issue 58)
     _register_backend()
     try:
         internals.check_vllm_version()
