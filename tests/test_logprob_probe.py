@@ -160,9 +160,13 @@ def test_the_plugin_keys_torchs_compile_cache_by_the_cpus_vector_isa(monkeypatch
 
     from weight_bridge.vllm.internals import inductor_cache_isa
 
-    monkeypatch.setattr(compiler_config, "cache_key_tag", "users-tag")
-    tag = inductor_cache_isa.apply()
-    assert tag.startswith("users-tag|" + inductor_cache_isa.TAG_PREFIX)
-    assert inductor_cache_isa.apply() == tag  # idempotent
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
-    assert inductor_cache_isa.apply() != tag  # another ISA, another key
+    before = compiler_config.cache_key_tag  # set back by hand: monkeypatch's undo hides it
+    compiler_config.cache_key_tag = "users-tag"
+    try:
+        tag = inductor_cache_isa.apply()
+        assert tag.startswith("users-tag|" + inductor_cache_isa.TAG_PREFIX)
+        assert inductor_cache_isa.apply() == tag  # idempotent
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+        assert inductor_cache_isa.apply() != tag  # another ISA, another key
+    finally:
+        compiler_config.cache_key_tag = before

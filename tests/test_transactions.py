@@ -326,6 +326,21 @@ def test_an_untyped_error_mid_prepare_holds_nothing(models, shared_engine, tmp_p
     engine.push(a, version="A")
 
 
+def test_an_update_without_a_start_is_refused_and_writes_nothing(models, shared_engine) -> None:
+    """vLLM's contract (``start_weight_update`` before ``update_weights``), which its worker
+    checked before the engine core sent the prepare itself: refused by type, nothing written,
+    the next push lands."""
+    a, b = models["llama_A"], models["llama_B"]
+    engine = shared_engine("llama_A")
+    engine.push(a, version="A")
+    before = engine.llm.collective_rpc(weights_fingerprint)
+    with pytest.raises(DirectReloadError, match="start_weight_update must be called before"):
+        engine.llm.update_weights({"update_info": {"checkpoint": str(b), "version": "B"}})
+    assert engine.llm.collective_rpc(weights_fingerprint) == before
+    assert engine.push(b, version="B").version == "B"
+    engine.push(a, version="A")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "faults":
         result = fault_scenarios(sys.argv[2], sys.argv[3])

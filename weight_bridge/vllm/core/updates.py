@@ -302,6 +302,11 @@ def bridged_collective_rpc(original: Any) -> Any:
             state.failed = None
             return started
         if method == "update_weights":
+            if state.active is None:  # vLLM's own contract, which its worker checked
+                state.outcome = None
+                raise DirectReloadError(
+                    "start_weight_update must be called before update_weights (nothing was written)"
+                )
             info = (kwargs or {}).get("update_info", args[0] if args else None)
             state.outcome = None  # nothing of an earlier update may stand for this one
             if state.active is not None:

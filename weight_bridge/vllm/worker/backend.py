@@ -32,6 +32,7 @@ function itself crosses from a multi-process engine's client to its core only wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,13 +137,12 @@ def call_backend(worker: Any, action: str, *args: Any) -> Any:
         raise ValueError(f"unknown backend action {action!r}") from None
     if phase is Phase.PREPARE:
         args = (_local_info(worker, args[0]),)
-    elif phase in (Phase.COMMIT, Phase.ROLL_BACK):
+    elif phase is Phase.COMMIT:  # then the encoder and multi-modal caches: old outputs
+        args = (worker.reload_weights, partial(reset_runner_caches, worker))
+    elif phase is Phase.ROLL_BACK:
         args = (worker.reload_weights, *args)
     with set_current_vllm_config(config_of(worker)):
-        result = engine.transaction.run(phase, *args)
-        if phase is Phase.COMMIT and result.error is None:
-            reset_runner_caches(worker)  # encoder and multi-modal caches: old outputs
-    return result.to_dict()
+        return engine.transaction.run(phase, *args).to_dict()
 
 
 def _local_info(worker: Any, info: Any) -> Any:

@@ -236,9 +236,10 @@ class PushTransaction:
         when a phase that writes is called (:func:`~.backend.call_backend` passes it)."""
         self._reload(**kwargs)
 
-    def commit(self, reload_weights: Any) -> PushResult:
+    def commit(self, reload_weights: Any, forget_outputs: Any = None) -> PushResult:
         """Write the prepared update (directly through the model's ``load_weights``, or with
-        ``reload_weights``, the worker's vLLM layerwise reload, where that was planned);
+        ``reload_weights``, the worker's vLLM layerwise reload, where that was planned), then
+        ``forget_outputs()`` (the runner's caches of outputs the old weights computed);
         afterwards the engine serves it, or the result says what failed after writing
         started."""
         pending, result = self._pending, self.result
@@ -252,6 +253,8 @@ class PushTransaction:
         self._serve(pending)
         if not pending.partial:
             result.report.dtypes = served_dtypes(self.model)
+        if forget_outputs is not None:
+            forget_outputs()
         pending.reader.close()
         return self._finished(result)
 
