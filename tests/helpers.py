@@ -51,6 +51,10 @@ ENGINE_KWARGS = dict(
 
 PROMPTS = parity.PROMPTS
 
+# `vllm serve` on the tiny models, as the tests start it (block size: CPU attention's smallest)
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--enforce-eager"]
+SERVE_ARGS += ["--max-num-seqs", "8", "--seed", "0", "--block-size", "32"]
+
 
 def for_model(model: str | Path, kwargs: dict) -> dict:
     """``kwargs`` for an engine on ``model``: an MLA model (DeepSeek) asks for vLLM's reference

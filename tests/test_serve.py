@@ -29,6 +29,7 @@ from helpers import (
     LABEL_PROMPTS,
     LABEL_TOKENS,
     PROMPTS,
+    SERVE_ARGS,
     assert_differs,
     assert_labels_name_weights,
     assert_parity,
@@ -58,18 +59,8 @@ from weight_bridge.vllm.plugin import PLUGINS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-SERVER_ARGS = [
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "128",
-    "--enforce-eager",
-    "--max-num-seqs",
-    "8",
-    "--seed",
-    "0",
-    "--block-size",
-    "32",  # CPU attention's smallest; a 70-token prompt fills two cacheable blocks
+SERVER_ARGS = [  # a 70-token prompt fills two cacheable blocks of 32
+    *SERVE_ARGS,
     "--chat-template",  # the tiny models have none: the openai package's chat needs one
     "{% for m in messages %}{{ m['content'] }}{% endfor %}",
 ]

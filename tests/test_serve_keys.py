@@ -24,6 +24,7 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
+from helpers import SERVE_ARGS
 
 from weight_bridge.vllm.clients.served import VLLMServer
 from weight_bridge.vllm.options import BridgeOptions
@@ -188,19 +189,6 @@ def test_a_pause_nothing_follows_is_released_after_the_update_timeout(monkeypatc
 # -- one real vllm serve: vLLM's --api-key, no dev mode, the results route alone ---------------
 
 RELEASE_S = 3.0  # the server's update_timeout_s
-SERVER_ARGS = [
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "128",
-    "--enforce-eager",
-    "--max-num-seqs",
-    "8",
-    "--seed",
-    "0",
-    "--block-size",
-    "32",
-]
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +199,7 @@ def keyed(api_models):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "0"}
     options = BridgeOptions(checkpoint_root=str(root), update_timeout_s=RELEASE_S)
     log = root.parent / "serve-keys.log"
-    args = [*SERVER_ARGS, "--api-key", KEY]
+    args = [*SERVE_ARGS, "--api-key", KEY]
     server = VLLMServer(models["dense"][0], options, args, env=env, log=log)
     assert "require_api_key" not in " ".join(server.command())
     server.start()
