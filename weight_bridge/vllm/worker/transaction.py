@@ -43,6 +43,7 @@ rank's engine core waits for one that raised (:mod:`~weight_bridge.vllm.core.upd
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -383,7 +384,7 @@ class PushTransaction:
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     """Where the engine holds its weights (the device of its first tensor)."""
-    first = next(iter(model.state_dict(keep_vars=True).values()), None)
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
 
 
