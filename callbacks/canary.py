@@ -17,8 +17,6 @@ import torch
 
 from weight_bridge import WeightBridgeError
 
-__all__ = ["CanaryCheck", "CanaryError", "default_probe", "logprob_gap"]
-
 
 class CanaryError(WeightBridgeError, RuntimeError):
     """After a push, the engine's logprobs of the probe batch differ from the trainer's."""

@@ -27,8 +27,6 @@ import torch
 
 from weight_bridge.layout import tie_key
 
-__all__ = ["Item", "SyncState", "materialize", "sync_state"]
-
 _PEFT_PREFIX = "base_model.model."
 _ADAPTER_PARTS = ("lora_", "base_layer.")
 

@@ -11,17 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from weight_bridge import WeightBridgeError
-
-__all__ = ["Collective", "StepFailed"]
-
 T = TypeVar("T")
 
 
-class StepFailed(WeightBridgeError):
+class StepFailed(Exception):
     """A step failed on at least one rank; every rank raises it at the same point.
 
-    ``error`` is this rank's own exception, or None when only another rank failed.
+    ``error`` is this rank's own exception, or None when only another rank failed. A signal
+    between the ranks' steps, not an error of the library: the callback catches it and raises
+    this rank's own error (or warns), so no caller ever sees it.
     """
 
     def __init__(self, what: str, error: BaseException | None) -> None:

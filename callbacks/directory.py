@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.checkpoint import CheckpointFiles, claim, make_dir, place
-
-__all__ = ["open_dir"]
+from weight_bridge.checkpoint import CheckpointFiles
+from weight_bridge.checkpoint.retention import make_dir, place
+from weight_bridge.checkpoint.run_dirs import claim
 
 
 def open_dir(

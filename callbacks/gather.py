@@ -11,12 +11,15 @@ Replicated trainers (one device, DDP) hold every tensor on every rank: the write
 and the other ranks do nothing. Sharded trainers (FSDP2 through ``ModelParallelStrategy``: the
 state holds DTensors) need every rank in every gather: each rank plans the same header (checked:
 a digest of rank zero's plan), and for each tensor the ranks prepare locally, agree that all are
-ready, gather (:mod:`callbacks.dtensor`), after which the writers merge, cast and write. Any
+ready, gather (:mod:`weight_bridge.checkpoint.dtensor`), after which the writers merge, cast and
+write. Any
 local failure (a shard that does not fit, a buffer that cannot be allocated, a full disk) is
 reported at the next agreement, so every rank stops at the same tensor: nobody waits in a
 gather that will not come, the writer's temporary file is removed, and the file at the final
 path is never half-written. The writer's peak extra memory is one full tensor (its cast goes
-through a 4 MiB buffer), not the model.
+through a 4 MiB buffer), not the model. An engine in the trainer's ranks is not written to:
+each entry becomes a :class:`~weight_bridge.checkpoint.live.LiveTensor` (:meth:`Gatherer.
+live_tensor`), gathered the same way when the engine's loader asks for it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,6 @@ import torch
 
 from weight_bridge.checkpoint import (
     SPARE,
-    CheckpointWriter,
     EngineDtypes,
     OpenSink,
     SavedCheckpoint,
@@ -44,13 +45,12 @@ from weight_bridge.checkpoint import (
     estimate_bytes,
     prune,
 )
+from weight_bridge.checkpoint.dtensor import ShardGather, is_dtensor
+from weight_bridge.checkpoint.live import LiveTensor
 
 from .changed import sync_state
 from .collective import Collective
-from .dtensor import ShardGather, is_dtensor
 from .names import CheckpointNames, SyncEntry
-
-__all__ = ["GatherPlan", "Gatherer"]
 
 
 @dataclass(frozen=True)
@@ -222,37 +222,36 @@ class Gatherer:
                     writer = open_sink(path, plan.specs(), metadata)
             except Exception as exc:
                 error = exc
-            for entry in plan.entries:
-                error = self._one(entry, plan.sharded, writer, writers, collective, error)
-            if error is not None:
-                raise error
+            self.write_entries(plan.entries, plan.sharded, writer, writers, collective, error)
             return writer.finish() if writer is not None else None
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
 
-    def save_copy(
+    def write_entries(
         self,
-        trainer: Any,
-        pl_module: Any,
-        path: Path,
-        metadata: Mapping[str, str],
-        collective: Collective,
+        entries: Sequence[SyncEntry],
+        sharded: bool,
+        sink: Sink | None,
         writers: Sequence[int],
-        keep: int,
+        collective: Collective,
+        error: BaseException | None = None,
     ) -> None:
-        """Where a sync pushes from memory (an engine in the trainer's ranks) and the user asked
-        for files: the weights also saved as a complete checkpoint at ``path``, loadable on its
-        own (every rank plans, sharded: every rank gathers; the ranks ``writers`` write), the
-        newest ``keep`` kept."""
-        writer = trainer.global_rank in writers
-        plan = self.plan(trainer, pl_module, False, writer)
-        meta = {**metadata, "source_dtype": plan.source_dtype}
-        sink = partial(CheckpointWriter, **self.writer_options())
-        self.stream(plan, path if writer else None, meta, collective, writers, sink)
-        if writer:
-            self.retire(path.parent, path, keep, ())
+        """Each of ``entries`` gathered (sharded: every rank, agreeing before each) and written
+        into ``sink`` (None: this rank writes nothing); ``error``: this rank's failure so far.
+        The first local error is raised once every rank stopped at the same tensor."""
+        for entry in entries:
+            error = self._one(entry, sharded, sink, writers, collective, error)
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def live_tensor(entry: SyncEntry) -> LiveTensor:
+        """``entry`` for an engine in the trainer's ranks: its trainer tensors (not copied,
+        not gathered), merged and cast when the engine's loader asks for it."""
+        item = entry.item
+        return LiveTensor(entry.name, entry.shape, entry.dtype, item.sources, item.merge)
 
     def _one(
         self,

@@ -8,11 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_bridge.checkpoint import castable_dtype
+from weight_bridge.checkpoint.keyframes import castable_dtype
 
 from .changed import Item, SyncState
-
-__all__ = ["ENGINE", "CheckpointNames", "SyncEntry", "parse_dtype"]
 
 ENGINE = "engine"  # CheckpointNames.dtype: each tensor in the dtype the engine holds it in
 

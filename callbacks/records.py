@@ -9,9 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.checkpoint import Sent
-
-__all__ = ["sync_line", "sync_metrics", "sync_record"]
+from weight_bridge.checkpoint.sender import Sent
 
 
 def sync_record(step: int, sent: Sent, gap: float | None) -> dict[str, Any]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from weight_bridge.checkpoint import KeyframeClock, delta_mode
-
-__all__ = ["Schedule", "SyncClock"]
+from weight_bridge.checkpoint.keyframes import KeyframeClock, delta_mode
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ after a push is exactly what a fresh engine on that file would serve.
 The callback only wires the parts together: :class:`~callbacks.schedule.SyncClock` decides when
 (and whether a sync is complete, partial or a delta), :class:`~callbacks.gather.Gatherer` what
 is sent and how each tensor reaches the writer (DTensors of sharded trainers one at a time),
+the transport (:mod:`callbacks.transport`, chosen once from the engine) how the tensors travel,
 :class:`~weight_bridge.checkpoint.delta_state.DeltaState` what the engine reported and the
 writer's reference copy, :class:`~callbacks.collective.Collective` makes each step fail on every
 rank or none, and the engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`)
@@ -17,7 +18,6 @@ is pushed.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -30,16 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import (
-    CheckpointFiles,
-    DeltaState,
-    LiveSink,
-    Sender,
-    Turn,
-    Written,
-    release,
-    step_file,
-)
+from weight_bridge.checkpoint import CheckpointFiles, DeltaState, Sender, release, step_file
 from weight_bridge.vllm import EngineClient
 
 from .canary import CanaryCheck
@@ -49,9 +40,8 @@ from .engine import EngineSpec, engine_of
 from .gather import Gatherer
 from .names import ENGINE, CheckpointNames
 from .records import sync_line, sync_metrics, sync_record
-from .schedule import Schedule, SyncClock, in_ranks_schedule
-
-__all__ = ["VLLMWeightSync"]
+from .schedule import Schedule, SyncClock
+from .transport import SyncStep, transport_for
 
 
 class VLLMWeightSync(Callback):
@@ -114,25 +104,23 @@ class VLLMWeightSync(Callback):
                 "start one on, or the url of a vllm serve process)"
             )
         self.spec, self._engine = engine_of(engine)
-        # an engine in the trainer's ranks is pushed from memory: nothing travels, no delta pays
-        self._live = self.spec is not None and self.spec.in_ranks
-        if self._live:
-            schedule = in_ranks_schedule(schedule)
         self._owns_engine = False
         self.files = files
         self.canary = CanaryCheck() if canary is True else (canary or None)
         self.on_error = on_error
-        self.clock = SyncClock(schedule)
         module_attr, getter = (source, None) if isinstance(source, str) else ("", source)
         self.gatherer = Gatherer(names, module_attr, getter, fsync=files.durable)
+        kind = transport_for(self.spec is not None and self.spec.in_ranks)
+        self.clock = SyncClock(kind.schedule(schedule))
         self.deltas = DeltaState(self.clock, self.gatherer.engine, names.dtype == ENGINE)
-        self.sender = Sender(self.deltas, self.gatherer.writer_options)
+        self.transport = transport = kind(self.gatherer, files, self.deltas)
+        self.sender = Sender(
+            self.deltas, self.gatherer.writer_options, transport.retire, transport.discard
+        )
         self.last_checkpoint: str | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
         self._in_ram = False
-        self._writers: list[int] = [0]  # the ranks the sync's tensors are gathered onto
-        self._files: list[int] = [0]  # the ranks that write files
 
     # -- what users and the recipe read --------------------------------------------------------
 
@@ -194,10 +182,10 @@ class VLLMWeightSync(Callback):
             where = open_dir(self.files, trainer, need, self._engine, starts, chained)
             self._dir, self._in_ram, owner = where
             self.gatherer.use_ram(self._dir if self._in_ram else None, owner)
-            flags = trainer.strategy.all_gather(torch.tensor([int(self._is_writer(trainer))]))
-            self._files = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
-            # in the ranks every rank gathers, and pushes its engine from, its own tensors
-            self._writers = list(range(trainer.world_size)) if self._live else self._files
+            writer = self._is_writer(trainer)
+            flags = trainer.strategy.all_gather(torch.tensor([int(writer)]))
+            file_ranks = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
+            self.transport.setup(self._dir, self._in_ram, file_ranks, writer, self._current)
             if starts:
                 assert self.spec is not None
                 self._engine = self.spec.start(self._dir, trainer.num_devices)
@@ -206,9 +194,6 @@ class VLLMWeightSync(Callback):
             asked = self.spec is not None and bool(self.spec.args.get("verify_hash"))
             verifies = asked or getattr(self._engine, "verify_hash", False) is True
             self.gatherer.hashed = not self._in_ram or verifies
-            if not self._live:  # no file to prune or remove otherwise
-                self.sender.retire = partial(self._retire, self._is_writer(trainer))
-                self.sender.discard = partial(self._discard, self._is_writer(trainer))
         _expose(pl_module, self._engine)
 
     @override
@@ -262,16 +247,9 @@ class VLLMWeightSync(Callback):
         if self.enabled and self.clock.at_train_end(trainer.global_step):
             self._sync(trainer, pl_module, trainer.global_step)
 
-    def _retire(self, writer: bool, path: Path, served: Any) -> None:
-        """After a sync, on a writer: old files go, except what the engine serves."""
-        if writer and self._dir is not None:
-            served = self._engine.served_checkpoints if self._engine is not None else []
-            self.gatherer.retire(self._dir, path, self.files.keep(self._in_ram), served)
-
-    def _discard(self, writer: bool, path: Path) -> None:
-        """A failed sync's file, on a writer (unless the engine serves it)."""
-        if writer:
-            self.gatherer.discard(path, self._engine)
+    def _current(self) -> EngineClient | None:
+        """The engine now (the transport asks: started in setup, closed at teardown)."""
+        return self._engine
 
     def _is_writer(self, trainer: pl.Trainer) -> bool:
         """The rank that writes checkpoints: global rank zero, or each node's local rank zero."""
@@ -288,20 +266,10 @@ class VLLMWeightSync(Callback):
         if self._dir is None:
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
         collective = Collective(trainer.strategy)
-        path = step_file(self._dir, step)
+        sync = SyncStep(trainer, pl_module, step_file(self._dir, step), step, collective)
         last = self.clock.last_pushed_step
         turn = self.sender.turn(None if last is None else str(last))
         gap: list[float | None] = [None]
-
-        live = contextlib.ExitStack()  # an engine in the ranks: tensors published until pushed
-
-        def write(turn: Turn) -> Written:
-            save = partial(self._save, trainer, pl_module, path, step, turn, collective, live)
-            if self._live:
-                return collective.run("save", save)  # each rank its own tensors
-            written = trainer.strategy.broadcast(collective.run("save", save), src=0)
-            # each node's writer wrote its own copy (node_local): push and keep that one
-            return written._replace(path=str(path)) if self.files.node_local else written
 
         def push(where: Path) -> Any:
             report = collective.run("push", lambda: self._push(where, step))
@@ -309,54 +277,24 @@ class VLLMWeightSync(Callback):
             return report
 
         failed: StepFailed | None = None
-        copy = self._live and self.files.dirpath is not None  # the files the user asked for
+        broadcast = trainer.strategy.broadcast
         try:
-            with live:
-                sent = self.sender.send(path, turn, write, push, trainer.strategy.broadcast)
-            if copy:
-                meta = {"step": str(step), "version": str(step)}
-                keep = self.files.keep(self._in_ram)
-                save = self.gatherer.save_copy
-                args = (trainer, pl_module, path, meta, collective, self._files, keep)
-                collective.run("save", partial(save, *args))
+            try:
+                write = partial(self.transport.write, sync)
+                sent = self.sender.send(sync.path, turn, write, push, broadcast)
+                kept = collective.run("save", partial(self.transport.pushed, sync))
+            finally:
+                self.transport.end()
         except StepFailed as exc:
             failed = exc
         if failed is not None:
             self._fail(step, failed)  # outside the handler: the error's own traceback
             return
         self.clock.last_pushed_step = step
-        self.last_checkpoint = str(path) if copy else self.sender.last_checkpoint
+        self.last_checkpoint = kept or self.sender.last_checkpoint
         record = sync_record(step, sent, gap[0])
         self._history.append(record)
         self._report(trainer, record, sent.report is not None)
-
-    def _save(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        path: Path,
-        step: int,
-        turn: Turn,
-        collective: Collective,
-        live: contextlib.ExitStack,
-    ) -> Written:
-        """Plan the checkpoint of ``turn``'s kind (every rank) and stream it (writers; sharded:
-        every rank): a delta between keyframes when deltas run, else complete or partial. An
-        engine in the ranks: every rank's tensors published (``live``) instead of written."""
-        writer = self._is_writer(trainer) or self._live
-        kind = turn.kind
-        changing = kind == "partial" or (kind == "delta" and self.schedule.skip_frozen)
-        track = turn.based and kind != "delta"
-        plan = self.gatherer.plan(trainer, pl_module, changing, writer, track)
-        metadata = {"step": str(step), "version": str(step), "source_dtype": plan.source_dtype}
-        if plan.partial or kind == "delta":
-            metadata.update(turn.metadata)
-        sink = partial(LiveSink, live) if self._live else partial(turn.opener, tracked=plan.tracked)
-        where = path if writer else None
-        saved = self.gatherer.stream(plan, where, metadata, collective, self._writers, sink)
-        nbytes = saved.bytes if saved else 0
-        pushed = str(saved.path) if saved is not None and self._live else str(path)
-        return Written(pushed, nbytes, plan.partial, self.deltas.changed_fraction())
 
     def _push(self, path: Path, step: int) -> Any:
         if self._engine is None:

@@ -61,7 +61,9 @@ def main() -> None:
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
 
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=args.model, args=dict(ENGINE_KWARGS, max_num_seqs=4)),
+        engine=EngineSpec(
+            model=args.model, options={"engine_args": {**ENGINE_KWARGS, "max_num_seqs": 4}}
+        ),
         schedule=Schedule(every_n_train_steps=2, delta="on"),  # deltas on a disk: pinned
         files=CheckpointFiles(dirpath=args.dirpath, keep_last_k=10, node_local=args.nodes > 1),
     )

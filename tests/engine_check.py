@@ -56,8 +56,8 @@ def main() -> None:
 
     from helpers import ENGINE_KWARGS, PROMPTS, for_model, greedy
 
+    from weight_bridge import ColocatedEngine
     from weight_bridge.testing import parity
-    from weight_bridge.vllm import ColocatedEngine
 
     kwargs = dict(ENGINE_KWARGS, tensor_parallel_size=args.tp, cpu_linear=args.cpu_linear)
     if args.compile:
@@ -140,8 +140,9 @@ def main() -> None:
 def _mismatches(model: str, name: str, kwargs: dict) -> dict:
     """``weight_mismatches`` on the engine holding A, before and after rank 0's copy of
     ``name`` drifted (the flipped position per rank)."""
+    from weight_bridge import ColocatedEngine
     from weight_bridge.checkpoint import CheckpointReader
-    from weight_bridge.vllm import ColocatedEngine, weight_mismatches
+    from weight_bridge.vllm import weight_mismatches
 
     with CheckpointReader(Path(model) / "model.safetensors") as reader:
         tensors = {n: t.clone() for n, t in reader.tensors()}
@@ -172,7 +173,7 @@ def drift_unchanged(worker, name: str, changed: list[int]) -> int | None:
 
     from weight_bridge.direct.state import bridge_state
     from weight_bridge.exact import bits_of
-    from weight_bridge.vllm.internals import worker_model
+    from weight_bridge.vllm.internals.model import worker_model
 
     if worker.rank != 0:
         return None

@@ -104,7 +104,7 @@ def main() -> None:
     from weight_bridge.testing.faults import FAULTS, KINDS, arm_file, fault_points, install
 
     install(fault_file)  # this process (an in-process engine); the plugin: every other
-    from weight_bridge.vllm import ColocatedEngine, EngineUndefinedError
+    from weight_bridge import ColocatedEngine, EngineUndefinedError
 
     points = args.points.split(",") if args.points else fault_points()
     pushes = _pushes(Path(args.model_a), Path(args.model_b), tmp, args.pushes.split(","))

@@ -186,7 +186,9 @@ def main() -> None:
     args = parser.parse_args()
 
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=args.model, args=dict(ENGINE_KWARGS, max_num_seqs=4)),
+        engine=EngineSpec(
+            model=args.model, options={"engine_args": {**ENGINE_KWARGS, "max_num_seqs": 4}}
+        ),
         source="model",
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(dirpath=str(args.out / "sync"), keep_last_k=10),

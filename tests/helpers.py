@@ -231,7 +231,7 @@ _slot: dict[str, object] = {}
 
 def open_engine(model: Path, key: object = None, **kwargs):
     """The one in-process engine: reuse it for the same key, else close it and start anew."""
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     key = key if key is not None else (str(model), tuple(sorted(kwargs.items())))
     if _slot.get("key") != key or _slot.get("engine") is None:
@@ -583,7 +583,8 @@ def input_embedding_kernels(worker) -> dict[str, str]:
     """Sent to the workers with ``collective_rpc``: per input embedding of the model, whether
     its ``cpu_linear`` is a packed oneDNN handle (``"packed"``) or still the bridge's packer,
     waiting for generation to use it (``"first use"``)."""
-    from weight_bridge.vllm.internals import cpu_linear_of, is_input_embedding
+    from weight_bridge.vllm.internals.model import is_input_embedding
+    from weight_bridge.vllm.internals.patches import cpu_linear_of
 
     def state(module) -> str:
         return "first use" if cpu_linear_of(module).__name__ == "pack_then_compute" else "packed"
@@ -601,7 +602,8 @@ def bad_checkpoints(models: dict[str, Path], tmp: Path) -> list[tuple]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from weight_bridge.checkpoint import INDEX_NAME, CheckpointError, save_checkpoint
+    from weight_bridge.checkpoint import CheckpointError, save_checkpoint
+    from weight_bridge.checkpoint.format import INDEX_NAME
     from weight_bridge.direct import DirectReloadError
     from weight_bridge.testing.models import build_tiny_model
 

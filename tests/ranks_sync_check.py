@@ -23,6 +23,12 @@ weights as a model directory. At the end of training, two faults on the same eng
   each for a complete and a partial push (``fault_raise_partial``, ...), all FAULT INJECTION
   (:func:`helpers.arm_fault`, :func:`helpers.arm_cache_fault`).
 
+Under FSDP2 those pushes send the trainer's DTensors themselves (``fully_shard`` on the
+data-parallel mesh: each rank holds half the rows), streamed: validated from each rank's local
+shard, each tensor gathered only when the engine's loader asks for it; so the fault matrix also
+proves that a rank stopping mid-stream stops the other at the same tensor, none waiting in a
+gather.
+
 Then, with the trainer's engine closed, a cold TP=2 engine (the same external launcher) on each
 saved directory generates the reference. Each rank writes ``OUT/rank{r}.json``. ``--files``:
 the run also asks for files (``CheckpointFiles(dirpath=OUT/checkpoints, keep_last_k=2)``):
@@ -86,7 +92,8 @@ def main() -> None:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     # TP over a node's ranks, one core each; one engine per "node" (one process each) otherwise
     bind = "|".join(str(r) for r in range(per_node)) if per_node > 1 else str(rank)
-    engine_args = dict(ENGINE_KWARGS, max_num_seqs=4, cpu_threads_bind=bind)
+    options = {"cpu_threads_bind": bind, "engine_args": dict(ENGINE_KWARGS, max_num_seqs=4)}
+    engine_args = dict(options["engine_args"], cpu_threads_bind=bind)  # RanksEngine's keywords
 
     class Policy(pl.LightningModule):
         def __init__(self) -> None:
@@ -104,8 +111,8 @@ def main() -> None:
                 from torch.distributed.fsdp import fully_shard
 
                 for layer in self.model.model.layers:
-                    fully_shard(layer, mesh=self.device_mesh)
-                fully_shard(self.model, mesh=self.device_mesh)
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
 
         def training_step(self, batch, batch_idx):
             ids = batch[0]
@@ -134,6 +141,13 @@ def main() -> None:
             opts = StateDictOptions(full_state_dict=True)  # every rank: the full tensors
             state = get_model_state_dict(pl_module.model, options=opts)
         return {n: t.detach().clone() for n, t in state.items()}
+
+    def pushed_state(pl_module, full: dict) -> dict:
+        """What the fault pushes send: the full tensors, or under FSDP2 the trainer's own
+        DTensors (streamed: each gathered only when the engine's loader asks for it)."""
+        if args.strategy != "fsdp" or args.lora:
+            return full
+        return {n: t.detach() for n, t in pl_module.model.state_dict().items()}
 
     class Probe(pl.Callback):
         def _record(self, trainer, pl_module) -> None:
@@ -165,19 +179,21 @@ def main() -> None:
             self._record(trainer, pl_module)
             engine = pl_module.vllm_engine
             before = (engine.version, greedy(engine))
-            good = full_state(pl_module)
+            full = full_state(pl_module)
+            good = pushed_state(pl_module, full)  # FSDP2: its DTensors, gathered as written
             bad = dict(good)
             name = "model.layers.0.mlp.down_proj.weight"
-            if rank == 1:
+            if rank == 1:  # in the rows this rank holds (its local shard under FSDP2)
                 bad[name] = bad[name].clone()
-                bad[name].view(-1)[3] = float("nan")
+                local = bad[name].to_local() if hasattr(bad[name], "to_local") else bad[name]
+                local.view(-1)[3] = float("nan")
             report["refused"] = _attempt(lambda: engine.push_tensors(bad, version="bad"))
             report["after_refusal"] = (engine.version, greedy(engine)) == before
             # the other refusals a rank may meet alone: a tensor of a shape the engine does not
             # hold, a partial push on top of a version the engine does not serve
             wrong = dict(good)
             if rank == 1:
-                wrong[name] = wrong[name][:, :-1]
+                wrong[name] = full[name][:, :-1]
             report["wrong_shape"] = _attempt(lambda: engine.push_tensors(wrong, version="bad"))
             part = {n: t for n, t in good.items() if ".mlp." in n}
             base = engine.version if rank == 0 else "1"
@@ -208,7 +224,7 @@ def main() -> None:
             # a tensor never materialised (on the meta device) on rank 1 alone: refused on both
             meta = dict(good)
             if rank == 1:
-                meta[name] = torch.empty_like(good[name], device="meta")
+                meta[name] = torch.empty_like(full[name], device="meta")
             report["meta"] = _attempt(lambda: engine.push_tensors(meta, version="bad"))
             report["after_meta"] = (engine.version, greedy(engine)) == before
             report["matrix"] = _matrix(engine, rank, fault, good, changed, before[0])
@@ -221,7 +237,7 @@ def main() -> None:
 
     files = CheckpointFiles(dirpath=str(out / "checkpoints"), keep_last_k=2) if args.files else None
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=args.model, mode="ranks", args=engine_args),
+        engine=EngineSpec(model=args.model, mode="ranks", options=options),
         schedule=Schedule(every_n_train_steps=1),
         files=files or CheckpointFiles(),
     )

@@ -187,8 +187,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from helpers import ENGINE_KWARGS, assert_differs, run_engine_check
 
+    from weight_bridge import ColocatedEngine
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
-    from weight_bridge.vllm import ColocatedEngine
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         root = Path(tmp)

@@ -7,6 +7,7 @@ The reference for what the engine serves is a cold start on the very checkpoint 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from callbacks import (
     VLLMWeightSync,
 )
 from callbacks.canary import CanaryError
-from weight_bridge.checkpoint import BASE_VERSION_KEY, HASH_KEY, CheckpointReader
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
+from weight_bridge.checkpoint.format import HASH_KEY
 from weight_bridge.checkpoint.retention import prune
 from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
@@ -334,7 +336,11 @@ def test_bad_arguments_are_refused_up_front(models) -> None:
         (lambda: EngineSpec(model=path, url="http://x"), "a model to start an engine on, or a url"),
         (lambda: EngineSpec(model=path, mode="fast"), "engine mode must be one of"),
         (lambda: EngineSpec(url="http://x", mode="serve"), "already running"),
-        (lambda: EngineSpec(model=path, args={"inflight": "drain"}), "inflight applies to mode"),
+        (lambda: EngineSpec(model=path, options={"inflight": "drain"}), "inflight applies to mode"),
+        (lambda: EngineSpec(model=path, options={"kv_cache_gbs": 1}), "mean 'kv_cache_gb'"),
+        (lambda: EngineSpec(model=path, options={"verify_hash": 1}), "mean 'bridge.verify_hash'"),
+        (lambda: EngineSpec(model=path, options={"engine_args": {"rollback": 0}}), "set bridge"),
+        (lambda: EngineSpec(url="http://x", options={"kv_cache_gb": 1}), "kv_cache_gb applies to"),
         (lambda: CheckpointNames(dtype="int8"), "floating torch dtype"),
         (lambda: CheckpointFiles(keep_last_k=0), "keep_last_k"),
         (lambda: Schedule(every_n_train_steps=0), "every_n_train_steps"),
@@ -351,7 +357,7 @@ def test_options_are_grouped_and_flat_keywords_are_refused(models) -> None:
     """Only the groups configure the callback (no release had flat keywords); the cadence is
     read back from them."""
     path = str(models["llama_A"])
-    spec = EngineSpec(model=path, mode="serve", args={"inflight": "drain"})
+    spec = EngineSpec(model=path, mode="serve", options={"inflight": "drain"})
     sync = VLLMWeightSync(
         engine=spec,
         schedule=Schedule(every_n_train_steps=None, at_steps=(4, 1, 4), full_every_k=2),
@@ -532,7 +538,10 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
                 {
                     "class_path": "callbacks.VLLMWeightSync",
                     "init_args": {
-                        "engine": {"model": str(models["llama_A"]), "args": ENGINE_KWARGS},
+                        "engine": {
+                            "model": str(models["llama_A"]),
+                            "options": {"engine_args": ENGINE_KWARGS},
+                        },
                         "schedule": {"every_n_train_steps": 2},
                         "files": {"ram_dir": True},
                     },
@@ -560,7 +569,7 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
         cli("--trainer.callbacks.init_args.keep_last_k=7")
     spec = sync_of(cli("--trainer.callbacks.init_args.engine.mode=serve")).spec  # one field
     assert (spec.model, spec.mode) == (str(models["llama_A"]), "serve")
-    assert spec.args.keys() == ENGINE_KWARGS.keys()
+    assert spec.options.engine_args.keys() == ENGINE_KWARGS.keys()
 
     c = cli()
     sync = sync_of(c)
@@ -570,6 +579,33 @@ def test_lightning_cli_builds_the_callback_and_its_engine(models, tmp_path, monk
     assert [h["step"] for h in sync.history] == [0, 2, 3]
     assert sync.engine is None and c.model.vllm_engine is None  # built in setup, closed after
     assert not Path(sync.history[-1]["checkpoint"]).parent.exists()  # the RAM dir is gone
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ("{kv_cache_gbs: 1}", "unknown engine option 'kv_cache_gbs' (did you mean 'kv_cache_gb'?)"),
+        ("{bridge: {readbak: full}}", "unknown bridge option 'readbak' (did you mean 'readback'?)"),
+        ("{cpu_threads_bind: '1'}", "cpu_threads_bind applies to mode async or ranks, not serve"),
+    ],
+)
+def test_a_misspelt_engine_option_in_yaml_fails_as_the_cli_parses_it(
+    models, tmp_path, options, words
+) -> None:
+    """The engine's options are typed: LightningCLI refuses a misspelt one by name, with the
+    closest valid one, or one that does not apply to the mode, as it builds the callback from
+    the YAML (before any trainer or engine)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    model = str(models["llama_A"])
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "trainer:\n  logger: false\n  callbacks:\n    - class_path: callbacks.VLLMWeightSync\n"
+        f"      init_args:\n        engine: {{model: {model}, mode: serve, options: {options}}}\n"
+        f"model:\n  model_path: {model}\n"
+    )
+    with pytest.raises(ValueError, match=re.escape(words)):
+        LightningCLI(TinyLM, run=False, args=["--config", str(path)], save_config_callback=None)
 
 
 class RankReport(Callback):
@@ -606,7 +642,7 @@ def test_ddp_ranks_share_one_checkpoint_and_each_push_their_engine(
     """
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=str(models["llama_A"]), args=ENGINE_KWARGS),
+        engine=EngineSpec(model=str(models["llama_A"]), options={"engine_args": ENGINE_KWARGS}),
         schedule=Schedule(every_n_train_steps=2, delta="off"),  # final.safetensors: complete
         files=CheckpointFiles(ram_dir=True),
     )

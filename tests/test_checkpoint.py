@@ -32,14 +32,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import weight_bridge.checkpoint.write as ckpt_write
-from weight_bridge.checkpoint import (
-    HASH_KEY,
-    INDEX_NAME,
-    CheckpointError,
-    CheckpointReader,
-    resolve_checkpoint_files,
-    save_checkpoint,
-)
+from weight_bridge.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from weight_bridge.checkpoint.format import HASH_KEY, INDEX_NAME
+from weight_bridge.checkpoint.read import resolve_checkpoint_files
+from weight_bridge.checkpoint.space import STALE_TEMP_AGE_S
 from weight_bridge.direct import DirectReloadError, direct_reload, record_checkpoint_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -814,7 +810,7 @@ def test_sigkill_mid_write_leaves_previous_checkpoint_intact(tmp_path: Path) -> 
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in leftovers)
     assert all(p.stat().st_size <= full for p in leftovers), kills
     # a later save removes a dead writer's leftovers once they are old enough
-    past = time.time() - 2 * ckpt_write.STALE_TEMP_AGE_S
+    past = time.time() - 2 * STALE_TEMP_AGE_S
     for p in leftovers:
         os.utime(p, (past, past))
     save_checkpoint(ref, path)
@@ -834,7 +830,7 @@ def test_stale_temp_cleanup_spares_live_writers_and_other_files(tmp_path: Path) 
     live.write_bytes(b"partial")
     unrelated = tmp_path / ".notes.txt.abc12345.tmp"  # not a checkpoint's: never touched
     unrelated.write_bytes(b"x")
-    past = time.time() - 2 * ckpt_write.STALE_TEMP_AGE_S
+    past = time.time() - 2 * STALE_TEMP_AGE_S
     for p in (live, unrelated):
         os.utime(p, (past, past))
     with open(live, "rb") as held:  # a writer at work holds the lock (another open file)

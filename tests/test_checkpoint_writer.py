@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from weight_bridge.checkpoint import (
-    HASH_KEY,
     CheckpointError,
     CheckpointReader,
     CheckpointWriter,
     save_checkpoint,
 )
+from weight_bridge.checkpoint.format import HASH_KEY
 
 
 def tensors() -> dict[str, torch.Tensor]:

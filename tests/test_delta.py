@@ -447,7 +447,7 @@ def test_a_complete_write_failing_after_its_session_finished_is_undefined(monkey
     def fail(*args, **kwargs):
         raise MemoryError("injected: learning the write map")
 
-    monkeypatch.setattr(session, "learn_write_map", fail)
+    monkeypatch.setattr(session.WriteMapLearner, "finish", fail)
     with pytest.raises(DirectReloadError, match="injected"):
         direct_reload(m, b)
     assert "MemoryError: injected" in (bridge_state(m).undefined or ""), bridge_state(m).undefined

@@ -815,7 +815,9 @@ def test_ddp_ranks_push_deltas_their_engines_hold_bit_for_bit(models, tmp_path, 
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=str(models["llama_A"]), args={**ENGINE_KWARGS, "dtype": BF16}),
+        engine=EngineSpec(
+            model=str(models["llama_A"]), options={"engine_args": {**ENGINE_KWARGS, "dtype": BF16}}
+        ),
         schedule=Schedule(delta="on"),
         files=CheckpointFiles(dirpath=str(tmp_path / "ws"), keep_last_k=10),
     )

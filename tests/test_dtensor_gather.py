@@ -1,4 +1,4 @@
-"""The gather of one sharded parameter onto the writers (``callbacks.dtensor.ShardGather``), in
+"""The gather of one sharded parameter onto the writers (``weight_bridge.checkpoint.dtensor.ShardGather``), in
 two real gloo processes: the full tensor on each writer, equal to the one that was sharded, for
 FSDP2's layout (rows split as ``torch.chunk`` splits them, uneven and empty shards included), a
 replicated tensor, and a layout it leaves to ``full_tensor()``; with one writer and with one
@@ -42,7 +42,7 @@ def _check(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from callbacks.dtensor import ShardGather
+    from weight_bridge.checkpoint.dtensor import ShardGather
 
     mesh = init_device_mesh("cpu", (2,))
     placements = {"shard0": [Shard(0)], "replicate": [Replicate()], "shard1": [Shard(1)]}

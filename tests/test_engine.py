@@ -16,10 +16,10 @@ from helpers import (
     run_engine_check,
 )
 
+from weight_bridge import ColocatedEngine
 from weight_bridge.checkpoint import CheckpointError
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.testing.models import build_tiny_model
-from weight_bridge.vllm import ColocatedEngine
 
 
 def test_two_cold_starts_give_the_same_tokens(models, capsys) -> None:
@@ -207,7 +207,7 @@ def test_a_users_worker_extension_composes_with_the_bridge(models, engine_factor
     """The bridge reaches its workers through its backend, not a worker extension: a user's own
     (any class) goes to vLLM untouched, its methods answer through ``collective_rpc``, on the
     same model the pushes write, and the bridge's own queries still answer."""
-    from weight_bridge.vllm.worker.backend import BACKEND_RPC
+    from weight_bridge.vllm.options import BACKEND_RPC
 
     a, b = models["llama_A"], models["llama_B"]
     engine = engine_factory(a, worker_extension_cls="helpers.UserWorkerExtension")
@@ -242,7 +242,7 @@ def test_a_push_uses_the_cpu_vllm_leaves_spare(models, shared_engine, cold) -> N
 def test_the_engine_core_sleeps_while_its_workers_push(models, shared_engine) -> None:
     """The engine core runs in this process: without the bridge it spins on its reply queue
     while the workers write (as much CPU time as wall time); with it, it sleeps."""
-    from weight_bridge.vllm.internals import waiting_without_spinning
+    from weight_bridge.vllm.internals.engine_core import waiting_without_spinning
 
     engine = shared_engine("llama_A", **MP_EXECUTOR)
     core = engine.llm.llm_engine.engine_core.engine_core

@@ -13,7 +13,15 @@ from typing import cast
 
 import pytest
 
-from weight_bridge.vllm import internals as vllm_internals
+from weight_bridge.vllm.internals.patches import PATCHED, patch_rl_api
+from weight_bridge.vllm.internals.sites import SITES, SITES_BY_VERSION, sites
+from weight_bridge.vllm.internals.versions import (
+    ALLOW_UNTESTED_ENV,
+    TESTED_VLLM,
+    UntestedVLLMError,
+    check_vllm_version,
+    vllm_minor,
+)
 
 pytestmark = pytest.mark.every_vllm  # each vLLM's own sites, checked on it
 
@@ -36,7 +44,7 @@ def _resolve(path: str) -> object:
     raise ModuleNotFoundError(path)
 
 
-@pytest.mark.parametrize("site", vllm_internals.sites())
+@pytest.mark.parametrize("site", sites())
 def test_every_site_exists_in_the_installed_vllm(site: str) -> None:
     """The sites of the installed vLLM's minor version: the shared ones and its own."""
     _resolve(site)
@@ -44,16 +52,16 @@ def test_every_site_exists_in_the_installed_vllm(site: str) -> None:
 
 def test_every_tested_version_has_its_checklist() -> None:
     """Each tested minor version lists its own sites, and the installed vLLM is one of them."""
-    assert set(vllm_internals.SITES_BY_VERSION) == set(vllm_internals.TESTED_VLLM)
-    major, minor = vllm_internals.vllm_minor()
-    assert f"{major}.{minor}" in vllm_internals.TESTED_VLLM
-    other = [v for v in vllm_internals.TESTED_VLLM if v != f"{major}.{minor}"]
-    assert set(vllm_internals.sites()) != set(vllm_internals.sites(f"{other[0]}.0"))
+    assert set(SITES_BY_VERSION) == set(TESTED_VLLM)
+    major, minor = vllm_minor()
+    assert f"{major}.{minor}" in TESTED_VLLM
+    other = [v for v in TESTED_VLLM if v != f"{major}.{minor}"]
+    assert set(sites()) != set(sites(f"{other[0]}.0"))
 
 
 def test_every_patched_site_is_a_site() -> None:
-    assert set(vllm_internals.PATCHED) <= set(vllm_internals.SITES)
-    assert len(set(vllm_internals.SITES)) == len(vllm_internals.SITES)
+    assert set(PATCHED) <= set(SITES)
+    assert len(set(SITES)) == len(SITES)
 
 
 def test_a_missing_site_is_named_and_nothing_is_patched(monkeypatch) -> None:
@@ -63,7 +71,7 @@ def test_a_missing_site_is_named_and_nothing_is_patched(monkeypatch) -> None:
     before = AsyncLLM.update_weights
     monkeypatch.delattr(RLOfflineMixin, "start_weight_update")
     with pytest.raises(RuntimeError) as raised:
-        vllm_internals.patch_rl_api(*[lambda original: original] * 4)
+        patch_rl_api(*[lambda original: original] * 4)
     assert str(raised.value) == (
         "vllm.entrypoints.rl.offline.RLOfflineMixin.start_weight_update is missing: weight-bridge "
         "supports vLLM 0.32 and 0.34 (see weight_bridge/vllm/internals/__init__.py's checklist)"
@@ -76,9 +84,9 @@ def test_a_tested_vllm_passes_silently(monkeypatch, caplog, version) -> None:
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", version)
-    monkeypatch.delenv(vllm_internals.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     with caplog.at_level(logging.WARNING):
-        assert vllm_internals.check_vllm_version() == version
+        assert check_vllm_version() == version
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
@@ -88,15 +96,15 @@ def test_an_untested_vllm_is_refused_unless_opted_in(monkeypatch, caplog, versio
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", version)
-    monkeypatch.delenv(vllm_internals.ALLOW_UNTESTED_ENV, raising=False)
-    with pytest.raises(vllm_internals.UntestedVLLMError) as raised:
-        vllm_internals.check_vllm_version()
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(UntestedVLLMError) as raised:
+        check_vllm_version()
     message = str(raised.value)
     assert f"vLLM {version}" in message and "internals/__init__.py" in message
-    assert f"{vllm_internals.ALLOW_UNTESTED_ENV}=1" in message
-    monkeypatch.setenv(vllm_internals.ALLOW_UNTESTED_ENV, "1")
+    assert f"{ALLOW_UNTESTED_ENV}=1" in message
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     with caplog.at_level(logging.WARNING):
-        assert vllm_internals.check_vllm_version() == version
+        assert check_vllm_version() == version
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"vLLM {version}" in warnings[0]
 
@@ -105,11 +113,11 @@ def test_a_bridged_engine_is_not_started_on_an_untested_vllm(monkeypatch, tmp_pa
     """The refusal comes before any engine starts (the worker's backend refuses too)."""
     import vllm
 
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
-    monkeypatch.delenv(vllm_internals.ALLOW_UNTESTED_ENV, raising=False)
-    with pytest.raises(vllm_internals.UntestedVLLMError, match="vLLM 0.35.0"):
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(UntestedVLLMError, match="vLLM 0.35.0"):
         ColocatedEngine(tmp_path, checkpoint_root=str(tmp_path))
 
 

@@ -7,6 +7,8 @@
   ``weight_bridge.testing`` aside): the product, the callbacks, and ``vllm`` itself.
 * Every client and every engine the library starts is a :class:`BridgeClient` with nothing
   left abstract: one push routine, one served chain, one report.
+* The face is small: ``__all__`` on the package fronts only, at most 80 names over all of
+  them (the internals export nothing), a user's (``weight_bridge`` and ``callbacks``) at most 40.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ def test_the_readme_reads_in_five_minutes() -> None:
     assert [x for x in lines if x.startswith("## ")][0] == "## Quick start: a Lightning callback"
 
 
-KNOB_LIMIT = 20
+KNOB_LIMIT = 24
 
 
 def _callback_knobs() -> list[str]:
     """Every knob a callback user can set: the callback's arguments, each option group counted
-    by its fields (an ``engine`` given as a client or a spec is one knob: the spec's fields),
-    and every environment variable the callback layer reads."""
+    by its fields (an ``engine`` given as a client or a spec is one knob: the spec's fields), a
+    group's field holding a group (``EngineSpec.options``) by that group's fields, and every
+    environment variable the callback layer reads."""
     import dataclasses
     import inspect
 
@@ -76,8 +79,13 @@ def _callback_knobs() -> list[str]:
     knobs = []
     for param in params:
         group = groups.get(param)
-        fields = dataclasses.fields(group) if group is not None else ()
-        knobs += [f"{param}.{f.name}" for f in fields] if fields else [param]
+        if group is None:
+            knobs.append(param)
+            continue
+        for f in dataclasses.fields(group):
+            inner = f.default_factory  # a group in the group (EngineSpec.options): its fields
+            subs = dataclasses.fields(inner) if dataclasses.is_dataclass(inner) else ()
+            knobs += [f"{param}.{f.name}.{g.name}" for g in subs] or [f"{param}.{f.name}"]
     for path in sorted((ROOT / "callbacks").rglob("*.py")):  # os.environ, os.getenv
         lines = path.read_text().splitlines()
         knobs += [
@@ -86,12 +94,14 @@ def _callback_knobs() -> list[str]:
     return knobs
 
 
-def test_a_callback_user_has_at_most_twenty_knobs() -> None:
-    """Twenty or fewer, each at one level (``enabled`` is the per-run switch: a config flag, no
-    environment variable beside it). The engine's own settings are ``engine.args``, the keyword
-    arguments of the engine the spec starts (vLLM's and the bridge's, documented there)."""
+def test_a_callback_user_has_at_most_twenty_four_knobs() -> None:
+    """Twenty-four or fewer, the engine's typed options included (``enabled`` is the per-run
+    switch: a config flag, no environment variable beside it). Of ``engine.options``,
+    ``bridge`` is the bridge's update options (``BridgeOptions``, documented there) and
+    ``engine_args`` vLLM's engine arguments, passed through: one knob each."""
     knobs = _callback_knobs()
     assert len(knobs) <= KNOB_LIMIT, knobs
+    assert {"engine.options.inflight", "engine.options.kv_cache_gb"} <= set(knobs), knobs
     assert len(knobs) == len(set(knobs)) and not [k for k in knobs if k.startswith("$")], knobs
 
 
@@ -207,3 +217,54 @@ def test_one_function_makes_the_same_typed_error_of_an_outcome_on_either_side_of
         assert outcome_of(there) is not None and outcome_of(there).failed == "refused"  # type: ignore[union-attr]
     assert typed_error(PushOutcome([PushResult()], "v1")) is None
     assert typed_error(None) is None
+
+
+FRONTS_LIMIT = 80  # the names every package front exports, all together
+USER_FACE_LIMIT = 40  # what a user imports: ``weight_bridge`` and ``callbacks`` together
+INTERNALS = "weight_bridge/vllm/internals/__init__.py"
+
+
+def _declared_all(path: Path) -> list[str] | None:
+    """The names a module's ``__all__`` lists, read from its syntax tree (None: it has none)."""
+    import ast
+
+    names = None
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            names = [*(names or []), *ast.literal_eval(node.value or ast.List([]))]
+    return names
+
+
+def test_the_face_is_small() -> None:
+    """``__all__`` only on the package fronts (``__init__.py``), at most 80 names over all of
+    them, the internals exporting nothing (no ``__all__``, no import); what a user imports
+    (``weight_bridge`` and ``callbacks``) at most 40 names, each documented in docs/api.md."""
+    import ast
+
+    import callbacks
+    import weight_bridge
+
+    fronts, inner = {}, []
+    for package in ("weight_bridge", "callbacks"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            names = _declared_all(path)
+            where = str(path.relative_to(ROOT))
+            if names is not None and path.name == "__init__.py":
+                fronts[where] = names
+            elif names is not None:
+                inner.append(where)
+    assert inner == []
+    assert sum(map(len, fronts.values())) <= FRONTS_LIMIT, {k: len(v) for k, v in fronts.items()}
+    internals = ast.parse((ROOT / INTERNALS).read_text()).body
+    assert INTERNALS not in fronts
+    assert [n for n in internals if isinstance(n, (ast.Import, ast.ImportFrom))] == []
+    user = [*weight_bridge.__all__, *callbacks.__all__]
+    assert len(user) <= USER_FACE_LIMIT, user
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert [name for name in user if not re.search(rf"`{name}[`(]", api)] == []

@@ -98,6 +98,33 @@ def test_two_nodes_with_lora(models: dict[str, Path], tmp_path: Path) -> None:
     check(reports(launchers, tmp_path / "out"), ("--lora",))
 
 
+def test_an_fsdp2_push_holds_a_tensor_at_a_time_not_the_model(tmp_path: Path) -> None:
+    """FSDP2 (really sharded: ``fully_shard`` on the data-parallel mesh) into the engine in the
+    ranks, a 30m Llama (109 MB, largest tensor 16 MiB): each sync's peak extra memory on each
+    rank (``tests/ranks_memory_check.py``: the allocator's live bytes, sampled) is at most two
+    full tensors and a 16 MiB buffer, the first sync's beside the host store it allocates
+    once (the rollback source, one copy of the rank's shard, in host memory). Checked on the
+    commit before: every sync held the whole model gathered plus its pre-images (164 MB)."""
+    from weight_bridge.testing.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", size="30m", seed=0, tie_word_embeddings=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
+    cmd += [str(TESTS / "ranks_memory_check.py"), str(model), str(out)]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-6000:]
+    for rank in (0, 1):
+        got = json.loads((out / f"memory{rank}.json").read_text())
+        bound = 2 * got["largest"] + 16 * 2**20
+        first, *later = got["peaks"]
+        assert len(later) == 3 and all(peak <= bound for peak in later), (got, bound)
+        assert 0.45 * got["model"] <= got["store"] <= 0.55 * got["model"], got  # its shard
+        assert first <= got["store"] + bound, (got, bound)
+
+
 def check(ranks: list[dict], extra: tuple) -> None:
     """Every sync equal to its cold start on both ranks, the refusal and the faults."""
     first, second = ranks

@@ -116,7 +116,7 @@ def _scenario_push(model_a: str, model_b: str) -> dict:
     engine unless the environment says otherwise."""
     import psutil
 
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     result: dict[str, Any] = {}
     # A lives in the model cache, outside the tests' checkpoint root (the temporary directory):
@@ -143,7 +143,7 @@ def _scenario_push(model_a: str, model_b: str) -> dict:
 
 
 def _scenario_cold(model: str) -> dict:
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     with ColocatedEngine(model, **ENGINE_KWARGS) as engine:
         return {"cold": answers(engine, model)}
@@ -308,7 +308,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
             (self.held,) = self.sync.engine.fingerprints()  # type: ignore[union-attr]
 
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=str(model_a), args=ENGINE_KWARGS),
+        engine=EngineSpec(model=str(model_a), options={"engine_args": ENGINE_KWARGS}),
         schedule=Schedule(every_n_train_steps=1, delta="on"),  # deltas: measured on a disk
         files=CheckpointFiles(dirpath=str(tmp_path / "checkpoints"), keep_last_k=1),
     )

@@ -107,7 +107,7 @@ def test_exception_mid_push_makes_engine_undefined_until_a_complete_push(
 ):
     from safetensors.torch import load_file, save_file
 
-    from weight_bridge.vllm import EngineUndefinedError
+    from weight_bridge import EngineUndefinedError
 
     a, b = models["llama_A"], models["llama_B"]
     engine = shared_engine("llama_A")
@@ -353,7 +353,7 @@ def _core_killed_during_generate(engine, r: dict) -> None:
 
 def _dead_worker_scenarios(model_a: str, model_b: str) -> dict:
     """Subprocess side: one multi-process engine per scenario; times everything."""
-    from weight_bridge.vllm import ColocatedEngine, EngineUndefinedError
+    from weight_bridge import ColocatedEngine, EngineUndefinedError
 
     results: dict = {}
     scenarios = [("exit", 300.0), ("kill-core", 300.0), ("hang", 8.0), ("core-killed", 300.0)]
@@ -487,7 +487,7 @@ def test_soak_short(models, shared_engine, cold) -> None:
 
 def _start_and_die(model: str) -> None:
     """Start a multi-process engine, print its processes, and die by SIGKILL (no cleanup)."""
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     engine = ColocatedEngine(model, **ENGINE_KWARGS)
     greedy(engine)

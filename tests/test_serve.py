@@ -395,7 +395,7 @@ def test_the_callback_pushes_into_a_server_by_url(dense, stock_cold) -> None:
 
     client, a, root = dense["client"], dense["a"], dense["root"]
     sync = VLLMWeightSync(
-        engine=EngineSpec(url=client.url, args={"inflight": None}),
+        engine=EngineSpec(url=client.url, options={"inflight": None}),
         schedule=Schedule(every_n_train_steps=2),
         files=CheckpointFiles(dirpath=str(root / "callback-checkpoints")),
     )

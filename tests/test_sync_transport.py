@@ -24,12 +24,12 @@ import weight_bridge.checkpoint.retention as retention
 import weight_bridge.checkpoint.space as space
 from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 from weight_bridge.checkpoint import (
-    HASH_KEY,
     CheckpointReader,
     CheckpointWriteError,
     CheckpointWriter,
     save_checkpoint,
 )
+from weight_bridge.checkpoint.format import HASH_KEY
 from weight_bridge.checkpoint.mapping import TransportMaps
 from weight_bridge.checkpoint.retention import estimate_bytes, place
 from weight_bridge.checkpoint.write import CHUNK_BYTES
@@ -137,7 +137,8 @@ def test_default_sync_is_in_ram_holds_only_what_it_needs_and_is_released(
             references.append(self.deltas.reference.nbytes)
 
     sync = Watch(
-        engine=EngineSpec(model=str(models["llama_A"]), args=ENGINE_KWARGS), schedule=EVERY_STEP
+        engine=EngineSpec(model=str(models["llama_A"]), options={"engine_args": ENGINE_KWARGS}),
+        schedule=EVERY_STEP,
     )
     module = TinyLM(str(models["llama_A"]))
     trainer(tmp_path, [sync], max_steps=3).fit(module)
@@ -167,7 +168,8 @@ def test_too_little_ram_falls_back_to_the_log_dir_with_a_warning(
 ) -> None:
     monkeypatch.setattr(retention, "free_bytes", lambda path: 2**20)  # /dev/shm "has 1 MiB"
     sync = VLLMWeightSync(
-        engine=EngineSpec(model=str(models["llama_A"]), args=ENGINE_KWARGS), schedule=EVERY_STEP
+        engine=EngineSpec(model=str(models["llama_A"]), options={"engine_args": ENGINE_KWARGS}),
+        schedule=EVERY_STEP,
     )
     with pytest.warns(UserWarning, match=r"not to RAM: /dev/shm has 1 MiB free"):
         trainer(tmp_path, [sync], max_steps=1).fit(TinyLM(str(models["llama_A"])))
@@ -547,7 +549,8 @@ class _FakeBridge:
 def test_the_trainer_api_names_prunes_and_labels_like_the_callback(tmp_path: Path) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    from weight_bridge.checkpoint import BASE_VERSION_KEY, VERSION_KEY
+    from weight_bridge.checkpoint import BASE_VERSION_KEY
+    from weight_bridge.checkpoint.format import VERSION_KEY
     from weight_bridge.vllm.clients.trainer_api import (
         WeightBridgeTrainer,
         WeightBridgeTrainerInitInfo,

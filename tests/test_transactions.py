@@ -107,8 +107,8 @@ FAULTS = ("write", "refresh", "cache")
 
 def fault_scenarios(model_a: str, model_b: str) -> dict:
     """One engine: a healthy round, each fault with rollback, each fault without."""
-    from weight_bridge.vllm import ColocatedEngine, EngineUndefinedError
-    from weight_bridge.vllm.internals import engine_resources
+    from weight_bridge import ColocatedEngine, EngineUndefinedError
+    from weight_bridge.vllm.internals.engine_client import engine_resources
 
     r: dict = {"rollback": {}, "no_rollback": {}}
     with ColocatedEngine(model_a, **ENGINE_KWARGS) as engine:
@@ -176,7 +176,7 @@ def vllm_generate_while_undefined(llm) -> dict:
 
 
 def refusal_scenarios(model_a: str, cases_json: str) -> dict:
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     cases = json.loads(Path(cases_json).read_text())
     out: dict = {}

@@ -266,7 +266,7 @@ def second_engine_scenario(model: str, out: str) -> dict:
     step 3 the eval engine's push fails after writing and rolls back onto step 1's file."""
     import lightning.pytorch as pl
 
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     kwargs = dict(ENGINE_KWARGS, checkpoint_root=str(SHM))
     result: dict = {}
@@ -328,7 +328,7 @@ def refuse_on_rank_one(worker) -> int:
 
 
 def tp_refusal_scenario(model_a: str, model_b: str) -> dict:
-    from weight_bridge.vllm import ColocatedEngine
+    from weight_bridge import ColocatedEngine
 
     kwargs = dict(ENGINE_KWARGS, tensor_parallel_size=2)
     result: dict = {}

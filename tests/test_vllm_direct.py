@@ -18,7 +18,7 @@ from helpers import (
 )
 
 from weight_bridge.direct import DirectReloadError
-from weight_bridge.vllm.internals import vllm_direct_missing
+from weight_bridge.vllm.internals.vllm_direct import vllm_direct_missing
 
 pytestmark = [pytest.mark.every_vllm, pytest.mark.slow]
 

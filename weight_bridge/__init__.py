@@ -29,29 +29,20 @@ from .direct import DirectReloadError
 from .errors import WeightBridgeError
 
 if TYPE_CHECKING:  # typed for mypy and IDEs; at run time imported from .vllm on first use
-    from .vllm import (
-        AsyncColocatedEngine,
-        AsyncLLMClient,
-        BridgeOptions,
-        ColocatedEngine,
-        Completion,
-        EngineClient,
-        EngineCoreDeadError,
-        EngineUndefinedError,
-        Generation,
-        HTTPClient,
-        LLMClient,
-        PushReport,
-        RanksEngine,
-        RemoteUpdateError,
-        ServedEngine,
-        UpdateInProgressError,
-        VersionSpan,
-        VLLMServer,
-        connect,
-        start_engine,
-        token_prompts,
-    )
+    from .vllm.clients.async_colocated import AsyncColocatedEngine
+    from .vllm.clients.async_llm import AsyncLLMClient
+    from .vllm.clients.bridge_client import EngineClient
+    from .vllm.clients.by_name import connect, start_engine
+    from .vllm.clients.colocated import ColocatedEngine
+    from .vllm.clients.http import HTTPClient, RemoteUpdateError
+    from .vllm.clients.llm import LLMClient, token_prompts
+    from .vllm.clients.ranks import RanksEngine
+    from .vllm.clients.served import ServedEngine, VLLMServer
+    from .vllm.errors import EngineUndefinedError, UpdateInProgressError
+    from .vllm.generation import Completion, Generation, VersionSpan
+    from .vllm.internals.engine_client import EngineCoreDeadError
+    from .vllm.options import BridgeOptions
+    from .vllm.report import PushReport
 
 __all__ = [
     # engines and clients
@@ -87,22 +78,34 @@ __all__ = [
     "UpdateInProgressError",
 ]
 
+# each name's module under .vllm, imported on first use (``import weight_bridge`` needs no vLLM)
 _FROM_VLLM = {
-    name
-    for name in __all__
-    if name
-    not in {
-        "save_checkpoint",
-        "CheckpointReader",
-        "CheckpointError",
-        "CheckpointWriteError",
-        "DirectReloadError",
-        "WeightBridgeError",
-    }
+    "AsyncColocatedEngine": "clients.async_colocated",
+    "AsyncLLMClient": "clients.async_llm",
+    "EngineClient": "clients.bridge_client",
+    "connect": "clients.by_name",
+    "start_engine": "clients.by_name",
+    "ColocatedEngine": "clients.colocated",
+    "HTTPClient": "clients.http",
+    "RemoteUpdateError": "clients.http",
+    "LLMClient": "clients.llm",
+    "token_prompts": "clients.llm",
+    "RanksEngine": "clients.ranks",
+    "ServedEngine": "clients.served",
+    "VLLMServer": "clients.served",
+    "EngineUndefinedError": "errors",
+    "UpdateInProgressError": "errors",
+    "Completion": "generation",
+    "Generation": "generation",
+    "VersionSpan": "generation",
+    "EngineCoreDeadError": "internals.engine_client",
+    "BridgeOptions": "options",
+    "PushReport": "report",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_VLLM:
-        return getattr(importlib.import_module(".vllm", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _FROM_VLLM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".vllm.{module}", __name__), name)

@@ -5,8 +5,6 @@ refusal is a ``ValueError``, which vLLM's server answers with 400; a failed writ
 
 from __future__ import annotations
 
-__all__ = ["WeightBridgeError"]
-
 
 class WeightBridgeError(Exception):
     """Raised by weight-bridge, never by what it wraps: the checkpoint, the push, the engine,

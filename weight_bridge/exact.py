@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bits_of", "exact_fingerprint", "fingerprint_change", "format_fingerprint"]
-
 _LOW = 1 << 16
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ROWS = 64  # rows of 65536 elements widened to int64 at a time (32 MiB)

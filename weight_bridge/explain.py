@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from .vllm import ColocatedEngine
+    from .vllm.clients.colocated import ColocatedEngine
 
     with ColocatedEngine(
         args.model,

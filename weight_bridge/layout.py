@@ -20,19 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = [
-    "CheckpointLayout",
-    "Fingerprint",
-    "TensorLayout",
-    "TensorSpec",
-    "byte_span",
-    "fingerprint",
-    "live_tensors",
-    "storage_ptr",
-    "storage_start",
-    "tie_key",
-]
-
 _CHUNK = 1 << 16
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 

@@ -32,80 +32,45 @@ Tests that inject faults patch the module that looks the name up
 
 from __future__ import annotations
 
-from .delta_choice import DeltaChoice, host_memory_transport
 from .delta_sink import OpenSink, Sink
 from .delta_state import DeltaState
 from .errors import CheckpointError, CheckpointWriteError
-from .format import BASE_VERSION_KEY, HASH_KEY, VERSION_KEY, version_of
-from .format import DTYPE_NAMES as DTYPE_NAMES
-from .format import DTYPES as DTYPES
-from .format import INDEX_NAME as INDEX_NAME
-from .format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from .format import MAX_INDEX_BYTES as MAX_INDEX_BYTES
-from .keyframes import EngineDtypes, KeyframeClock, castable_dtype, delta_mode
-from .live import LiveSink, is_live, published
+from .format import BASE_VERSION_KEY, version_of
+from .keyframes import EngineDtypes
 from .mapping import TransportMaps
-from .read import CheckpointReader, resolve_checkpoint_files
-from .retention import (
-    SPARE,
-    CheckpointFiles,
-    discard,
-    estimate_bytes,
-    make_dir,
-    place,
-    prune,
-    release,
-    step_file,
-)
-from .run_dirs import claim
-from .sender import Sender, Sent, Turn, Written
+from .read import CheckpointReader
+from .retention import SPARE, CheckpointFiles, discard, estimate_bytes, prune, release, step_file
+from .sender import Sender, Turn, Written
 from .space import create_reserved
-from .write import STALE_TEMP_AGE_S as STALE_TEMP_AGE_S
 from .write import CheckpointWriter, SavedCheckpoint, save_checkpoint
 
 __all__ = [
-    "BASE_VERSION_KEY",
-    "HASH_KEY",
-    "VERSION_KEY",
+    # a checkpoint: written, read, refused, versioned
     "CheckpointError",
     "CheckpointFiles",
     "CheckpointReader",
     "CheckpointWriteError",
     "CheckpointWriter",
     "SavedCheckpoint",
-    "resolve_checkpoint_files",
     "save_checkpoint",
     "step_file",
     "version_of",
-    # the trainer side's files: where they go, which may go (the callback's and the trainer
-    # API's; :mod:`.retention`, :mod:`.run_dirs`, :mod:`.space`, :mod:`.mapping`)
+    "BASE_VERSION_KEY",
+    # the trainer side's one sender, its files and its sinks (what the callback uses of
+    # :mod:`.sender`, :mod:`.retention`, :mod:`.space`, :mod:`.mapping`, :mod:`.delta_state`,
+    # :mod:`.keyframes`, :mod:`.delta_sink`); the rest under its module
+    "Sender",
+    "Turn",
+    "Written",
     "SPARE",
     "TransportMaps",
-    "claim",
     "create_reserved",
     "discard",
     "estimate_bytes",
-    "make_dir",
-    "place",
     "prune",
     "release",
-    # the trainer side's one sender (:mod:`.sender`) and its deltas (:mod:`.delta_state`,
-    # :mod:`.keyframes`, :mod:`.delta_choice`, :mod:`.delta_sink`)
-    "Sender",
-    "Sent",
-    "Turn",
-    "Written",
-    "DeltaChoice",
     "DeltaState",
     "EngineDtypes",
-    "KeyframeClock",
     "OpenSink",
     "Sink",
-    "castable_dtype",
-    "delta_mode",
-    "host_memory_transport",
-    # tensors pushed from memory into an engine in the trainer's process (:mod:`.live`)
-    "LiveSink",
-    "is_live",
-    "published",
 ]

@@ -38,28 +38,6 @@ from ..exact import bits_of, format_fingerprint
 from .errors import CheckpointError
 from .format import BASE_VERSION_KEY, VERSION_KEY
 
-__all__ = [
-    "BLOCK",
-    "DELTA_KEY",
-    "BASE_LINEAGE_KEY",
-    "FINGERPRINTS_KEY",
-    "SHAPES_KEY",
-    "Delta",
-    "SparseTensor",
-    "changed_indices",
-    "decode_indices",
-    "delta_metadata",
-    "encode_sparse",
-    "header_fingerprints",
-    "part_name",
-    "split_name",
-    "stored_parts",
-    "is_delta",
-    "lineage_of",
-    "read_delta",
-    "sparse_bytes",
-]
-
 DELTA_KEY = "weight_bridge.delta"  # "1": the format below
 FINGERPRINTS_KEY = "weight_bridge.fingerprints"
 #: In a checkpoint applied on top of another (a delta, a partial keyframe): the lineage

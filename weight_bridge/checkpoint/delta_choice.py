@@ -38,8 +38,6 @@ import torch
 
 from .retention import is_tmpfs
 
-__all__ = ["RECHECK_MAX", "DeltaChoice", "host_memory_transport"]
-
 RECHECK_MAX = 64  # at most this many full syncs between two probes of a delta
 
 

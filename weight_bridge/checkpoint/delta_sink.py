@@ -36,8 +36,6 @@ from .header_plan import plan_header
 from .reference import Change, Reference, cast_fingerprint
 from .write import CheckpointWriter, SavedCheckpoint
 
-__all__ = ["DeltaSink", "FingerprintedWriter", "KeyframeSink", "OpenSink", "Sink"]
-
 
 class Sink(Protocol):
     """What the gatherer writes a sync's tensors into, in header order."""

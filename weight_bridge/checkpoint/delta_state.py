@@ -29,8 +29,6 @@ from .keyframes import EngineDtypes, KeyframeClock
 from .reference import Reference
 from .write import CheckpointWriter
 
-__all__ = ["DeltaState"]
-
 
 class DeltaState:
     """The clock, what the engine reported (``engine``; the writer's own, or one it shares) and

@@ -6,8 +6,6 @@ import os
 
 from ..errors import WeightBridgeError
 
-__all__ = ["CheckpointError", "CheckpointWriteError"]
-
 
 class CheckpointError(WeightBridgeError, ValueError):
     """A checkpoint file that cannot be used; names the file, the tensor and the problem."""

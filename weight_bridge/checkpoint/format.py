@@ -6,20 +6,6 @@ import os
 
 import torch
 
-__all__ = [
-    "BASE_VERSION_KEY",
-    "DTYPES",
-    "DTYPE_NAMES",
-    "FOREIGN_MAGIC",
-    "HASH_KEY",
-    "INDEX_NAME",
-    "MAX_HEADER_BYTES",
-    "MAX_INDEX_BYTES",
-    "VERSION_KEY",
-    "content_hash",
-    "version_of",
-]
-
 HASH_KEY = "weight_bridge.blake3"
 # A checkpoint whose metadata names a base version is *partial*: it holds only some tensors and
 # applies on top of exactly that version (see ColocatedEngine.push).

@@ -16,15 +16,13 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from ..errors import WeightBridgeError
 from .errors import CheckpointError
 from .format import DTYPES, FOREIGN_MAGIC, MAX_HEADER_BYTES
-
-__all__ = ["HeaderEntry", "SafetensorsFile", "open_file", "parse_header"]
 
 
 @dataclass(frozen=True)
@@ -49,15 +47,13 @@ class SafetensorsFile:
     map: mmap.mmap | None = None
 
 
-class _DuplicateKey(WeightBridgeError):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+def _no_duplicates(pairs: list[tuple[str, object]], duplicates: list[str]) -> dict[str, object]:
+    """One JSON object of a header: each key seen again goes to ``duplicates`` (refused after
+    the parse; a plain ``dict`` would keep the last value silently)."""
     out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKey(key)
+            duplicates.append(key)
         out[key] = value
     return out
 
@@ -138,13 +134,15 @@ def parse_header(path: Path, raw: bytes, size: int) -> SafetensorsFile:
     """Check a header (the JSON after the 8-byte length) against a file of ``size`` bytes."""
     if not raw.startswith(b"{"):
         raise CheckpointError(path, "corrupt header: does not start with '{'")
+    duplicates: list[str] = []
+    hook = partial(_no_duplicates, duplicates=duplicates)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as dup:
-        raise CheckpointError(path, f"corrupt header: key {dup.args[0]!r} appears twice") from None
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=hook)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and integers too long to convert.
         raise CheckpointError(path, f"corrupt header: {type(exc).__name__}: {exc}") from None
+    if duplicates:
+        raise CheckpointError(path, f"corrupt header: key {duplicates[0]!r} appears twice")
     if not isinstance(header, dict):
         raise CheckpointError(path, "corrupt header: not a JSON object")
     metadata = header.pop("__metadata__", None)

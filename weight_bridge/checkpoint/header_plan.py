@@ -17,8 +17,6 @@ import torch
 from .errors import CheckpointError
 from .format import DTYPE_NAMES, HASH_KEY
 
-__all__ = ["PlannedTensor", "TensorMeta", "plan_header"]
-
 
 class TensorMeta(Protocol):
     """What the header needs of a tensor: a ``torch.Tensor``, a meta tensor, a ``TensorSpec``."""

@@ -28,8 +28,6 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-__all__ = ["FileIdentity", "HeldFile", "try_lock_exclusive"]
-
 _LOCK_WAIT_S = 5.0  # a writer holds its exclusive lock only while it recycles a file
 
 

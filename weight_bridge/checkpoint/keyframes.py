@@ -25,16 +25,6 @@ import torch
 
 from .delta_choice import DeltaChoice
 
-__all__ = [
-    "DELTA_BUDGET",
-    "DELTA_EVERY_K",
-    "DELTA_MODES",
-    "EngineDtypes",
-    "KeyframeClock",
-    "castable_dtype",
-    "delta_mode",
-]
-
 DELTA_MODES = ("auto", "on", "off")
 DELTA_EVERY_K = 64  # a keyframe every 64 syncs while deltas run, unless full_every_k says
 # A keyframe once the deltas since the last add up past this many times its bytes: the served

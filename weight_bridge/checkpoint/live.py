@@ -4,11 +4,25 @@ process (vLLM's external launcher, no engine-core process) is pushed from.
 Why: when vLLM runs in the trainer's ranks, its workers share the trainer's memory, so writing
 a file and mapping it back is two memory passes the push does not need. The trainer publishes
 its tensors (the live parameters, no copy) under a name; the push names it like a path
-(``live:<n>``), so every step of an update (validate the whole checkpoint, plan, write, read
-back, the label, the rollback) stays the one the file path takes; the worker opens the name
-here instead of a file. A name is only meaningful in the process that published it, and only
-while the publishing ``with`` block runs (the push): nothing outlives it, so the tensors are
-never held past their step.
+(``live:<n>``), so every step of an update (validate, plan, write, read back, the label, the
+rollback) stays the one the file path takes; the worker opens the name here instead of a file.
+A name is only meaningful in the process that published it, and only while the publishing
+``with`` block runs (the push): nothing outlives it.
+
+Nothing here holds the model twice. Each checkpoint tensor is a :class:`LiveTensor`: its name,
+shape and dtype (what validation and planning read), the parts this rank holds (a DTensor's
+local shard: what the finiteness check reads, each rank its own, the ranks' answers agreed by
+the update), and how to produce the full tensor. The write pulls them one at a time
+(:meth:`LiveCheckpoint.stream`): a sharded tensor is gathered (:mod:`.dtensor`) only when the
+engine's loader asks for it, cast to the engine's dtype, written, and dropped. A rank's extra
+memory during a push is then about two full tensors (the one being written and the next being
+gathered), never the model.
+
+A gather is a collective: every rank must take part in each one, or the others wait. So a
+sharded stream agrees before every gather that every rank is ready (the local part of a gather,
+its buffer, is allocated first), and a rank whose write stopped (its loader raised, a fault)
+answers the next agreement with a stop (:meth:`LiveCheckpoint.end_stream`, which the worker's
+transaction calls at the end of every commit): every rank stops at the same tensor, none waits.
 """
 
 from __future__ import annotations
@@ -17,16 +31,14 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .dtensor import ShardGather, is_dtensor
 from .errors import CheckpointError
-from .write import SavedCheckpoint
-
-__all__ = ["LIVE_PREFIX", "LiveCheckpoint", "LiveSink", "is_live", "open_live", "published"]
 
 LIVE_PREFIX = "live:"
 _published: dict[str, LiveCheckpoint] = {}
@@ -42,20 +54,129 @@ def is_live(checkpoint: object) -> bool:
 
 
 @dataclass
+class LiveTensor:
+    """One checkpoint tensor, produced when the write asks for it: ``sources`` (the trainer's
+    tensors, plain or DTensors: not copied), combined by ``merge`` (a LoRA merge; None: the one
+    source) and cast to ``dtype``. Shaped like a tensor for what a push reads before writing
+    (``shape``, ``dtype``, ``numel()``, ``element_size()``); ``parts`` are what this rank holds
+    of its sources (a DTensor's local shard)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: Sequence[torch.Tensor]
+    merge: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    parts: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.shape)
+        self.parts = [s.to_local() if is_dtensor(s) else s for s in self.sources]  # type: ignore[attr-defined]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> LiveTensor:
+        """A tensor (or a DTensor) as published: the full one in ``dtype`` (default: its own)."""
+        return cls(name, tuple(tensor.shape), dtype or tensor.dtype, [tensor])
+
+    @property
+    def gathered(self) -> bool:
+        """Whether producing it is a collective (a source is sharded across ranks)."""
+        return any(is_dtensor(s) for s in self.sources)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def prepare(self) -> Callable[[], torch.Tensor]:
+        """The local part (each sharded source's buffer allocated, its shard checked): what can
+        fail on this rank alone. The returned call communicates and gives the full tensor."""
+        world = torch.distributed.get_world_size() if self.gathered else 1
+        gathers = [
+            ShardGather(s, range(world)).prepare() if is_dtensor(s) else s for s in self.sources
+        ]
+
+        def run() -> torch.Tensor:
+            full = [g.run() if isinstance(g, ShardGather) else g for g in gathers]
+            gathers.clear()
+            assert all(t is not None for t in full)  # every rank gathers onto itself
+            tensor = self.merge(full) if self.merge is not None else full[0]  # type: ignore[arg-type]
+            assert tensor is not None
+            return tensor.detach().to(self.dtype)
+
+        return run
+
+
+@dataclass
 class LiveCheckpoint:
     """Tensors published in this process, read like a :class:`~.read.CheckpointReader` (the
-    same ``metadata``, ``tensors()`` and ``close()``, what an update's worker reads); it holds
-    no file, so there is nothing to hold, hash or re-read (``files`` is empty: a rollback needs
-    the pre-images the writer kept)."""
+    same ``metadata``, ``tensors()`` and ``close()``, what an update's worker reads): its
+    tensors are :class:`LiveTensor` descriptions, and :meth:`stream` produces them for the
+    write, one at a time. It holds no file (``files`` is empty): there is nothing to hold,
+    hash or re-read, and a rollback takes what it wrote back from the pre-images the writer
+    kept. ``tee``: called with each tensor as it is produced (the files a user asked for,
+    written from the same gather)."""
 
     path: str
-    items: list[tuple[str, torch.Tensor]]
+    items: list[LiveTensor]
     metadata: dict[str, str]
+    tee: Callable[[str, torch.Tensor], None] | None = None
+    _ended: bool = False
 
     files = ()  # no shard files: PushFailure names no file
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.items
+    @property
+    def gathered(self) -> bool:
+        return any(item.gathered for item in self.items)
+
+    def tensors(self) -> Iterator[tuple[str, LiveTensor]]:
+        """Each tensor's description (nothing produced): what a push validates and plans."""
+        for item in self.items:
+            yield item.name, item
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full tensors, produced one at a time as the write asks (see the module): every
+        rank takes part in each gather of a sharded checkpoint, or every rank stops."""
+        gathered = self.gathered
+        for item in self.items:
+            run, error = None, None
+            try:
+                run = item.prepare()
+            except Exception as exc:  # this rank alone: the others hear it at the agreement
+                error = exc
+            if gathered:
+                self._agree(error, item.name)
+            elif error is not None:
+                raise error
+            assert run is not None
+            tensor = run()
+            if self.tee is not None:
+                self.tee(item.name, tensor)
+            yield item.name, tensor
+            del tensor, run
+        if gathered:
+            self._agree(None, "")
+        self._ended = True
+
+    def end_stream(self) -> None:
+        """After a commit, on every rank: a rank whose write stopped before its stream ended
+        answers the agreement the others wait in (they stop at the same tensor)."""
+        if self.gathered and not self._ended:
+            self._ended = True
+            _all_ready(False)
+
+    def _agree(self, error: BaseException | None, name: str) -> None:
+        if _all_ready(error is None):
+            return
+        self._ended = True
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            self.path, "another rank's write stopped: every rank stops at this tensor", name
+        )
 
     def file_of(self, name: str) -> Path | None:
         return None
@@ -70,32 +191,50 @@ class LiveCheckpoint:
         """The tensors are the publisher's: nothing to release."""
 
     def check_on(self, device: torch.device) -> None:
-        """Every tensor materialised on ``device`` (where the engine holds its weights): one on
+        """Every part materialised on ``device`` (where the engine holds its weights): one on
         the meta device (never materialised) or on another device is refused by name, before
         anything is written (the finiteness check, the write and the read-back all read it)."""
-        for name, tensor in self.items:
-            if tensor.is_meta:
-                raise CheckpointError(
-                    self.path, "is on the meta device: it holds no values (not materialised)", name
-                )
-            here = tensor.device
-            if here.type != device.type or (here.index or 0) != (device.index or 0):
-                raise CheckpointError(
-                    self.path, f"is on {here}, the engine holds its weights on {device}", name
-                )
+        for item in self.items:
+            for part in item.parts:
+                if part.is_meta:
+                    raise CheckpointError(
+                        self.path,
+                        "is on the meta device: it holds no values (not materialised)",
+                        item.name,
+                    )
+                here = part.device
+                if here.type != device.type or (here.index or 0) != (device.index or 0):
+                    why = f"is on {here}, the engine holds its weights on {device}"
+                    raise CheckpointError(self.path, why, item.name)
+
+
+def _all_ready(ready: bool) -> bool:
+    """Whether every rank of the trainer's world is ready (one all-reduce of a flag)."""
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([0 if ready else 1], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+Published = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[LiveTensor]
 
 
 @contextlib.contextmanager
 def published(
-    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    tensors: Published,
     metadata: Mapping[str, str] | None = None,
+    tee: Callable[[str, torch.Tensor], None] | None = None,
 ) -> Iterator[str]:
-    """Publish ``tensors`` (not copied) for the block: yields the name a push gives as its
-    checkpoint; it is gone when the block ends."""
-    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    """Publish ``tensors`` (names -> tensors or DTensors, or :class:`LiveTensor` s; not copied)
+    for the block: yields the name a push gives as its checkpoint; it is gone when the block
+    ends."""
+    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+    items = [t if isinstance(t, LiveTensor) else LiveTensor.of(*t) for t in pairs]
     with _lock:
         name = f"{LIVE_PREFIX}{next(_numbers)}"
-        _published[name] = LiveCheckpoint(name, items, dict(metadata or {}))
+        _published[name] = LiveCheckpoint(name, items, dict(metadata or {}), tee)
     try:
         yield name
     finally:
@@ -116,38 +255,3 @@ def open_live(name: str | os.PathLike) -> LiveCheckpoint:
             "work only into an engine inside the trainer's process, during the push)",
         )
     return live
-
-
-class LiveSink:
-    """Where a sync's tensors go when they are pushed from memory: a
-    :class:`~.delta_sink.Sink` that keeps each tensor in the checkpoint's dtype instead of
-    writing it (a cast only where the dtypes differ; else the trainer's own tensor, not
-    copied) and, when finished, :func:`published` until ``keep`` closes."""
-
-    def __init__(
-        self,
-        keep: contextlib.ExitStack,
-        path: os.PathLike | str,
-        header: list[tuple[str, torch.Tensor]],
-        metadata: Mapping,
-    ) -> None:
-        self.keep = keep  # the tensors stay published until it closes (after the push)
-        self.path = Path(path)
-        self.dtypes = {name: meta.dtype for name, meta in header}
-        self.metadata = {str(k): str(v) for k, v in metadata.items()}
-        self.items: list[tuple[str, torch.Tensor]] = []
-
-    def write(self, name: str, tensor: torch.Tensor, cast: bool = False) -> None:
-        want = self.dtypes[name]
-        if tensor.dtype != want and not cast:
-            raise CheckpointError(self.path, f"sent as {tensor.dtype}, planned as {want}", name)
-        self.items.append((name, tensor.detach().to(want)))
-
-    def finish(self) -> SavedCheckpoint:
-        """Publish the tensors; the saved checkpoint's path is the name to push."""
-        nbytes = sum(t.numel() * t.element_size() for _, t in self.items)
-        name = self.keep.enter_context(published(self.items, self.metadata))
-        return SavedCheckpoint(Path(name), nbytes, "", 0.0)
-
-    def abort(self) -> None:
-        self.items = []

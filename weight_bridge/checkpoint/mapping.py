@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TransportMaps"]
-
 _SLACK = 2 << 20  # maps are this much rounded up: a header a few bytes longer next sync still fits
 
 

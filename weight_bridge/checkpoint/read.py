@@ -27,8 +27,6 @@ from .format import HASH_KEY, INDEX_NAME, MAX_INDEX_BYTES, content_hash
 from .header import SafetensorsFile, open_file
 from .held import HeldFile
 
-__all__ = ["CheckpointReader", "resolve_checkpoint_files"]
-
 
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file name) of a shard index, validated."""

@@ -31,8 +31,6 @@ import torch
 from ..exact import bits_of, exact_fingerprint, fingerprint_change
 from .delta import encode_sparse, sparse_bytes
 
-__all__ = ["CHUNK", "Change", "Reference", "cast_fingerprint"]
-
 CHUNK = 1 << 22  # elements per step (a bool mask of 4 MiB, a bf16 chunk of 8 MiB)
 _MASK = (1 << 64) - 1
 

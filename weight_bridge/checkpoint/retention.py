@@ -29,24 +29,6 @@ from ..layout import storage_start
 from .held import try_lock_exclusive
 from .run_dirs import new_run_dir_name, remove_orphans
 
-__all__ = [
-    "RAM_ROOT",
-    "SPARE",
-    "CheckpointFiles",
-    "Placement",
-    "discard",
-    "estimate_bytes",
-    "free_bytes",
-    "held_files",
-    "is_tmpfs",
-    "make_dir",
-    "place",
-    "prune",
-    "release",
-    "step_file",
-    "unused_step",
-]
-
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
 _STEP_GLOB = "step-*.safetensors"
 SPARE = ".spare"  # a transport file no engine needs any more, whose pages the next write reuses

@@ -22,8 +22,6 @@ from pathlib import Path
 
 from .held import try_lock_exclusive
 
-__all__ = ["OWNER", "claim", "new_run_dir_name", "remove_orphans"]
-
 OWNER = ".owner"
 _NAME = re.compile(r"^weight_bridge-(?P<pid>\d+)-[0-9a-f]{8}$")
 

@@ -30,8 +30,6 @@ from .delta_state import DeltaState
 from .format import BASE_VERSION_KEY
 from .live import is_live
 
-__all__ = ["Sender", "Sent", "Turn", "Written"]
-
 
 @dataclass(frozen=True)
 class Turn:

@@ -16,15 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = [
-    "STALE_TEMP_AGE_S",
-    "create_reserved",
-    "fsync_dir",
-    "open_temp",
-    "remove_stale_temps",
-    "reserve",
-]
-
 STALE_TEMP_AGE_S = 60.0  # an unlocked temporary file this old belongs to a dead writer
 _TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")  # mkstemp's 8 characters
 _TEMP_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"

@@ -26,8 +26,6 @@ from pathlib import Path
 from .errors import CheckpointError
 from .format import INDEX_NAME
 
-__all__ = ["ROOT_HINT", "trusted_checkpoint"]
-
 ROOT_HINT = (
     "set the engine's checkpoint root when it starts: "
     'additional_config={"weight_bridge": {"checkpoint_root": DIR}} '

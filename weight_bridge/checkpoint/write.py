@@ -47,15 +47,7 @@ from .errors import CheckpointError, CheckpointWriteError
 from .format import DTYPE_NAMES
 from .header_plan import TensorMeta, plan_header
 from .mapping import TransportMaps
-from .space import STALE_TEMP_AGE_S, fsync_dir, open_temp, reserve
-
-__all__ = [
-    "CHUNK_BYTES",
-    "STALE_TEMP_AGE_S",
-    "CheckpointWriter",
-    "SavedCheckpoint",
-    "save_checkpoint",
-]
+from .space import fsync_dir, open_temp, reserve
 
 # One pass per tensor: a chunk is cast, hashed and written while in cache (L3); 4 MiB, not less,
 # since each cast is a torch op, and a loaded machine makes every op wait for all its threads.

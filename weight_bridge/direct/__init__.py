@@ -18,7 +18,8 @@ Public API, in tiers: what a user calls (:func:`record_checkpoint_layout` at loa
 :func:`prove_checkpoint_layout` after processing, :func:`direct_reload` or
 :func:`direct_reload_session` per push, :func:`plan_direct_reload` for a dry run) and what they
 return; the extension points (:class:`Refresher`, :class:`Reprocessor`); everything else
-under its module.
+under its module (:class:`.session.PreparedReload`, :class:`.session.OpenReload`,
+:class:`.proof.Proof`, ...).
 
 Limitations:
 1. Derived state is refreshed only where a :class:`Refresher` says how; other derived state is
@@ -35,18 +36,9 @@ from __future__ import annotations
 from .errors import DirectReloadError
 from .extension import Refresher, Reprocessor
 from .plan import ReloadPlan, plan_direct_reload
-from .proof import Proof
-from .readback import READBACK_MODES
 from .record import prove_checkpoint_layout, record_checkpoint_layout
 from .report import ReloadReport
-from .session import (
-    OpenReload,
-    PreparedReload,
-    ReloadOptions,
-    direct_reload,
-    direct_reload_session,
-    prepare_direct_reload,
-)
+from .session import direct_reload, direct_reload_session, prepare_direct_reload
 
 __all__ = [
     # what a user calls, and what it returns
@@ -57,13 +49,8 @@ __all__ = [
     "prepare_direct_reload",
     "plan_direct_reload",
     "DirectReloadError",
-    "OpenReload",
-    "PreparedReload",
-    "Proof",
     "ReloadPlan",
     "ReloadReport",
-    "ReloadOptions",
-    "READBACK_MODES",
     # extension points
     "Refresher",
     "Reprocessor",

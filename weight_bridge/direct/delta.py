@@ -55,8 +55,6 @@ from .validate import find_nonfinite, preflight
 from .write_map import WriteMap, held_fingerprint, held_tensor, segment_fingerprint
 from .writer import Writer, Writers
 
-__all__ = ["PreparedDelta", "prepare_delta"]
-
 APPLYING = "a delta started writing and did not finish"
 R = TypeVar("R")
 
@@ -347,7 +345,7 @@ def prepare_delta(
         else:
             todo.append((name, sp.shape, sp.indices, sp.values))
     patches = _results(run_split(todo, lambda a: a[3].numel(), lambda a: patch_of(*a, write_map)))
-    refresh = _refresh_of(model, patches, write_map, problems, now)
+    refresh = _refresh_of(model, [p.name for p in patches], write_map, problems, now)
     if problems:
         raise DirectReloadError("delta rejected (nothing was written)", problems)
     for patch in patches:  # a sparse tensor held whole: its served fingerprint, the base
@@ -366,24 +364,36 @@ def prepare_delta(
     return Writers(model, writers)
 
 
+def modules_to_refresh(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """The derived state a delta's push refreshes after writing the checkpoint tensors
+    ``names`` in place (module -> kind), for a writer outside the bridge to refresh the same;
+    a tensor whose derived state no refresher knows raises :class:`DirectReloadError`."""
+    now = addresses(model)
+    problems: dict[str, str] = {}
+    refresh = _refresh_of(model, names, _usable_map(model, now), problems, now)
+    if problems:
+        raise DirectReloadError("no refresh of the derived state of these tensors", problems)
+    return refresh
+
+
 def _refresh_of(
     model: torch.nn.Module,
-    patches: list[Patch],
+    names: list[str],
     write_map: WriteMap,
     problems: dict[str, str],
     now: object,
 ) -> dict[str, str]:
-    """The derived state to refresh after the patches (module -> kind); a patch into a
+    """The derived state to refresh after writing ``names`` (module -> kind); a write into a
     parameter the plan does not write directly (transformed by processing, derived state no
     refresher knows) is refused by name, as a complete push would refuse it."""
     plan = plan_direct_reload(model, frozenset(), now)  # type: ignore[arg-type]
     aliases = require_layout(model).aliases()  # a tied weight: every module that uses it
     refresh: dict[str, str] = {}
-    for patch in patches:
-        params = write_map.params.get(patch.name, set())
+    for name in names:
+        params = write_map.params.get(name, set())
         for param in sorted({a for p in params for a in aliases.get(p, [p])}):
             if param not in plan.targets:
-                problems[patch.name] = plan.problems.get(param, f"{param} is not writable")
+                problems[name] = plan.problems.get(param, f"{param} is not writable")
                 continue
             module = module_of(param)[0]
             if module in plan.refresh:

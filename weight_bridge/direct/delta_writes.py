@@ -21,8 +21,6 @@ from .positions import Positions
 from .undo import UndoLog
 from .write_map import Held, Segment, WriteMap
 
-__all__ = ["Copy", "Patch", "Scatter", "copy", "cost", "patch_of", "scatter", "write_patch"]
-
 
 @dataclass
 class Scatter:

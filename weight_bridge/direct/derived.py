@@ -16,8 +16,6 @@ from .errors import DirectReloadError
 from .parallel import run_split
 from .state import bridge_state
 
-__all__ = ["refresh_derived_state"]
-
 
 def _cost(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))

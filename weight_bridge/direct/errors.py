@@ -6,8 +6,6 @@ from collections.abc import Mapping
 
 from ..errors import WeightBridgeError
 
-__all__ = ["BaseVersionError", "DirectReloadError", "NotDirectlyReloadable"]
-
 
 class DirectReloadError(WeightBridgeError, ValueError):
     """A direct reload was refused (nothing written) or failed (model marked undefined).

@@ -17,8 +17,6 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Refresher", "Reprocessor"]
-
 
 class Refresher(Protocol):
     """Derived state of one module that an integration re-derives after a write.

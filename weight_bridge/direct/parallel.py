@@ -25,8 +25,6 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["helper_threads", "run_split", "set_helper_threads"]
-
 T = TypeVar("T")
 R = TypeVar("R")
 

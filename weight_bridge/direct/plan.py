@@ -22,8 +22,6 @@ from .resolve import Relocation, ResolvedTarget, overlapping_targets, resolve_ta
 from .snapshot import Addresses, addresses
 from .state import bridge_state
 
-__all__ = ["ReloadPlan", "plan_direct_reload"]
-
 
 @dataclass
 class ReloadPlan:

@@ -18,8 +18,6 @@ import torch
 
 from ..checkpoint.delta import BLOCK, decode_indices
 
-__all__ = ["CHUNK", "Positions"]
-
 CHUNK = 1 << 18  # positions handled at a time: int64 temporaries of 2 MiB
 
 

@@ -35,8 +35,6 @@ from .extension import Refresher
 from .resolve import resolve_target, signature
 from .snapshot import ModuleSnapshot, snapshot_module
 
-__all__ = ["Proof", "compute_proof", "module_of", "write_tensor"]
-
 
 def module_of(name: str) -> tuple[str, str]:
     """``"a.b.weight"`` -> ``("a.b", "weight")``."""

@@ -2,11 +2,16 @@
 
 While the model's own loader runs, a ``TorchFunctionMode`` notes each ``Tensor.copy_`` whose
 destination lies in a storage the reload writes into (the loaders of vLLM and of plain modules
-all end in one), together with the checkpoint tensor being loaded. After the last write, each
-destination is read back and compared with its source: a later write that clobbered an earlier
-one (overlapping targets), a write that went to a copy, or a cast that lost values shows up here
-and names the tensor. ``"sampled"`` compares up to 8 rows per write (first, last, spread
-between), ``"full"`` every element, ``"off"`` none.
+all end in one), together with the checkpoint tensor being loaded. When the loader moves on to
+the next checkpoint tensor, the copies of the one it finished are *sealed*: what the read-back
+will compare is kept (``"sampled"``: up to 8 rows of each source, first, last and spread
+between; ``"full"``: each copy compared in full now, while its source is there, and its 8 rows
+kept), the write map learns them (:class:`~.write_map.WriteMapLearner`), and the source is let
+go. So a push holds its sources one at a time (a push from memory produces and frees each
+tensor in turn), not the checkpoint. After the last write, each destination's kept rows are
+read back and compared: a later write that clobbered an earlier one (overlapping targets), a
+write that went to a copy, or a cast that lost values shows up here and names the tensor.
+``"off"`` compares nothing.
 
 Every in-place write into those storages (``copy_``, indexing assignment, any other in-place
 op) is also noted, whatever the mode, and :meth:`ReadBack.wrote_into` answers whether a view
@@ -18,15 +23,13 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ..layout import byte_span, storage_ptr
-
-__all__ = ["READBACK_MODES", "ReadBack"]
 
 READBACK_MODES = ("sampled", "full", "off")
 _SAMPLE_ROWS = 8
@@ -66,28 +69,63 @@ def _rows(n: int) -> list[int]:
 class ReadBack(TorchFunctionMode):
     """Notes writes into ``storages`` while active; :meth:`verify` compares them afterwards."""
 
-    def __init__(self, storages: set[int], mode: str = "sampled"):
+    def __init__(
+        self,
+        storages: set[int],
+        mode: str = "sampled",
+        learn: Callable[[str, torch.Tensor | None, torch.Tensor, torch.Tensor], None] | None = None,
+    ):
         super().__init__()
         if mode not in READBACK_MODES:
             raise ValueError(f"readback must be one of {READBACK_MODES}, not {mode!r}")
         self.mode = mode
         self.storages = storages
+        self.learn = learn  # each copy, as its tensor is sealed: (name, source, dst, src)
         self.current = ""
-        self.writes: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.source: torch.Tensor | None = None  # the checkpoint tensor being loaded
+        # sealed: (name, destination, the rows kept of its source); open: the tensor's copies
+        self.writes: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+        self._open: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        self.mismatched: dict[str, str] = {}  # found when sealed ("full")
+        self._sealing = False  # what sealing computes is not the loader's writes
         self.other_writes: set[str] = set()  # names also written by an in-place op not copy_
         self._spans: list[tuple[int, int]] = []  # bytes touched, in the order written
         self._merged: tuple[list[int], list[int]] | None = None
 
     def track(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
-        """Pass ``weights`` through, remembering which checkpoint tensor is being loaded."""
-        for name, t in weights:
-            self.current = name
-            yield name, t
+        """Pass ``weights`` through, remembering which checkpoint tensor is being loaded; the
+        previous one's copies are sealed before the next is asked for."""
+        pending = iter(weights)
+        while True:
+            self.seal()
+            item = next(pending, None)
+            if item is None:
+                return
+            self.current, self.source = item
+            yield item
+            del item
+
+    def seal(self) -> None:
+        """The copies noted so far: compared now (``"full"``), learned, and kept as the rows
+        the final read-back compares; their sources are let go."""
+        self._sealing = True
+        try:
+            for name, source, dst, src in self._open:
+                if self.learn is not None:
+                    self.learn(name, source, dst, src)
+                if self.mode == "full" and not _same(dst, src, False):
+                    self.mismatched[name or "<unnamed>"] = _DIFFERS
+                self.writes.append((name, dst, None if self.mode == "off" else _kept(dst, src)))
+        finally:
+            self._sealing = False
+        self._open = []
+        self.source = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (
-            args
+            not self._sealing
+            and args
             and _in_place(func)
             and isinstance(args[0], torch.Tensor)
             and storage_ptr(args[0]) in self.storages
@@ -95,7 +133,7 @@ class ReadBack(TorchFunctionMode):
             self._spans.append(byte_span(args[0]))
             self._merged = None
             if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-                self.writes.append((self.current, args[0], args[1]))
+                self._open.append((self.current, self.source, args[0], args[1]))
             elif getattr(func, "__name__", "") not in _CONSTANT_WRITES:
                 self.other_writes.add(self.current)
         return out
@@ -125,21 +163,44 @@ class ReadBack(TorchFunctionMode):
     @torch.no_grad()
     def verify(self) -> dict[str, str]:
         """Checkpoint name -> what differs between a written view and its source."""
-        bad: dict[str, str] = {}
+        self.seal()
+        bad = dict(self.mismatched)
         if self.mode == "off":
             return bad
-        for name, dst, src in self.writes:
-            if not _same(dst, src, self.mode == "sampled"):
-                bad[name or "<unnamed>"] = (
-                    "read back after the push differs from the checkpoint "
-                    "(a later write overwrote it, or it went elsewhere)"
-                )
+        for name, dst, kept in self.writes:
+            assert kept is not None
+            if not _same(_rows_of(dst), kept, False):
+                bad[name or "<unnamed>"] = _DIFFERS
         return bad
 
 
 @functools.lru_cache(maxsize=256)
 def _row_index(n: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(_rows(n), device=device)
+
+
+_DIFFERS = (
+    "read back after the push differs from the checkpoint (a later write overwrote it, or it "
+    "went elsewhere)"
+)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """The rows of ``t`` the read-back compares (all of them for 8 rows or fewer)."""
+    if t.dim() > 0 and t.shape[0] > _SAMPLE_ROWS:
+        return t.index_select(0, _row_index(t.shape[0], t.device))
+    return t
+
+
+def _kept(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """What the read-back keeps of a copy's source: its rows that :func:`_rows_of` reads of
+    the destination, as the destination holds them (a copy: the source may be freed)."""
+    if dst.shape != src.shape:
+        src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
+    rows = _rows_of(src)
+    if rows is src:
+        rows = src.clone()
+    return rows.to(device=dst.device, dtype=dst.dtype)
 
 
 def _same(dst: torch.Tensor, src: torch.Tensor, sampled: bool) -> bool:

@@ -19,13 +19,6 @@ from .proof import Proof, compute_proof
 from .snapshot import snapshot_modules
 from .state import bridge_state
 
-__all__ = [
-    "ensure_proof",
-    "prove_checkpoint_layout",
-    "record_checkpoint_layout",
-    "require_layout",
-]
-
 _NO_LAYOUT = (
     "no checkpoint layout recorded on this model: call record_checkpoint_layout(model) "
     "right after its weights are first loaded"

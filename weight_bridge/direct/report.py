@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 from .resolve import Relocation
 
-__all__ = ["ReloadReport"]
-
 
 @dataclass
 class ReloadReport:

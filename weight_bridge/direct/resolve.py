@@ -22,8 +22,6 @@ import torch
 from ..layout import TensorLayout, byte_span, storage_ptr
 from .errors import NotDirectlyReloadable
 
-__all__ = ["Relocation", "ResolvedTarget", "overlapping_targets", "resolve_target", "signature"]
-
 
 @dataclass(frozen=True)
 class Relocation:

@@ -40,20 +40,9 @@ from .record import require_layout
 from .report import ReloadReport
 from .snapshot import addresses, addresses_of, named_tensors
 from .state import bridge_state
-from .undo import UndoLog
+from .undo import HostStore, UndoLog
 from .validate import validate_checkpoint
-from .write_map import learn_write_map
-
-__all__ = [
-    "OpenReload",
-    "PreparedReload",
-    "Weights",
-    "direct_reload",
-    "direct_reload_session",
-    "prepare_direct_reload",
-    "refresh_derived_state",
-    "unwritten_targets",
-]
+from .write_map import WriteMapLearner
 
 WRITING = "a direct reload started writing and did not finish"
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -218,9 +207,12 @@ class PreparedReload:
         reprocessor: Reprocessor | None,
         partial: bool,
         preflight_s: float,
-        pre_images: bool = False,
+        pre_images: bool | HostStore = False,
+        stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
     ):
         self.model, self.items, self.plan, self.addresses = model, items, plan, now
+        # what the loader is handed: the items themselves, or tensors produced one at a time
+        self.stream = stream or (lambda: iter(self.items))
         self.readback, self.reprocessor, self.partial = readback, reprocessor, partial
         self.preflight_s = preflight_s
         # without pre_images, what it wrote is taken back from the files served before (a
@@ -247,12 +239,15 @@ class PreparedReload:
                 "the model's storages changed since this reload was prepared (nothing was "
                 "written): prepare it again"
             )
-        readback = ReadBack(set(self.plan.storages), self.readback)
+        learner = None if self.partial else WriteMapLearner(self.plan.spans, self.addresses)
+        readback = ReadBack(
+            set(self.plan.storages), self.readback, learner.note if learner else None
+        )
         session = _Session(
             self.model, self.plan, readback, self.reprocessor, self.partial, self.addresses
         )
         session.open(live)
-        handle = OpenReload(self.plan, readback.track(self.items))
+        handle = OpenReload(self.plan, readback.track(self.stream()))
         try:
             with readback:
                 yield handle
@@ -263,14 +258,8 @@ class PreparedReload:
             raise
         try:
             report = session.finish()
-            if not self.partial:  # a complete write shows where every element goes
-                state.write_map = learn_write_map(
-                    self.items,
-                    readback.writes,
-                    readback.other_writes,
-                    self.plan.spans,
-                    self.addresses,
-                )
+            if learner is not None:  # a complete write shows where every element goes
+                state.write_map = learner.finish(readback.other_writes)
         except DirectReloadError:
             raise  # the session named why the model is undefined
         except BaseException as exc:  # bits written: never taken for the old ones, with a reason
@@ -291,9 +280,12 @@ class PreparedReload:
         ``KeyboardInterrupt`` propagates as itself), the model left undefined."""
         kept, before = None, bridge_state(self.model).undefined
         try:
-            if self.pre_images:  # a copy of every target, before the first byte is written
+            if self.pre_images:  # every target's bits, before the first byte is written
                 views = [t.view for t in self.plan.targets.values()]
-                kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
+                if isinstance(self.pre_images, HostStore):
+                    kept = self.pre_images.undo_log(self.model, views, self.plan.refresh)
+                else:
+                    kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
             with self.write() as reload:
                 if load is None:
                     own = getattr(self.model, "load_weights", None)
@@ -322,7 +314,8 @@ def prepare_direct_reload(
     reprocessable: set[str] | frozenset[str] = frozenset(),
     readback: str = "sampled",
     partial: bool = False,
-    pre_images: bool = False,
+    pre_images: bool | HostStore = False,
+    stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
 ) -> PreparedReload:
     """Validate ``weights`` (the whole checkpoint) and plan their write; nothing is written.
 
@@ -334,7 +327,11 @@ def prepare_direct_reload(
     holds) may leave names out; only the modules they write into are refreshed, and a partial
     reload that would need re-processing by the engine is refused. A complete reload must
     write every planned target. ``pre_images``: keep a copy of every target before writing
-    (the writer's undo log; a failed write restores it), for weights no file can give back.
+    (the writer's undo log; a failed write restores it), for weights no file can give back;
+    a :class:`~.undo.HostStore`: take it from the store (no copy where it is up to date).
+    ``stream``: where the write takes the tensors from, one at a time, when ``weights`` only
+    describe them (:class:`~weight_bridge.checkpoint.live.LiveTensor`: validated from their
+    metadata and the parts this rank holds, produced only when the loader asks).
     """
     started = time.perf_counter()
     state = bridge_state(model)
@@ -356,7 +353,7 @@ def prepare_direct_reload(
         )
     preflight_s = time.perf_counter() - started
     return PreparedReload(
-        model, items, plan, now, readback, reprocessor, partial, preflight_s, pre_images
+        model, items, plan, now, readback, reprocessor, partial, preflight_s, pre_images, stream
     )
 
 

@@ -18,16 +18,6 @@ import torch
 
 from ..layout import storage_ptr
 
-__all__ = [
-    "Addresses",
-    "ModuleSnapshot",
-    "addresses",
-    "addresses_of",
-    "named_tensors",
-    "snapshot_module",
-    "snapshot_modules",
-]
-
 # (kind, identity, storage pointer, version counter, numel) of one attribute of a module
 Entry = tuple[str, int, int, int, int]
 ModuleSnapshot = dict[str, Entry]

@@ -20,8 +20,6 @@ from .proof import Proof
 from .snapshot import ModuleSnapshot
 from .write_map import WriteMap
 
-__all__ = ["BridgeState", "bridge_state", "clear_undefined", "mark_undefined", "undefined_reason"]
-
 STATE_ATTR = "_weight_bridge"
 
 

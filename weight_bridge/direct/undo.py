@@ -10,6 +10,7 @@ live storage, by the segment's geometry), so a log holds about the bytes of the 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -19,8 +20,6 @@ from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .positions import Positions
 from .state import bridge_state
-
-__all__ = ["UndoLog", "host_copy"]
 
 
 def host_copy(view: torch.Tensor) -> torch.Tensor:
@@ -120,3 +119,103 @@ class UndoLog:
         state = bridge_state(model)
         refresh_derived_state(model, self.modules)
         state.fingerprints.update(self.fingerprints)
+
+
+def _key(view: torch.Tensor) -> tuple:
+    return (view.data_ptr(), tuple(view.shape), tuple(view.stride()), view.dtype)
+
+
+class HostStore:
+    """The bits every view a push from memory writes held last, in host memory: the rollback
+    source of updates that have no file to re-read (an engine in the trainer's ranks).
+
+    Why not pre-images taken as each push writes: that is a copy of the weights on the push's
+    critical path (on an accelerator also a second copy on the device, or a transfer out of it
+    before the first byte is written). The store is instead brought up to date after an update
+    landed, off the critical path (:meth:`landed`: a thread, on CUDA a side stream into pinned
+    memory), and an update's pre-images are its tensors, not copied (:meth:`undo_log`). It is
+    one copy of what this worker's pushes write, allocated once, in host memory (plentiful
+    where the device is full); nothing on the engine's device. Whatever else writes the
+    weights makes it stale (:meth:`stale`): the next push then copies first, as pre-images.
+    """
+
+    def __init__(self) -> None:
+        self.copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key: (live, host)
+        self.current: set[tuple] = set()  # the keys whose host copy holds the live bits
+        self.writing: set[tuple] = set()  # the keys the last undo log was taken for
+        self._refreshing: threading.Thread | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(host.nbytes for _, host in self.copies.values())
+
+    def undo_log(
+        self, model: torch.nn.Module, views: Iterable[torch.Tensor], refresh: Mapping[str, str]
+    ) -> UndoLog:
+        """The pre-images of ``views`` before a write (:meth:`UndoLog.pre_images`'s log): the
+        store's own tensors where they hold the live bits, else copied into it now (the first
+        push, or after another writer)."""
+        self.wait()
+        log = UndoLog(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
+        self.writing = set()
+        for view in views:  # a tied weight's targets are one view: stored once
+            key = _key(view)
+            if key in self.writing:
+                continue
+            self.writing.add(key)
+            kept = self.copies.get(key)
+            if kept is None:
+                self.copies[key] = kept = (view, host_copy(view))
+            elif key not in self.current:
+                kept[1].copy_(view)
+            self.current.add(key)
+            log.log(view, None, kept[1])
+        return log
+
+    def stale(self) -> None:
+        """The weights were written by something the store did not see."""
+        self.wait()
+        self.current.clear()
+
+    def landed(self) -> None:
+        """The update the last undo log was taken for landed on every rank (no rollback needs
+        its old bits now): copy the new bits in, in the background (:meth:`wait` joins it)."""
+        self.wait()
+        keys, self.writing = self.writing, set()
+        self.current -= keys
+        pairs = [self.copies[k] for k in keys]
+        if not pairs:
+            return
+        event = None
+        if pairs[0][0].device.type == "cuda":  # after the writes queued on the current stream
+            event = torch.cuda.current_stream(pairs[0][0].device).record_event()
+
+        def copy() -> None:
+            try:
+                _copy_back(pairs, event)
+            except Exception:  # left stale: the next push copies them first
+                return
+            self.current |= keys
+
+        self._refreshing = threading.Thread(target=copy, name="weight-bridge-store", daemon=True)
+        self._refreshing.start()
+
+    def wait(self) -> None:
+        """Until a copy in the background finished."""
+        thread, self._refreshing = self._refreshing, None
+        if thread is not None:
+            thread.join()
+
+
+@torch.no_grad()
+def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
+    if event is None:
+        for view, host in pairs:
+            host.copy_(view)
+        return
+    stream = torch.cuda.Stream(pairs[0][0].device)
+    stream.wait_event(event)  # type: ignore[arg-type]
+    with torch.cuda.stream(stream):
+        for view, host in pairs:
+            host.copy_(view, non_blocking=True)
+    stream.synchronize()

@@ -6,11 +6,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from ..checkpoint.live import LiveTensor
 from ..layout import CheckpointLayout, TensorSpec
 from .errors import DirectReloadError
 from .parallel import run_split
-
-__all__ = ["find_nonfinite", "preflight", "validate_checkpoint"]
 
 
 def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -49,8 +48,13 @@ def preflight(
     return problems
 
 
-def _nonfinite(t: torch.Tensor, target: torch.dtype | None) -> str | None:
-    """Why the floating tensor ``t`` cannot be written into ``target``, or None."""
+def _nonfinite(t: torch.Tensor | LiveTensor, target: torch.dtype | None) -> str | None:
+    """Why the floating tensor ``t`` cannot be written into ``target``, or None. A tensor
+    pushed from memory is checked in the parts this rank holds (a DTensor's local shard: the
+    other ranks check theirs, and the update agrees on every rank's answer)."""
+    if isinstance(t, LiveTensor):
+        found = (_nonfinite(part, target) for part in t.parts)
+        return next((why for why in found if why is not None), None)
     if not t.is_floating_point() or t.numel() == 0:
         return None
     if t.element_size() == 1:
@@ -65,6 +69,11 @@ def _nonfinite(t: torch.Tensor, target: torch.dtype | None) -> str | None:
         if torch.finfo(t.dtype).max > limit and float(t.abs().max()) > limit:
             return f"holds values beyond the range of {target} (would become Inf)"
     return None
+
+
+def _nbytes(t: torch.Tensor | LiveTensor) -> int:
+    parts = t.parts if isinstance(t, LiveTensor) else [t]
+    return sum(p.numel() * p.element_size() for p in parts)
 
 
 def find_nonfinite(
@@ -87,7 +96,7 @@ def find_nonfinite(
     def check(item: tuple[str, torch.Tensor]) -> str | None:
         return _nonfinite(item[1], wanted.get(item[0]))
 
-    found = run_split(items, lambda item: item[1].numel() * item[1].element_size(), check)
+    found = run_split(items, lambda item: _nbytes(item[1]), check)
     bad: dict[str, str] = {}
     for (name, _), why in zip(items, found, strict=True):
         if isinstance(why, BaseException):

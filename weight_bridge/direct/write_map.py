@@ -13,7 +13,7 @@ A name whose loader did anything else (copied a *new* tensor made from the check
 cast, a concatenation, a permutation through ``contiguous``; wrote by another in-place op; or
 copied with a geometry that cannot be inverted element by element) gets no segments: it is
 *not patchable*, and a delta must carry it dense (the engine refuses a sparse one by name).
-The map is only valid for the storages it was learned on: :func:`learn_write_map` records the
+The map is only valid for the storages it was learned on: :class:`WriteMapLearner` records the
 model's addresses, and a push checks them (a direct reload never moves one).
 """
 
@@ -28,16 +28,6 @@ import torch
 from ..exact import fingerprint_change
 from ..layout import byte_span, storage_ptr
 from .positions import CHUNK, Positions
-
-__all__ = [
-    "Held",
-    "Segment",
-    "WriteMap",
-    "held_fingerprint",
-    "held_tensor",
-    "learn_write_map",
-    "segment_fingerprint",
-]
 
 
 @dataclass(frozen=True)
@@ -254,45 +244,51 @@ def _segment(
     )
 
 
-def learn_write_map(
-    items: Iterable[tuple[str, torch.Tensor]],
-    writes: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
-    other_writes: Iterable[str],
-    targets: Mapping[str, tuple[int, int]],
-    addresses: object,
-) -> WriteMap:
-    """The write map of a complete write: ``items`` were loaded, the loader made ``writes``
-    (checkpoint name, live destination view, source view) and, for ``other_writes``, in-place
-    writes that were not a copy of a view; ``targets``: each parameter's bytes (the plan's
-    spans), to name the parameters a checkpoint tensor writes into."""
-    sources: Mapping[str, torch.Tensor] = dict(items)
-    out = WriteMap(addresses=addresses)
-    cache: dict = {}
-    spans = sorted((lo, hi, name) for name, (lo, hi) in targets.items())
-    starts = [lo for lo, _, _ in spans]
-    for name in other_writes:
-        out.unpatchable[name] = "its loader writes it with an in-place op other than copy_"
-    for name, dst, src in writes:
-        source = sources.get(name)
+class WriteMapLearner:
+    """Learns the write map of a complete write as it happens, one checkpoint tensor at a time
+    (the read-back hands over each tensor's copies when it moves on: a source need not outlive
+    its write, so a push from memory can produce its tensors one by one). ``targets``: each
+    parameter's bytes (the plan's spans), to name the parameters a checkpoint tensor writes
+    into; ``addresses``: the storages it is learned on."""
+
+    def __init__(self, targets: Mapping[str, tuple[int, int]], addresses: object) -> None:
+        self.out = WriteMap(addresses=addresses)
+        self.cache: dict = {}
+        self.spans = sorted((lo, hi, name) for name, (lo, hi) in targets.items())
+        self.starts = [lo for lo, _, _ in self.spans]
+
+    def note(self, name: str, source: torch.Tensor | None, dst: torch.Tensor, src: torch.Tensor):
+        """One copy the loader made of (a view of) ``source``, checkpoint tensor ``name``, into
+        the live view ``dst``."""
+        out = self.out
         if source is None or name in out.unpatchable:
-            continue
-        seg = _segment(source, dst, src, cache)
+            return
+        seg = _segment(source, dst, src, self.cache)
         if isinstance(seg, str):
             out.unpatchable[name] = seg
             out.segments.pop(name, None)
-            continue
+            return
         out.segments.setdefault(name, []).append(seg)
         lo, _ = byte_span(dst)
-        i = bisect.bisect_right(starts, lo) - 1
-        if i >= 0 and spans[i][1] > lo:
-            out.params.setdefault(name, set()).add(spans[i][2])
+        i = bisect.bisect_right(self.starts, lo) - 1
+        if i >= 0 and self.spans[i][1] > lo:
+            out.params.setdefault(name, set()).add(self.spans[i][2])
         out.dtypes.setdefault(name, dst.dtype)
         if out.dtypes[name] != dst.dtype:
             out.unpatchable[name] = "its loader writes it into storages of several dtypes"
             out.segments.pop(name, None)
-    for name in out.unpatchable:
-        out.dtypes.pop(name, None)
-    return out
+
+    def finish(self, other_writes: Iterable[str]) -> WriteMap:
+        """The map, once the write ended: ``other_writes``, names also written by an in-place
+        op that is not a copy of a view, are not patchable."""
+        out = self.out
+        for name in other_writes:
+            out.unpatchable[name] = "its loader writes it with an in-place op other than copy_"
+            out.segments.pop(name, None)
+            out.params.pop(name, None)
+        for name in out.unpatchable:
+            out.dtypes.pop(name, None)
+        return out
 
 
 def held_tensor(write_map: WriteMap | None, name: str, shape: tuple[int, ...]) -> torch.Tensor:

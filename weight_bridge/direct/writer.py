@@ -28,8 +28,6 @@ from .report import ReloadReport
 from .state import bridge_state
 from .undo import UndoLog
 
-__all__ = ["Writer", "Writers"]
-
 
 class Writer(Protocol):
     """A prepared write: everything checked, nothing written (see the module docstring)."""

@@ -16,5 +16,3 @@ Needs the ``dev`` extra (``transformers``, ``tokenizers``).
 """
 
 TEST_ARCHITECTURES = "weight_bridge.testing.architectures:register"
-
-__all__ = ["TEST_ARCHITECTURES"]

@@ -17,16 +17,6 @@ from ..checkpoint import save_checkpoint
 from ..checkpoint.delta import changed_indices, delta_metadata, stored_parts
 from ..exact import bits_of, exact_fingerprint
 
-__all__ = [
-    "COLS",
-    "ROWS",
-    "AppliedMemory",
-    "Wide",
-    "applied_memory",
-    "delta_checkpoint",
-    "wide_pair",
-]
-
 ROWS, COLS = 4096, 8192  # one 64 MiB bf16 tensor
 
 

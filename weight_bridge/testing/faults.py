@@ -26,8 +26,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FAULTS", "FAULT_FILE_ENV", "KINDS", "arm_file", "fault_points", "install", "register"]
-
 FAULT_FILE_ENV = "WEIGHT_BRIDGE_TEST_FAULT_FILE"
 FAULTS = "weight_bridge.testing.faults:register"
 ENDS = ("enter", "return")  # a phase's fault raises as it is entered, or as it returns

@@ -16,16 +16,6 @@ from typing import Any
 from weight_bridge.vllm.clients.bridge_client import BridgeClient
 from weight_bridge.vllm.generation import Generation
 
-__all__ = [
-    "LOGPROB_TOL",
-    "PROMPTS",
-    "Parity",
-    "check_parity",
-    "collect",
-    "greedy",
-    "parity_problems",
-]
-
 PROMPTS: list[list[int]] = [
     [1, 20, 21, 22],
     [1, 5, 9, 30, 31],
@@ -65,7 +55,7 @@ def greedy(
         return collect(engine.generate([list(p) for p in prompts], params))
     from vllm import SamplingParams
 
-    from weight_bridge.vllm import token_prompts
+    from weight_bridge.vllm.clients.llm import token_prompts
 
     return collect(engine.generate(token_prompts(prompts), SamplingParams(**params)))
 

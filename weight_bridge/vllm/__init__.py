@@ -8,8 +8,9 @@ transactional direct reload (:mod:`~weight_bridge.vllm.worker.backend`). One cli
 results (:class:`Generation`, :mod:`~weight_bridge.vllm.generation`); :class:`ColocatedEngine`,
 :class:`AsyncColocatedEngine` and :class:`ServedEngine` are those clients plus an engine they start
 and own (:func:`start_engine` picks one by name). Every use of vLLM's private internals, and every
-patch of vLLM, is in :mod:`~weight_bridge.vllm.internals`. Names are imported on first use:
-importing a client module needs no vLLM.
+patch of vLLM, is in :mod:`~weight_bridge.vllm.internals`. The engines and clients a user imports
+are :mod:`weight_bridge`'s; this front has the checks and what picks a client by name, each
+imported on first use: importing a client module needs no vLLM.
 
 Limitations:
 1. Only vLLM's default safetensors loader is bridged (the checkpoint is captured as it loads).
@@ -35,72 +36,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names typed for mypy and IDEs; at run time imported on first use
-    from .clients.async_colocated import AsyncColocatedEngine
-    from .clients.async_llm import AsyncLLMClient
     from .clients.bridge_client import EngineClient
     from .clients.by_name import ENGINE_MODES, client_for, connect, start_engine
     from .clients.checks import expected_fingerprints, weight_mismatches
-    from .clients.colocated import ColocatedEngine
-    from .clients.http import HTTPClient, RemoteUpdateError
-    from .clients.llm import LLMClient, token_prompts
-    from .clients.ranks import RanksEngine
-    from .clients.served import ServedEngine, VLLMServer
-    from .errors import EngineUndefinedError, UpdateInProgressError
-    from .generation import Completion, Generation, VersionSpan
-    from .internals import EngineCoreDeadError
-    from .options import BACKEND, BridgeOptions
-    from .report import PushReport
 
 __all__ = [
-    "AsyncColocatedEngine",
-    "AsyncLLMClient",
-    "BACKEND",
-    "BridgeOptions",
-    "ColocatedEngine",
     "ENGINE_MODES",
-    "Completion",
     "EngineClient",
-    "EngineCoreDeadError",
-    "EngineUndefinedError",
-    "Generation",
-    "HTTPClient",
-    "LLMClient",
-    "PushReport",
-    "RanksEngine",
-    "RemoteUpdateError",
-    "ServedEngine",
-    "UpdateInProgressError",
-    "VLLMServer",
-    "VersionSpan",
     "client_for",
     "connect",
     "expected_fingerprints",
     "start_engine",
-    "token_prompts",
     "weight_mismatches",
 ]
 
 _WHERE = {
-    "BACKEND": "options",
-    "BridgeOptions": "options",
-    "AsyncColocatedEngine": "clients.async_colocated",
-    "AsyncLLMClient": "clients.async_llm",
-    "ColocatedEngine": "clients.colocated",
-    "RanksEngine": "clients.ranks",
     "EngineClient": "clients.bridge_client",
-    "EngineCoreDeadError": "internals",
-    "EngineUndefinedError": "errors",
-    "Completion": "generation",
-    "Generation": "generation",
-    "VersionSpan": "generation",
-    "LLMClient": "clients.llm",
-    "token_prompts": "clients.llm",
-    "HTTPClient": "clients.http",
-    "RemoteUpdateError": "clients.http",
-    "PushReport": "report",
-    "UpdateInProgressError": "errors",
-    "ServedEngine": "clients.served",
-    "VLLMServer": "clients.served",
     "connect": "clients.by_name",
     "start_engine": "clients.by_name",
     "client_for": "clients.by_name",

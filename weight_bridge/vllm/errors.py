@@ -9,8 +9,6 @@ from typing import Any
 
 from ..errors import WeightBridgeError
 
-__all__ = ["EngineUndefinedError", "UpdateInProgressError"]
-
 
 class EngineUndefinedError(WeightBridgeError, RuntimeError):
     """The engine's weights are half-written; it refuses to generate until a push succeeds."""

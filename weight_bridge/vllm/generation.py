@@ -27,16 +27,6 @@ from typing import Any
 
 from .errors import UNDEFINED, EngineUndefinedError
 
-__all__ = [
-    "DEFAULT_LABEL",
-    "Completion",
-    "Generation",
-    "VersionSpan",
-    "engine_prompt",
-    "policy_label",
-    "prompt_token_ids",
-]
-
 DEFAULT_LABEL = "default"  # vLLM's label of the weights an engine started with
 _MISSING = -9999.0  # vLLM's server's logprob of a sampled token the engine gave none for
 

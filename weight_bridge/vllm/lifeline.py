@@ -21,8 +21,6 @@ import signal
 import threading
 import time
 
-__all__ = ["FRONTEND_ENV", "follow_parent"]
-
 FRONTEND_ENV = "WEIGHT_BRIDGE_FRONTEND_PID"
 POLL_S = 1.0  # how often the parent is looked for
 GRACE_S = 15.0  # how long vLLM's own shutdown may take before the process exits outright

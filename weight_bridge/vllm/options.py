@@ -18,18 +18,6 @@ from typing import Any, Literal
 
 from ..direct.readback import READBACK_MODES
 
-__all__ = [
-    "BACKEND",
-    "BACKEND_RPC",
-    "CPU_LINEAR_MODES",
-    "RELOAD_MODES",
-    "BridgeOptions",
-    "ROOT_ENV",
-    "SESSION_FIELDS",
-    "bridge_options",
-    "is_bridged",
-]
-
 BACKEND = "weight_bridge"  # the backend's name in vLLM's factories, and its additional_config key
 # the method name the engine core routes to the backend's read-only queries (any client sends it)
 BACKEND_RPC = "weight_bridge.call_backend"

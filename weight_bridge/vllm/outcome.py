@@ -24,17 +24,6 @@ from ..direct import DirectReloadError, ReloadReport
 from ..direct.errors import BaseVersionError
 from ..direct.resolve import Relocation
 
-__all__ = [
-    "Phase",
-    "PushFailure",
-    "PushOutcome",
-    "PushResult",
-    "merged_error",
-    "shard_fingerprint_problems",
-    "outcome_of",
-    "typed_error",
-]
-
 
 class Phase(str, Enum):
     """THE lifecycle of an update on a worker, named once: the engine core drives every rank

@@ -31,16 +31,14 @@ import importlib
 import logging
 import os
 
-from . import internals
 from .core import undefined as core_undefined
 from .core import updates as core_updates
+from .internals import patches, versions
 from .internals.inductor_cache_isa import apply as apply_isa_cache_key
 from .lifeline import follow_parent
 from .options import BACKEND
 from .server import typed_errors
 from .worker import cpu_threads, external_launcher, load_recording, refresh
-
-__all__ = ["PLUGINS_ENV", "register", "run_engine_plugins"]
 
 PLUGINS_ENV = "WEIGHT_BRIDGE_PLUGINS"
 _registered = False
@@ -87,29 +85,29 @@ def run_engine_plugins(specs: str | None = None) -> None:
 def _install_patches() -> None:
     from vllm.platforms import current_platform
 
-    internals.patch_default_loader(
+    patches.patch_default_loader(
         get_all_weights=load_recording.get_all_weights,
         load_weights=load_recording.load_weights,
         process_weights_after_loading=load_recording.process_weights_after_loading,
     )
-    internals.patch_engine_core(
+    patches.patch_engine_core(
         collective_rpc=core_updates.bridged_collective_rpc,
         resume_scheduler=core_undefined.releasing_resume,
         step=core_undefined.failing_while_undefined,
         utilities=core_updates.UTILITIES,
         log_filter=core_updates.quiet_refusals,
     )
-    internals.patch_rl_api(
+    patches.patch_rl_api(
         update_weights=typed_errors.typed_update_weights,
         update_weights_async=typed_errors.typed_update_weights_async,
         start_weight_update=typed_errors.typed_start_weight_update,
         start_weight_update_async=typed_errors.typed_start_weight_update_async,
     )
     if current_platform.is_cpu():
-        internals.patch_cpu_linear(refresh.dispatch_cpu_linear)
-        internals.patch_cpu_moe(refresh.process_cpu_moe)
-        internals.patch_queue_waits(cpu_threads.idle_wait)
-        internals.patch_cpu_dist_init(external_launcher.naming_shm_by_job)
+        patches.patch_cpu_linear(refresh.dispatch_cpu_linear)
+        patches.patch_cpu_moe(refresh.process_cpu_moe)
+        patches.patch_queue_waits(cpu_threads.idle_wait)
+        patches.patch_cpu_dist_init(external_launcher.naming_shm_by_job)
 
 
 def register() -> None:
@@ -122,8 +120,8 @@ def register() -> None:
     apply_isa_cache_key()  # logprobs compiled for another CPU's vector width: wrong (issue 58)
     _register_backend()
     try:
-        internals.check_vllm_version()
-    except internals.UntestedVLLMError as exc:
+        versions.check_vllm_version()
+    except versions.UntestedVLLMError as exc:
         logging.getLogger(__name__).warning("%s; weight-bridge patches nothing here", exc)
         return
     _install_patches()

@@ -9,8 +9,6 @@ from typing import Any
 from ..direct import ReloadReport
 from .outcome import PushResult
 
-__all__ = ["PushReport", "describe"]
-
 
 @dataclass
 class PushReport(ReloadReport):

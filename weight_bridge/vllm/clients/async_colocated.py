@@ -31,8 +31,6 @@ from .async_llm import AsyncLLMClient
 from .bridge_client import InflightMode
 from .launch import bridged_engine_args, engine_environment
 
-__all__ = ["AsyncColocatedEngine"]
-
 
 class AsyncColocatedEngine(AsyncLLMClient):
     """An ``AsyncLLM`` with the ``weight_bridge`` backend, on its own event loop, and its client.

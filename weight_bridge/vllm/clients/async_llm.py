@@ -16,14 +16,13 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from ..generation import Generation, engine_prompt
-from ..internals import core_client_of, pause_queueing
+from ..internals.objects import core_client_of
+from ..internals.pause import pause_queueing
 from ..outcome import PushOutcome
 from ..report import PushReport
 from ..server.typed_errors import update_outcome_async
 from .bridge_client import BridgeClient, InflightMode
 from .llm import sampling_params
-
-__all__ = ["AsyncLLMClient"]
 
 
 class AsyncLLMClient(BridgeClient):

@@ -55,8 +55,6 @@ from ..generation import Generation
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
 
-__all__ = ["INFLIGHT_MODES", "BridgeClient", "EngineClient", "InflightMode"]
-
 InflightMode = Literal["recompute", "keep", "drain"]
 INFLIGHT_MODES = ("recompute", "keep", "drain")
 # in-flight mode -> vLLM's pause_generation(mode, clear_cache)

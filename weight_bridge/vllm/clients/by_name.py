@@ -24,8 +24,6 @@ from typing import Any
 
 from .bridge_client import EngineClient
 
-__all__ = ["ENGINE_MODES", "client_for", "connect", "start_engine"]
-
 ENGINE_MODES = ("colocated", "async", "serve", "ranks")
 
 

@@ -18,10 +18,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint import castable_dtype
+from ...checkpoint.keyframes import castable_dtype
 from ...exact import exact_fingerprint, format_fingerprint
-
-__all__ = ["expected_fingerprints", "weight_mismatches"]
 
 
 def expected_fingerprints(

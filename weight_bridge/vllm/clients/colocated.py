@@ -14,12 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..internals import shutdown
+from ..internals.engine_client import shutdown
 from ..options import SESSION_FIELDS, BridgeOptions
 from .launch import bridged_engine_args, engine_environment
 from .llm import LLMClient
-
-__all__ = ["ColocatedEngine"]
 
 
 def _session_property(name: str, doc: str) -> property:

@@ -15,8 +15,6 @@ import time
 from collections import deque
 from types import TracebackType
 
-__all__ = ["FairLock"]
-
 
 class FairLock:
     """Re-entrant; ``acquire(timeout=...)`` like ``threading.RLock``; first come, first served."""

@@ -42,8 +42,6 @@ from ..report import PushReport
 from ..server.middleware import PAUSE_ROUTE, RESULTS_ROUTE
 from .bridge_client import BridgeClient, InflightMode, run_blocking
 
-__all__ = ["RESULTS_ROUTE", "HTTPClient", "RemoteUpdateError"]
-
 _GENERATE_THREADS = 16  # concurrent generate requests of one client (the engine batches them)
 _DEFAULT_MAX_TOKENS = 16  # vllm.SamplingParams' default: the server would fill to the model length
 _WEIGHT_VERSIONS_SINCE = (0, 33)  # the first vLLM whose /v1/completions returns weight_versions

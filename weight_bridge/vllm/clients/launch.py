@@ -10,12 +10,10 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..internals import check_vllm_version
+from ..internals.versions import check_vllm_version
 from ..lifeline import FRONTEND_ENV
 from ..options import BACKEND, BridgeOptions
 from ..plugin import PLUGINS_ENV, run_engine_plugins
-
-__all__ = ["bridged_engine_args", "engine_environment"]
 
 
 @contextlib.contextmanager

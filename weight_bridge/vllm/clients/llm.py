@@ -37,22 +37,20 @@ from typing import Any
 
 from ..errors import EngineUndefinedError, undefined_message
 from ..generation import Generation, engine_prompt
-from ..internals import (
+from ..internals.engine_client import (
     EngineCoreDeadError,
-    core_client_of,
     core_dead,
     dead_message,
     engine_resources,
     watched_call,
 )
+from ..internals.objects import core_client_of
+from ..options import BACKEND_RPC
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
 from ..server.typed_errors import update_outcome
-from ..worker.backend import BACKEND_RPC
 from .bridge_client import BridgeClient, run_blocking
 from .fair_lock import FairLock
-
-__all__ = ["LLMClient", "sampling_params", "token_prompts"]
 
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()

@@ -35,14 +35,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "CPU_DEFAULT_KV_CACHE_GB",
-    "CUDA_COLOCATED_UTILIZATION",
-    "KVCacheTooSmallWarning",
-    "colocated_llm_kwargs",
-    "kv_bytes_per_token",
-]
-
 GiB = 1 << 30
 CPU_DEFAULT_KV_CACHE_GB = 1.0
 CUDA_COLOCATED_UTILIZATION = 0.3

@@ -13,9 +13,16 @@ Every guarantee of a file push holds, because a push is the same update: each ra
 drives its own worker, and the cores agree over the trainer's process group
 (:func:`~weight_bridge.vllm.internals.across_engine_ranks`), so the whole update is validated on
 every rank before any rank writes, a refusal on one rank is every rank's, and a failure after a
-rank wrote rolls every rank back. The rollback is from pre-images: the writer copies each target
-before writing it (one copy of this rank's shard of the pushed weights, on the engine's device,
-held only while the update runs).
+rank wrote rolls every rank back. The rollback is from a host store
+(:class:`~weight_bridge.direct.undo.HostStore`): one copy of this rank's shard of the weights in
+host memory (pinned on CUDA, nothing on the engine's device), brought up to date in the
+background after each update landed, so a push's critical path holds no copy of the old bits.
+
+An FSDP2 trainer's DTensors are pushed as they are: nothing is gathered before the first write.
+Validation reads each rank's local shards (the ranks agree on every answer), and each tensor is
+gathered only when the engine's loader asks for it, written, read back and dropped
+(:mod:`weight_bridge.checkpoint.live`): a rank's extra memory during a push is about two full
+tensors, not the model.
 
 Limits vLLM's external launcher sets: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set here), every rank
 must call :meth:`generate` and :meth:`push` together (the callback does), a ``vllm.LLM`` only (no
@@ -27,18 +34,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ...checkpoint import BASE_VERSION_KEY
-from ...checkpoint.live import published
+from ...checkpoint.live import Published, published
 from ..generation import Generation
 from ..report import PushReport
 from .colocated import ColocatedEngine
-
-__all__ = ["RanksEngine"]
 
 
 class RanksEngine(ColocatedEngine):
@@ -94,15 +97,13 @@ class RanksEngine(ColocatedEngine):
         return done
 
     def push_tensors(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: Any,
-        base_version: Any = None,
+        self, tensors: Published, version: Any, base_version: Any = None
     ) -> PushReport:
-        """Push ``tensors`` (checkpoint names -> full tensors, this rank's live ones: not
-        copied) as ``version``, on every rank together; ``base_version``: they are a subset,
-        applied on top of exactly that version (a partial push). The same refusals, read-back
-        and rollback as a file push."""
+        """Push ``tensors`` (checkpoint names -> this rank's live tensors, full or DTensors, or
+        :class:`~weight_bridge.checkpoint.live.LiveTensor` s: not copied) as ``version``, on
+        every rank together; ``base_version``: they are a subset, applied on top of exactly
+        that version (a partial push). The same refusals, read-back and rollback as a file
+        push."""
         metadata = {"version": str(version)}
         if base_version is not None:
             metadata[BASE_VERSION_KEY] = str(base_version)

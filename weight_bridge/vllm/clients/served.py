@@ -42,8 +42,6 @@ from ..plugin import PLUGINS_ENV
 from .bridge_client import InflightMode
 from .http import HTTPClient
 
-__all__ = ["ServedEngine", "VLLMServer", "cli_args", "free_port"]
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""

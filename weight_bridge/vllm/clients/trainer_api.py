@@ -96,25 +96,19 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from ...checkpoint import VERSION_KEY, step_file
+from ...checkpoint import step_file
 from ...checkpoint.delta_sink import Sink
 from ...checkpoint.delta_state import DeltaState
+from ...checkpoint.format import VERSION_KEY
 from ...checkpoint.keyframes import KeyframeClock, delta_mode
 from ...checkpoint.retention import discard, prune, unused_step
 from ...checkpoint.sender import Sender, Turn, Written
 from ...checkpoint.write import SavedCheckpoint
 from ...errors import WeightBridgeError
-from ..internals import full_tensors, sender_gaps, source_metadata
+from ..internals.sources import full_tensors, sender_gaps, source_metadata
 from ..options import BACKEND
 from ..report import PushReport
 from .bridge_client import check_inflight
-
-__all__ = [
-    "IncompleteSourceError",
-    "WeightBridgeTrainer",
-    "WeightBridgeTrainerInitInfo",
-    "bridge_client_of",
-]
 
 _HOW = (
     "make rank 0 own every tensor it sends (put it in each parameter's device mesh, e.g. shard "

@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..internals import bridge_state_of
-
-__all__ = ["ActiveUpdate", "BridgeCoreState", "core_state"]
+from ..internals.objects import bridge_state_of
 
 
 @dataclass

@@ -8,17 +8,15 @@ import logging
 from typing import Any
 
 from ..errors import undefined_message
-from ..internals import (
-    config_of,
+from ..internals.engine_core import (
     finish_every_request,
     pause_scheduling,
     set_pause_state,
     unpause_scheduling,
 )
+from ..internals.objects import config_of
 from ..options import is_bridged
 from .state import BridgeCoreState, core_state
-
-__all__ = ["failing_while_undefined", "releasing_resume", "resume_if_paused", "stop_scheduling"]
 
 _logger = logging.getLogger(__name__)
 

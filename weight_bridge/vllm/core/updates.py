@@ -54,7 +54,7 @@ the phases of :class:`~weight_bridge.vllm.outcome.Phase`, each answered by every
    ``resume_generation`` meanwhile releases the pause it ends
    (:func:`~.undefined.releasing_resume`), so the repair leaves the engine generating.
 
-The same wrapper routes :data:`~weight_bridge.vllm.worker.backend.BACKEND_RPC` (a method name any
+The same wrapper routes :data:`~weight_bridge.vllm.options.BACKEND_RPC` (a method name any
 client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
 (:data:`~weight_bridge.vllm.worker.backend.QUERIES`): the one channel into the workers besides
 vLLM's own calls.
@@ -83,20 +83,25 @@ from vllm.exceptions import GracefulHTTPError
 from ...checkpoint import CheckpointError, version_of
 from ...direct import DirectReloadError
 from ..errors import UpdateInProgressError
-from ..internals import (
+from ..internals.engine_core import (
     across_engine_ranks,
-    config_of,
     forget_prefixes,
     served_version,
     waiting_without_spinning,
 )
-from ..options import BridgeOptions, bridge_options, is_bridged
-from ..outcome import PushOutcome, PushResult, merged_error, shard_fingerprint_problems, typed_error
-from ..worker.backend import BACKEND_RPC, QUERIES, Phase, call_backend
+from ..internals.objects import config_of
+from ..options import BACKEND_RPC, BridgeOptions, bridge_options, is_bridged
+from ..outcome import (
+    Phase,
+    PushOutcome,
+    PushResult,
+    merged_error,
+    shard_fingerprint_problems,
+    typed_error,
+)
+from ..worker.backend import QUERIES, call_backend
 from .state import ActiveUpdate, core_state
 from .undefined import resume_if_paused, stop_scheduling
-
-__all__ = ["UTILITIES", "UpdateConflictError", "bridged_collective_rpc", "quiet_refusals"]
 
 _logger = logging.getLogger(__name__)
 _HOOKED = ("start_weight_update", "update_weights", "finish_weight_update")

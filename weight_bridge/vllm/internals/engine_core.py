@@ -11,18 +11,6 @@ from typing import Any
 
 from .objects import config_of
 
-__all__ = [
-    "across_engine_ranks",
-    "engine_ranks_group",
-    "finish_every_request",
-    "forget_prefixes",
-    "pause_scheduling",
-    "served_version",
-    "set_pause_state",
-    "unpause_scheduling",
-    "waiting_without_spinning",
-]
-
 
 def engine_ranks_group(core: Any) -> Any | None:
     """The process group of every rank of an engine started with vLLM's external launcher

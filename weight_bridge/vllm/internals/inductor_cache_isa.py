@@ -52,8 +52,6 @@ from __future__ import annotations
 import os
 import platform
 
-__all__ = ["TAG_PREFIX", "apply", "isa_tag"]
-
 TAG_PREFIX = "cpu-vec-isa:"
 
 # What torch/_inductor/cpu_vec_isa.py reads to pick the ISA (x86_isa_checker, VecAVX512's bf16

@@ -7,16 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = [
-    "is_input_embedding",
-    "layerwise_begin",
-    "layerwise_finish",
-    "layerwise_reprocesses",
-    "reset_runner_caches",
-    "transfer_engine",
-    "worker_model",
-]
-
 
 def layerwise_reprocesses(module: Any) -> bool:
     """Whether vLLM's layerwise path re-runs this module's post-load processing."""

@@ -11,15 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = [
-    "bridge_state_of",
-    "config_of",
-    "core_client_of",
-    "server_core_client",
-    "set_spin_window",
-    "spin_window",
-]
-
 _T = TypeVar("_T")
 _STATE = "_weight_bridge"
 

@@ -16,20 +16,6 @@ from typing import Any
 
 from .versions import CHECKLIST, TESTED_VLLM
 
-__all__ = [
-    "PATCHED",
-    "cpu_linear_of",
-    "drop_cpu_linear",
-    "patch_cpu_linear",
-    "patch_cpu_moe",
-    "patch_cpu_dist_init",
-    "patch_default_loader",
-    "patch_engine_core",
-    "patch_rl_api",
-    "processing_watched",
-    "set_cpu_linear",
-]
-
 Wrap = Callable[[Any], Any]  # a wrapper factory: the original -> what replaces it
 
 _LOADER = "vllm.model_executor.model_loader"

@@ -22,8 +22,6 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["pause_queueing", "release_pause"]
-
 # AsyncLLM.pause_generation sleeps this long after the engine core answered, so that the final
 # outputs of the requests that drained reach their callers before the pause returns.
 _SETTLE_S = 0.02

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SENDER_RANK", "full_tensors", "sender_gaps", "source_metadata"]
-
 #: The trainer rank that writes and pushes (vLLM's ``TrainerInitInfo.is_sender``: rank 0).
 SENDER_RANK = 0
 

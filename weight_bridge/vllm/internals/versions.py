@@ -16,16 +16,6 @@ import re
 
 from ...errors import WeightBridgeError
 
-__all__ = [
-    "ALLOW_UNTESTED_ENV",
-    "CHECKLIST",
-    "TESTED_VLLM",
-    "UntestedVLLMError",
-    "check_vllm_version",
-    "installed_vllm",
-    "vllm_minor",
-]
-
 #: The minor versions the whole suite (0.32) and the ``every_vllm`` subset (0.34) pass on.
 TESTED_VLLM = ("0.32", "0.34")
 CHECKLIST = "weight_bridge/vllm/internals/__init__.py"

@@ -16,15 +16,6 @@ from __future__ import annotations
 from typing import Any
 from weakref import WeakKeyDictionary
 
-__all__ = [
-    "VLLM_DIRECT_SITES",
-    "record_vllm_layout",
-    "vllm_direct_missing",
-    "vllm_direct_refusal",
-    "vllm_direct_begin",
-    "vllm_direct_finish",
-]
-
 _DIRECT = "vllm.model_executor.model_loader.reload.direct"
 _not_recorded: WeakKeyDictionary[Any, str] = WeakKeyDictionary()  # model -> why vLLM refused
 

@@ -55,8 +55,6 @@ from typing import Any
 from ..errors import EngineUndefinedError, undefined_message
 from ..options import BridgeOptions, bridge_options
 
-__all__ = ["OPEN_ROUTES", "PAUSE_ROUTE", "RESULTS_ROUTE", "require_api_key", "update_results_route"]
-
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
 RESULTS_ROUTE = "/weight_bridge/results"  # the bridge's routes, served here, called by HTTPClient
 PAUSE_ROUTE = "/weight_bridge/pause"
@@ -130,7 +128,8 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
     reason."""
     from starlette.responses import JSONResponse
 
-    from ..internals import call_core_utility_async, server_core_client
+    from ..internals.engine_client import call_core_utility_async
+    from ..internals.objects import server_core_client
 
     refused = _refusal(request)
     if refused is not None:
@@ -179,7 +178,8 @@ async def _pause_queueing(request: Any) -> Any:
     ``update_timeout_s`` if nothing follows it."""
     from starlette.responses import JSONResponse
 
-    from ..internals import config_of, pause_queueing, server_engine
+    from ..internals.objects import config_of, server_engine
+    from ..internals.pause import pause_queueing
 
     mode = request.query_params.get("mode", "wait")
     clear_cache = request.query_params.get("clear_cache", "false").lower() == "true"
@@ -200,7 +200,7 @@ async def _pause_queueing(request: Any) -> Any:
 async def _release(engine: Any, pauses: _Pauses, mark: int, timeout_s: float) -> None:
     """After ``timeout_s``, resume generation if nothing followed the pause counted ``mark``
     (no update started, nobody resumed or paused again) and the engine is still paused."""
-    from ..internals import release_pause
+    from ..internals.pause import release_pause
 
     await asyncio.sleep(timeout_s)
     try:

@@ -26,18 +26,10 @@ from ...checkpoint import CheckpointError
 from ...direct import DirectReloadError
 from ..core.updates import UpdateConflictError
 from ..errors import UpdateInProgressError
-from ..internals import call_core_utility, call_core_utility_async, config_of, core_client_of
+from ..internals.engine_client import call_core_utility, call_core_utility_async
+from ..internals.objects import config_of, core_client_of
 from ..options import is_bridged
 from ..outcome import PushOutcome, typed_error
-
-__all__ = [
-    "typed_start_weight_update",
-    "typed_start_weight_update_async",
-    "typed_update_weights",
-    "typed_update_weights_async",
-    "update_outcome",
-    "update_outcome_async",
-]
 
 _UTILITY = "weight_bridge_results"
 _CONFLICT = "weight_bridge_conflict"

@@ -36,13 +36,6 @@ import ctypes.util
 import os
 import platform
 
-__all__ = [
-    "ALLOCATOR_ENV",
-    "KEPT",
-    "default_glibc_allocator",
-    "keep_freed_memory",
-]
-
 ALLOCATOR_ENV = "WEIGHT_BRIDGE_MALLOC"  # "default": leave glibc's allocator as it is
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 KEPT = {

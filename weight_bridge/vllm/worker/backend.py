@@ -24,9 +24,9 @@ why the weights are undefined, one answer per worker::
     llm.collective_rpc(BACKEND_RPC, timeout=60, args=("plan", "auto"))   # any engine
     llm.collective_rpc(call_backend, timeout=60, args=("plan", "auto"))  # in-process engine
 
-(the engine core routes the method name :data:`BACKEND_RPC` to :func:`call_backend`; a
-function itself crosses from a multi-process engine's client to its core only with vLLM's
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+(the engine core routes the method name :data:`~weight_bridge.vllm.options.BACKEND_RPC` to
+:func:`call_backend`; a function itself crosses from a multi-process engine's client to its core
+only with vLLM's ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from ..internals import check_vllm_version, config_of, reset_runner_caches, transfer_engine
-from ..options import BACKEND_RPC, BridgeOptions, bridge_options
+from ..internals.model import reset_runner_caches, transfer_engine
+from ..internals.objects import config_of
+from ..internals.versions import check_vllm_version
+from ..options import BridgeOptions, bridge_options
 from ..outcome import Phase
 from .queries import worker_addresses, worker_fingerprints, worker_plan, worker_undefined
 from .transaction import PushTransaction
 from .update_request import UpdateRequest
-
-__all__ = ["BACKEND_RPC", "QUERIES", "Phase", "WeightBridgeEngine", "call_backend", "worker_rank"]
 
 _QUERIES: dict[str, Callable[..., Any]] = {
     "plan": worker_plan,  # args: the mode (default: the one the worker pushes with)

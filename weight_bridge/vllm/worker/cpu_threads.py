@@ -39,17 +39,7 @@ from typing import Any
 import torch
 
 from ...direct.parallel import helper_threads, set_helper_threads
-from ..internals import set_spin_window, spin_window
-
-__all__ = [
-    "IDLE_AFTER_S",
-    "PUSH_THREADS_ENV",
-    "RECHECK_MS",
-    "idle_wait",
-    "sleep_when_idle",
-    "spare_cpus",
-    "use_spare_cpus",
-]
+from ..internals.objects import set_spin_window, spin_window
 
 PUSH_THREADS_ENV = "WEIGHT_BRIDGE_PUSH_THREADS"
 # A bridged CPU worker spins this long after a message (vLLM: 1 s), then sleeps. Not 0: within

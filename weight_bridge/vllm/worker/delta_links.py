@@ -23,14 +23,6 @@ from ...direct.state import bridge_state
 from ...direct.writer import Writer
 from ..options import BridgeOptions
 
-__all__ = [
-    "DELTA_MODES",
-    "link_fingerprints",
-    "link_lineage",
-    "plan_delta",
-    "served_dtypes",
-]
-
 DELTA_MODES = ("direct", "auto")  # the modes whose complete pushes learn a write map
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["naming_shm_by_job"]
-
 _ENV_IDENT = "//"  # what vLLM derives from "env://"
 
 

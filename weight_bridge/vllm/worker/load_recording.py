@@ -35,14 +35,13 @@ from ...direct.readback import ReadBack
 from ...direct.snapshot import snapshot_module
 from ...direct.state import bridge_state
 from ...layout import TensorSpec, fingerprint, live_tensors, storage_ptr
-from ..internals import processing_watched, record_vllm_layout
+from ..internals.patches import processing_watched
+from ..internals.vllm_direct import record_vllm_layout
 from ..options import bridge_options
 from .allocator import keep_freed_memory
 from .cpu_threads import sleep_when_idle, use_spare_cpus
 from .layerwise import reprocessable_module
 from .refresh import take_refreshers
-
-__all__ = ["get_all_weights", "load_weights", "process_weights_after_loading"]
 
 _manifests: WeakKeyDictionary[torch.nn.Module, dict[str, TensorSpec]] = WeakKeyDictionary()
 _loaded: WeakKeyDictionary[torch.nn.Module, set[str]] = WeakKeyDictionary()

@@ -18,11 +18,10 @@ from ...direct.snapshot import addresses
 from ...direct.state import bridge_state, undefined_reason
 from ...direct.write_map import held_tensor
 from ...exact import exact_fingerprint, format_fingerprint
-from ..internals import config_of, transfer_engine, worker_model
+from ..internals.model import transfer_engine, worker_model
+from ..internals.objects import config_of
 from ..options import bridge_options
 from .layerwise import push_plan
-
-__all__ = ["worker_addresses", "worker_fingerprints", "worker_plan", "worker_undefined"]
 
 
 def _pushes_with(worker: Any) -> str:

@@ -43,17 +43,9 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ...direct import Refresher
-from ..internals import cpu_linear_of, drop_cpu_linear, is_input_embedding, set_cpu_linear
+from ..internals.model import is_input_embedding
+from ..internals.patches import cpu_linear_of, drop_cpu_linear, set_cpu_linear
 from ..options import CPU_LINEAR_MODES, bridge_options
-
-__all__ = [
-    "CpuLinearRepack",
-    "CpuMoePrepack",
-    "dispatch_cpu_linear",
-    "process_cpu_moe",
-    "take_refreshers",
-    "torch_linear",
-]
 
 _pending: WeakKeyDictionary[torch.nn.Module, Refresher] = WeakKeyDictionary()
 

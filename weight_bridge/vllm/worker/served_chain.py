@@ -25,8 +25,6 @@ from ...checkpoint.held import HeldFile
 from ...direct.errors import BaseVersionError
 from ...direct.undo import UndoLog
 
-__all__ = ["ServedCheckpoint", "check_lineage", "compact", "hold"]
-
 
 @dataclass
 class ServedCheckpoint:

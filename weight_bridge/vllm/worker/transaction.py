@@ -17,12 +17,11 @@ roll back every rank that wrote if one failed:
    writes, reads back and refreshes derived state. A failure past the first write is a result
    too: the writer left the model on its previous bits or marked undefined.
 3. ``ROLL_BACK`` (:meth:`PushTransaction.roll_back`): take back what the writer wrote: from its
-   undo log (a delta's pre-images, O(delta); pre-images in host memory of what a push from
-   memory replaced), or by re-writing the version served before (its complete
-   checkpoint, then each partial one on top of it), re-read through the descriptors held since
-   each was pushed, each file's identity checked before any byte is re-written
-   (:mod:`~weight_bridge.vllm.worker.served_chain`): a file deleted or renamed over meanwhile still
-   rolls back, one whose bytes changed is refused by name. If that fails too, the model stays
+   undo log (a delta's pre-images, O(delta); for a push from memory, the host store of the
+   bits it replaced: :class:`~weight_bridge.direct.undo.HostStore`), or by re-writing the
+   version served before (its complete checkpoint, then each partial one), re-read through
+   the descriptors held since each was pushed, each file's identity checked first
+   (:mod:`~weight_bridge.vllm.worker.served_chain`). If that fails too, the model stays
    *undefined*.
 
 Every file of the chain is held shared-locked, so no writer recycles it; the chain served
@@ -43,6 +42,7 @@ rank's engine core waits for one that raised (:mod:`~weight_bridge.vllm.core.upd
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -57,6 +57,7 @@ from ...checkpoint.trust import trusted_checkpoint
 from ...direct import DirectReloadError, ReloadReport
 from ...direct.errors import BaseVersionError
 from ...direct.state import mark_undefined, undefined_reason
+from ...direct.undo import HostStore
 from ...direct.writer import Writer
 from ..options import BridgeOptions
 from ..outcome import Phase, PushFailure, PushResult
@@ -64,8 +65,6 @@ from .delta_links import link_fingerprints, link_lineage, served_dtypes
 from .served_chain import ServedCheckpoint, check_lineage, compact, hold
 from .update_request import PreparedUpdate, UpdateRequest
 from .writers import WriteJob, prepare_writer
-
-__all__ = ["PushTransaction"]
 
 
 class PushTransaction:
@@ -95,16 +94,25 @@ class PushTransaction:
         self._opened: CheckpointReader | LiveCheckpoint | None = None  # by a PREPARE running
         self._committing: PreparedUpdate | None = None  # the update COMMIT wrote (until it settles)
         self._reload: Any = None  # the worker's reload_weights, handed in by commit/roll_back
+        # what pushes from memory roll back to (their tensors are not files to re-read)
+        self.store = HostStore()
 
     def run(self, phase: Phase, *args: Any) -> PushResult:
         """Run ``phase`` (its method of the same name) and answer this rank's result, whatever
         it raised (the module docstring says what each phase's failure means). An interrupt
         (``KeyboardInterrupt``, ``SystemExit``) is not an outcome: it propagates."""
         step = getattr(self, phase.value)
+        pending = self._pending if phase is Phase.COMMIT else None
         try:
             return step(*args)
         except Exception as exc:
             return self._failed(phase, exc)
+        finally:
+            if pending is not None and isinstance(pending.reader, LiveCheckpoint):
+                # the other ranks may wait in its stream's next agreement: answer it (a
+                # failure to is theirs to time out on; this rank's outcome is decided)
+                with contextlib.suppress(Exception):
+                    pending.reader.end_stream()
 
     def _failed(self, phase: Phase, exc: Exception) -> PushResult:
         result = self.result
@@ -178,13 +186,14 @@ class PushTransaction:
             check_lineage(path, base, metadata.get(BASE_LINEAGE_KEY), self.served)
         items = list(reader.tensors())
         finite = _choose(request.check_finite, self.options.check_finite)
-        job = self._job(path, metadata, items, finite, result.partial)
+        stream = reader.stream if isinstance(reader, LiveCheckpoint) else None
+        job = self._job(path, metadata, items, finite, result.partial, stream)
         writer = prepare_writer(job)
         result.mode = writer.mode
         below = self.served[-1].lineage if self.served else None
         lineage = link_lineage(prints, result.partial, below)
         self._pending = PreparedUpdate(
-            reader, items, writer, path, result.partial, job.pre_images, prints, lineage
+            reader, items, writer, path, result.partial, job.pre_images is not None, prints, lineage
         )
         self._opened = None
         return self._finished(result)
@@ -217,20 +226,15 @@ class PushTransaction:
             f"{what}; push a complete checkpoint (nothing was written)"
         )
 
-    def _job(self, path: str, metadata: dict, items: list, finite: bool, partial: bool) -> WriteJob:
-        return WriteJob(
-            self.model,
-            self.model_config,
-            self.options,
-            path,
-            metadata,
-            items,
-            finite,
-            partial,
-            self._vllm_reload,
-            # no file to re-read what it replaces: the writer keeps the pre-images instead
-            self.options.rollback and (is_live(path) or any(is_live(n.path) for n in self.served)),
-        )
+    def _job(
+        self, path: str, metadata: dict, items: list, finite: bool, partial: bool, stream=None
+    ) -> WriteJob:
+        """What the writer is prepared from; ``stream``: the tensors of a push from memory."""
+        # no file to re-read what it replaces: the writer keeps the pre-images (the host store)
+        from_memory = is_live(path) or any(is_live(n.path) for n in self.served)
+        store = self.store if self.options.rollback and from_memory else None
+        args = (path, metadata, items, finite, partial, self._vllm_reload, store, stream)
+        return WriteJob(self.model, self.model_config, self.options, *args)
 
     def _vllm_reload(self, **kwargs: Any) -> None:
         """The worker's layerwise ``reload_weights``, for a writer that rides it; known only
@@ -290,7 +294,10 @@ class PushTransaction:
         longer needs (the chain before the last commit, links compacted away)."""
         self.abandon()
         self._unserved = self._committing = None
-        if self._pre_images is not None:  # a copy of what it replaced: no rollback needs it now
+        if self._before is not None or undefined_reason(self.model) is not None:
+            # an update landed here (or the bits are unknown): the store catches up or is stale
+            self.store.landed() if self._pre_images is not None else self.store.stale()
+        if self._pre_images is not None:  # what it replaced: no rollback needs it now
             self._pre_images.undo, self._pre_images = None, None
         live = {id(link) for link in self.served}
         for link in self._before or ():
@@ -307,8 +314,9 @@ class PushTransaction:
         if not result.wrote:
             return result
         self._reload = reload_weights
+        label = f"version {version!r}" if version is not None else "the version served before"
         if self._undone:
-            result.rolled_back = "the failed write restored the version served before itself"
+            result.rolled_back = f"the engine rolled back to {label}: the failed write restored it"
             return self._finished(result)
         if not self.options.rollback:
             mark_undefined(
@@ -328,7 +336,6 @@ class PushTransaction:
         elif self._unserved is not None:  # the write returned, what followed it failed
             undo, self._unserved = self._unserved.undo_log, None
         started = time.perf_counter()
-        label = f"version {version!r}" if version is not None else "the version served before"
         if undo is not None:  # the writer's pre-images, O(what it wrote), no file re-read
             undo.undo(self.model)
         else:

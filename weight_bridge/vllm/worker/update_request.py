@@ -6,13 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 from ...checkpoint import CheckpointReader
 from ...checkpoint.live import LiveCheckpoint
 from ...direct.writer import Writer
-
-__all__ = ["PreparedUpdate", "UpdateRequest"]
 
 
 @dataclass
@@ -53,7 +49,7 @@ class PreparedUpdate:
     bookkeeping needs, parsed at prepare (nothing is parsed after the first byte is written)."""
 
     reader: CheckpointReader | LiveCheckpoint
-    items: list[tuple[str, torch.Tensor]]
+    items: list[tuple[str, Any]]  # tensors, or LiveTensor descriptions
     writer: Writer
     path: str
     partial: bool

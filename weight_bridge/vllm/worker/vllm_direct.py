@@ -40,10 +40,8 @@ from ...direct.state import bridge_state, clear_undefined, mark_undefined, undef
 from ...direct.undo import UndoLog
 from ...direct.validate import validate_checkpoint
 from ...layout import live_tensors, storage_ptr
-from ..internals import vllm_direct_begin, vllm_direct_finish
+from ..internals.vllm_direct import vllm_direct_begin, vllm_direct_finish
 from .refresh import take_refreshers
-
-__all__ = ["VllmDirectWrite", "adopt_refreshers"]
 
 WHAT = "vLLM's direct reload (post-load processing re-run)"
 

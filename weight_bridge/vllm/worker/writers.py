@@ -18,7 +18,7 @@ decision, shared with the dry run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +27,13 @@ import torch
 from ...checkpoint.delta import is_delta
 from ...direct import DirectReloadError, prepare_direct_reload
 from ...direct.record import require_layout
+from ...direct.undo import HostStore
 from ...direct.validate import validate_checkpoint
 from ...direct.writer import Writer
 from ..options import BridgeOptions
 from .delta_links import plan_delta
 from .layerwise import LayerwiseReprocessor, LayerwiseWrite, PushPlan, push_plan
 from .vllm_direct import VllmDirectWrite
-
-__all__ = ["WRITERS", "WriteJob", "prepare_writer"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,11 @@ class WriteJob:
     finite: bool
     partial: bool
     reload: Callable[..., None]
-    pre_images: bool = False  # keep what every write replaces (a rollback re-reads no file)
+    # keep what every write replaces (a rollback re-reads no file): in this host store
+    pre_images: HostStore | None = None
+    # tensors produced one at a time as the write asks (a push from memory: ``items`` are
+    # their descriptions, :class:`~weight_bridge.checkpoint.live.LiveTensor`)
+    stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
 
 
 def _delta(job: WriteJob, _: PushPlan | None) -> Writer:
@@ -72,7 +75,8 @@ def _direct(job: WriteJob, chosen: PushPlan | None) -> Writer:
         reprocessable=reprocessable or frozenset(),
         readback=job.options.readback,
         partial=job.partial,
-        pre_images=job.pre_images,
+        pre_images=job.pre_images or False,
+        stream=job.stream,
     )
 
 
@@ -118,7 +122,12 @@ WRITERS: dict[str, Callable[[WriteJob, PushPlan | None], Writer]] = {
 def prepare_writer(job: WriteJob, mode: str | None = None) -> Writer:
     """The writer of ``job`` in ``mode`` (default: the engine's reload mode); a delta is
     always the delta writer's. Nothing is written; a refusal raises naming each tensor."""
-    if is_delta(job.metadata):
-        return WRITERS["delta"](job, None)
-    chosen = push_plan(job.model, mode or job.options.reload_mode)
-    return WRITERS[chosen.mode](job, chosen)
+    delta = is_delta(job.metadata)
+    chosen = None if delta else push_plan(job.model, mode or job.options.reload_mode)
+    writer = "delta" if chosen is None else chosen.mode
+    if job.stream is not None and writer not in ("direct", "auto"):
+        raise DirectReloadError(
+            f"tensors pushed from memory are written by the direct writer, not {writer!r} "
+            "(it reads whole checkpoints): nothing was written"
+        )
+    return WRITERS[writer](job, chosen)

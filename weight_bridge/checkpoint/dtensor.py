@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardGather", "is_dtensor"]
-
 
 def is_dtensor(t: object) -> bool:
     if not torch.distributed.is_available():

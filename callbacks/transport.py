@@ -1,0 +1,252 @@
+"""How a sync's tensors reach the engine: a transport, chosen once from the engine.
+
+Shaped like Lightning's ``CheckpointIO`` beside ``ModelCheckpoint``: the callback's schedule
+says *when*, the sender (:class:`~weight_bridge.checkpoint.Sender`) *what kind* of sync, the
+transport *how* the tensors travel and what is left on disk. It is handed to the sender once
+(``retire``, ``discard``), and the callback calls the same steps whatever it is: ``write``
+(the sender's), ``pushed`` (every rank, after a push landed), ``end`` (after every sync).
+
+* :class:`FileTransport` (an engine of its own process, a server, one the user built): the
+  writer ranks stream a safetensors file per sync into the sync's directory (in RAM or on
+  disk); every rank pushes its path; old files are pruned (never what the engine serves), a
+  failed sync's file removed.
+* :class:`LiveTransport` (``EngineSpec(mode="ranks")``: vLLM inside the trainer's ranks): every
+  rank publishes its own tensors (:class:`~weight_bridge.checkpoint.live.LiveTensor`: not
+  copied; a DTensor gathered only when the engine's loader asks for it, one at a time) and
+  pushes them by name. No file, unless the user asks (``files.dirpath``): then each sync also
+  saves a complete checkpoint there, from the same gathers (what the push carries as the
+  engine's loader takes it; what a partial push leaves out, after it), the newest kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weight_bridge.checkpoint import CheckpointFiles, CheckpointWriter, DeltaState, Turn, Written
+from weight_bridge.checkpoint.live import published
+
+from .collective import Collective
+from .gather import Gatherer, GatherPlan
+from .names import SyncEntry
+from .schedule import Schedule, in_ranks_schedule
+
+
+def _no_engine() -> None:
+    return None
+
+
+@dataclass
+class SyncStep:
+    """One sync as a transport sees it: the trainer's objects, the step's file (a live push
+    keeps its name for the copy the user asked for), and the ranks' agreement."""
+
+    trainer: Any
+    pl_module: Any
+    path: Path
+    step: int
+    collective: Collective
+
+    def metadata(self, plan: GatherPlan, turn: Turn) -> dict[str, str]:
+        """The checkpoint's header fields: its version, and a partial one's or a delta's base."""
+        metadata = {"step": str(self.step), "version": str(self.step)}
+        metadata["source_dtype"] = plan.source_dtype
+        if plan.partial or turn.kind == "delta":
+            metadata.update(turn.metadata)
+        return metadata
+
+
+class Transport(ABC):
+    """What every transport answers (see the module). ``writer``: this rank writes files;
+    ``file_ranks``: the ranks that do; ``engine()``: the engine now (None before it starts)."""
+
+    def __init__(self, gatherer: Gatherer, files: CheckpointFiles, deltas: DeltaState) -> None:
+        self.gatherer, self.files, self.deltas = gatherer, files, deltas
+        self.directory: Path | None = None
+        self.in_ram = False
+        self.writer = False
+        self.file_ranks: list[int] = [0]
+        self.engine: Callable[[], Any] = _no_engine
+
+    @staticmethod
+    def schedule(schedule: Schedule) -> Schedule:
+        """The schedule this transport can keep (deltas pay only where bytes travel)."""
+        return schedule
+
+    def setup(
+        self, directory: Path, in_ram: bool, file_ranks: list[int], writer: bool, engine: Callable
+    ) -> None:
+        self.directory, self.in_ram, self.engine = directory, in_ram, engine
+        self.file_ranks, self.writer = file_ranks, writer
+
+    @abstractmethod
+    def write(self, sync: SyncStep, turn: Turn) -> Written:
+        """The sender's ``write``: the sync's tensors made ready to push (the same on every
+        rank: every rank pushes what this names)."""
+
+    def pushed(self, sync: SyncStep) -> str | None:
+        """Every rank, after the push landed: the complete file this sync left (None: none
+        beyond what the sender knows)."""
+        return None
+
+    @abstractmethod
+    def retire(self, path: Path, served: Iterable[Any]) -> None:
+        """The sender's, after a sync: old files go, except what the engine serves."""
+
+    @abstractmethod
+    def discard(self, path: Path) -> None:
+        """The sender's, after a failed sync: its file goes (unless the engine serves it)."""
+
+    @abstractmethod
+    def end(self) -> None:
+        """After every sync, landed or not: nothing it made outlives it."""
+
+
+class FileTransport(Transport):
+    """A file per sync, written by the writer ranks, pushed by path (see the module)."""
+
+    def write(self, sync: SyncStep, turn: Turn) -> Written:
+        written = sync.collective.run("save", partial(self._save, sync, turn))
+        written = sync.trainer.strategy.broadcast(written, src=0)
+        # each node's writer wrote its own copy (node_local): push and keep that one
+        return written._replace(path=str(sync.path)) if self.files.node_local else written
+
+    def _save(self, sync: SyncStep, turn: Turn) -> Written:
+        """Plan the checkpoint of ``turn``'s kind (every rank) and stream it (writers;
+        sharded: every rank): a delta between keyframes when deltas run, else complete or
+        partial."""
+        kind = turn.kind
+        skip_frozen = self.deltas.clock.skip_frozen
+        changing = kind == "partial" or (kind == "delta" and skip_frozen)
+        track = turn.based and kind != "delta"
+        plan = self.gatherer.plan(sync.trainer, sync.pl_module, changing, self.writer, track)
+        sink = partial(turn.opener, tracked=plan.tracked)
+        where = sync.path if self.writer else None
+        metadata = sync.metadata(plan, turn)
+        saved = self.gatherer.stream(plan, where, metadata, sync.collective, self.file_ranks, sink)
+        nbytes = saved.bytes if saved else 0
+        return Written(str(sync.path), nbytes, plan.partial, self.deltas.changed_fraction())
+
+    def retire(self, path: Path, served: Iterable[Any]) -> None:
+        if self.writer and self.directory is not None:
+            keep = self.files.keep(self.in_ram)
+            self.gatherer.retire(self.directory, path, keep, served)
+
+    def discard(self, path: Path) -> None:
+        if self.writer:
+            self.gatherer.discard(path, self.engine())
+
+    def end(self) -> None:
+        """Nothing to release: the file is the sender's to keep or discard."""
+
+
+@dataclass
+class _FileCopy:
+    """The complete file a live sync also saves: its writer (None: not this rank's), the
+    entries the push does not carry, and the first error writing it met."""
+
+    writer: CheckpointWriter | None
+    rest: list[SyncEntry]
+    sharded: bool
+    error: BaseException | None = None
+
+    def tee(self, name: str, tensor: torch.Tensor) -> None:
+        """Each tensor the push produces, written too (an error stops the copy, not the push:
+        it fails the sync once the push ended)."""
+        if self.writer is None or self.error is not None:
+            return
+        try:
+            self.writer.write(name, tensor, cast=True)
+        except Exception as exc:
+            self.error = exc
+
+
+class LiveTransport(Transport):
+    """Live tensors published in every rank, pushed by name (see the module)."""
+
+    def __init__(self, gatherer: Gatherer, files: CheckpointFiles, deltas: DeltaState) -> None:
+        super().__init__(gatherer, files, deltas)
+        self._published = contextlib.ExitStack()  # the tensors, until the push ended
+        self._copy: _FileCopy | None = None
+
+    @staticmethod
+    def schedule(schedule: Schedule) -> Schedule:
+        return in_ranks_schedule(schedule)
+
+    def write(self, sync: SyncStep, turn: Turn) -> Written:
+        return sync.collective.run("save", partial(self._publish, sync, turn))
+
+    def _publish(self, sync: SyncStep, turn: Turn) -> Written:
+        gatherer = self.gatherer
+        plan = gatherer.plan(sync.trainer, sync.pl_module, turn.kind == "partial", True)
+        if plan.sharded:  # each gather is a collective: every rank streams the same tensors
+            sync.collective.same("push (the checkpoint's tensors)", plan.digest())
+        items = [gatherer.live_tensor(e) for e in plan.entries]
+        tee = None
+        if self.files.dirpath is not None:
+            self._copy = self._open_copy(sync, plan)
+            tee = self._copy.tee
+        name = self._published.enter_context(published(items, sync.metadata(plan, turn), tee))
+        nbytes = sum(t.numel() * t.element_size() for t in items)
+        return Written(name, nbytes, plan.partial)
+
+    def _open_copy(self, sync: SyncStep, plan: GatherPlan) -> _FileCopy:
+        """The complete file's writer, its header ordered as its tensors come: what the push
+        streams, then what a partial push leaves out."""
+        complete = plan
+        if plan.partial:
+            complete = self.gatherer.plan(sync.trainer, sync.pl_module, False, True)
+        carried = {e.name for e in plan.entries}
+        rest = [e for e in complete.entries if e.name not in carried]
+        writer = None
+        if self.writer:
+            header = GatherPlan([*plan.entries, *rest], False, complete.source_dtype, False)
+            meta = {"step": str(sync.step), "version": str(sync.step)}
+            meta["source_dtype"] = complete.source_dtype
+            options = self.gatherer.writer_options()
+            writer = CheckpointWriter(sync.path, header.specs(), meta, **options)
+        return _FileCopy(writer, rest, complete.sharded)
+
+    def pushed(self, sync: SyncStep) -> str | None:
+        copy = self._copy
+        if copy is None:
+            return None
+        self._copy = None
+        try:
+            self.gatherer.write_entries(
+                copy.rest, copy.sharded, copy.writer, self.file_ranks, sync.collective, copy.error
+            )
+            if copy.writer is not None:
+                copy.writer.finish()
+        except BaseException:
+            if copy.writer is not None:
+                copy.writer.abort()
+            raise
+        if self.writer and self.directory is not None:
+            self.gatherer.retire(self.directory, sync.path, self.files.keep(self.in_ram), ())
+        return str(sync.path)
+
+    def retire(self, path: Path, served: Iterable[Any]) -> None:
+        """Nothing: a live push leaves no file (the copy the user asked for is kept by
+        :meth:`pushed`)."""
+
+    def discard(self, path: Path) -> None:
+        """Nothing: a live push leaves no file."""
+
+    def end(self) -> None:
+        self._published.close()
+        copy, self._copy = self._copy, None
+        if copy is not None and copy.writer is not None:
+            copy.writer.abort()  # the sync failed before its copy was finished
+
+
+def transport_for(in_ranks: bool) -> type[Transport]:
+    """The transport of an engine: in the trainer's ranks, live tensors; else files."""
+    return LiveTransport if in_ranks else FileTransport
