@@ -19,6 +19,7 @@ adapter matrices, exactly as on a replicated model.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,9 +128,7 @@ def _owner(key: str, lora: Mapping[str, Any]) -> tuple[str, str]:
 def _identities(root: torch.nn.Module) -> tuple[dict[str, Any], set[int]]:
     """State key -> the parameter or buffer object, and the ids of tied parameters."""
     params = dict(root.named_parameters(remove_duplicate=False))
-    counts: dict[int, int] = {}
-    for p in params.values():
-        counts[id(p)] = counts.get(id(p), 0) + 1
+    counts = Counter(id(p) for p in params.values())
     objects: dict[str, Any] = dict(root.named_buffers(remove_duplicate=False))
     objects.update(params)
     return objects, {i for i, n in counts.items() if n > 1}

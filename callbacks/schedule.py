@@ -33,25 +33,16 @@ class Schedule:
     after a failed one, and every ``full_every_k``-th (if set) are complete.
 
     ``delta``: whether a sync may be an exact *delta* (only the values that changed since the
-    last push, bit for bit in the engine's dtype). ``"auto"`` (the default): where deltas are
-    measured cheaper, with an engine that can apply one (its report of the last complete push
-    lists the dtypes it holds each tensor in; an engine that does not report cannot); never where
-    host memory carries every byte (a tmpfs directory, no accelerator: a delta reads every value
-    to find what changed, so it costs more than the full sync it replaces); elsewhere, a full
-    sync and a delta are each timed in the run and the cheaper kept, re-checked every so often
+    last push, bit for bit in the engine's dtype). ``"auto"`` (the default): with an engine that
+    can apply one, where deltas are measured cheaper than full syncs
     (:mod:`weight_bridge.checkpoint.delta_choice`; each sync's record says why: ``choice``).
     ``"on"``: deltas between keyframes (an engine that cannot refuses by name); ``"off"`` (or
     ``False``): never, for whatever reads each sync's file as the full weights. Deltas rest on
-    *keyframes* (complete or partial syncs, which also refresh the trainer's reference copy):
-    the first sync of a run (a resume included), the first after a failed one, every
-    ``full_every_k``-th sync (complete; ``DELTA_EVERY_K`` = 64 while deltas run and
-    ``full_every_k`` is None), and the next sync once the deltas since the last keyframe add up
-    to more than the keyframe's bytes (:data:`~weight_bridge.checkpoint.keyframes.DELTA_BUDGET`).
-    The engine's served chain holds the keyframe and every sparse delta since, so these bound it:
-    ``full_every_k`` files, and deltas of the keyframe's bytes plus the one that passed it. The
-    complete keyframes are the run's loadable checkpoints (``VLLMWeightSync.last_checkpoint``
-    names the newest). With ``skip_frozen`` a delta covers only what training can change, like
-    a partial sync.
+    *keyframes* (complete or partial syncs that refresh the trainer's reference copy), which
+    also bound the engine's served chain: when they come is
+    :mod:`weight_bridge.checkpoint.keyframes`'s policy. The complete keyframes are the run's
+    loadable checkpoints (``VLLMWeightSync.last_checkpoint`` names the newest). With
+    ``skip_frozen`` a delta covers only what training can change, like a partial sync.
     """
 
     every_n_train_steps: int | None = 1

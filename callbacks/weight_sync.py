@@ -191,7 +191,7 @@ class VLLMWeightSync(Callback):
                 self._engine = self.spec.start(self._dir, trainer.num_devices)
                 self._owns_engine = True
             # in RAM the content hash only serves an engine that verifies it (an option of its)
-            asked = self.spec is not None and bool(self.spec.args.get("verify_hash"))
+            asked = self.spec is not None and bool(self.spec.options.bridge.get("verify_hash"))
             verifies = asked or getattr(self._engine, "verify_hash", False) is True
             self.gatherer.hashed = not self._in_ram or verifies
         _expose(pl_module, self._engine)

@@ -1,8 +1,8 @@
-"""The gather of one sharded parameter onto the writers (``weight_bridge.checkpoint.dtensor.ShardGather``), in
-two real gloo processes: the full tensor on each writer, equal to the one that was sharded, for
-FSDP2's layout (rows split as ``torch.chunk`` splits them, uneven and empty shards included), a
-replicated tensor, and a layout it leaves to ``full_tensor()``; with one writer and with one
-per rank (``node_local``).
+"""The gather of one sharded parameter onto the writers
+(``weight_bridge.checkpoint.dtensor.ShardGather``), in two real gloo processes: the full tensor
+on each writer, equal to the one that was sharded, for FSDP2's layout (rows split as
+``torch.chunk`` splits them, uneven and empty shards included), a replicated tensor, and a
+layout it leaves to ``full_tensor()``; with one writer and with one per rank (``node_local``).
 """
 
 from __future__ import annotations

@@ -174,10 +174,10 @@ def ranks_memory(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from weight_bridge import ColocatedEngine
     from weight_bridge.checkpoint import CheckpointReader
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.testing.parity import PROMPTS, greedy
-    from weight_bridge.vllm import ColocatedEngine
     from weight_bridge.vllm.clients.ranks import RanksEngine
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-check-ranks-"))
@@ -227,10 +227,10 @@ def single(args: argparse.Namespace) -> int:
     """One model: pushes under CUDA graphs, parity, addresses, push time vs memcpy."""
     import torch
 
+    from weight_bridge import ColocatedEngine
     from weight_bridge.checkpoint import CheckpointReader
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.testing.parity import PROMPTS, greedy
-    from weight_bridge.vllm import ColocatedEngine
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-check-"))
     a = build_tiny_model(root / "A", arch=args.arch, size=args.size, seed=0)
@@ -301,10 +301,10 @@ def single(args: argparse.Namespace) -> int:
 
 def matrix(dtype: str) -> int:
     """Every family of the matrix, ``direct`` then ``auto``, against a cold start."""
+    from weight_bridge import ColocatedEngine
     from weight_bridge.direct import DirectReloadError
     from weight_bridge.testing.models import MATRIX, build_matrix_model, perturb_checkpoint
     from weight_bridge.testing.parity import greedy
-    from weight_bridge.vllm import ColocatedEngine
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-matrix-"))
     kwargs = dict(dtype=dtype, max_model_len=256, seed=0, gpu_memory_utilization=0.3)

@@ -96,8 +96,7 @@ class Verdict:
             head += f" ({self.worst_at})"
         if not self.problems:
             return head
-        more = f"; {len(self.problems)} wrong, first: {self.problems[0]}"
-        return head + more
+        return head + f"; {len(self.problems)} wrong, first: {self.problems[0]}"
 
 
 def compare_logprobs(rows: Sequence[Row], tol: float = TOL) -> Verdict:
@@ -286,12 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         code, line = 1, "the logprob probe itself failed (a bug, not a skip): see the traceback"
     else:
-        if verdict.ok:
-            code = 0
-            line = f"vLLM's logprobs match Hugging Face within {TOL:g} ({libraries}): "
-        else:
-            code = SKIP
-            line = f"vLLM's logprobs do not match Hugging Face within {TOL:g} ({libraries}): "
+        code, match = (0, "match") if verdict.ok else (SKIP, "do not match")
+        line = f"vLLM's logprobs {match} Hugging Face within {TOL:g} ({libraries}): "
         line += verdict.summary()
         if not verdict.ok:
             line += f"; torch's compile cache: {inductor_cache_dir()}"

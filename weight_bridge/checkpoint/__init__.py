@@ -1,21 +1,10 @@
 """Safetensors checkpoints: streamed, atomic, hashed, owner-only writes; validated, zero-copy
 reads.
 
-Reads never unpickle and never trust the file: the header is parsed and checked (size bounds,
-dtypes, shapes against byte ranges, ranges inside the file, no duplicate names) before any
-tensor is touched, and tensors are handed out as views of a private memory map, so a push reads
-each byte once, from the page cache straight into the engine's storage. Each file is opened
-once: its header is read from, and its map made of, the same open file, so a file renamed over
-the path in between cannot pair one file's header with another's bytes. A file that is not
-safetensors (a ``torch.save`` zip or pickle renamed, say) is refused by its first bytes.
-
-Writes are streamed (the header from shapes and dtypes first, then one tensor at a time, so a
-sharded trainer never holds the whole model), atomic (a temporary file renamed into place),
-owner-only and hashed; how, and what a failed or killed writer leaves behind: :mod:`.write`.
-
-Limitation: a file that another program truncates *in place* while an engine has it mapped
-makes the engine's next read of the lost pages fault (SIGBUS); only rename-into-place writers
-(like :func:`save_checkpoint`) are safe to run beside a push.
+Reads never unpickle and never trust the file (:mod:`.read`, :mod:`.header`: checked before any
+tensor is touched, each file opened once, handed out as views of a private map); writes:
+:mod:`.write` (streamed, atomic, owner-only, hashed; what a failed writer leaves). Only
+rename-into-place writers are safe beside a push (:mod:`.read`'s limitation).
 
 Modules: :mod:`.errors` (the exceptions), :mod:`.format` (dtype names, limits, the content
 hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard index,

@@ -132,10 +132,7 @@ def lineage_of(base: str | None, fingerprints: Mapping[str, int]) -> str:
 
 
 def delta_metadata(
-    base: str,
-    version: str | None,
-    fingerprints: Mapping[str, int],
-    shapes: Mapping[str, list[int]],
+    base: str, version: str | None, fingerprints: Mapping[str, int], shapes: Mapping[str, list[int]]
 ) -> dict[str, str]:
     """A delta's header metadata; ``shapes``: the full shape of each sparse tensor. ``version``
     None: none in the file (the engine labels it by the file's name, as any checkpoint)."""

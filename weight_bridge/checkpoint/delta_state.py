@@ -36,10 +36,7 @@ class DeltaState:
     the engine's dtypes, so a change of them makes the next sync a keyframe."""
 
     def __init__(
-        self,
-        clock: KeyframeClock,
-        engine: EngineDtypes | None = None,
-        follows_engine: bool = True,
+        self, clock: KeyframeClock, engine: EngineDtypes | None = None, follows_engine: bool = True
     ) -> None:
         self.clock = clock
         self.engine = engine if engine is not None else EngineDtypes()

@@ -17,6 +17,7 @@ import mmap
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -95,6 +96,28 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
     that lead out are refused.
     """
     return _resolve(checkpoint)[0]
+
+
+class CheckpointSource(Protocol):
+    """What an update reads, a file or tensors published in memory (:class:`CheckpointReader`,
+    :class:`~.live.LiveCheckpoint`): its name, header fields, files (none in memory), tensors
+    (a live one's are descriptions, produced by its ``stream``), and what it holds."""
+
+    path: Any
+    files: Any
+
+    @property
+    def metadata(self) -> dict[str, str]: ...
+
+    def tensors(self) -> Iterator[tuple[str, Any]]: ...
+
+    def file_of(self, name: str) -> Path | None: ...
+
+    def take_held(self) -> list: ...
+
+    def verify_hash(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class CheckpointReader:

@@ -108,8 +108,13 @@ def unused_step(directory: Path) -> int:
     """The first step number after every step file in ``directory``: a writer that counts its
     own sends (vLLM's trainer API) starts there, so a restarted one never reuses a name an
     engine's chain may still carry."""
-    steps = [int(m.group(1)) for f in directory.glob(_STEP_GLOB) if (m := _STEP_FILE.match(f.name))]
-    return max(steps, default=0) + 1
+    return max((step for step, _ in _step_files(directory)), default=0) + 1
+
+
+def _step_files(directory: Path) -> list[tuple[int, Path]]:
+    """The step files of ``directory``, oldest first."""
+    found = ((_STEP_FILE.match(f.name), f) for f in directory.glob(_STEP_GLOB))
+    return sorted((int(m.group(1)), f) for m, f in found if m)
 
 
 def free_bytes(path: Path) -> int:
@@ -238,13 +243,7 @@ def prune(
     ``spare`` (the RAM transport): the first file to go is renamed to :data:`SPARE` instead,
     for the next sync's writer to overwrite in place (its pages are allocated already)."""
     keep = {current.resolve(), *(Path(p).resolve() for p in served)}
-    found = []
-    for f in directory.glob(_STEP_GLOB):
-        m = _STEP_FILE.match(f.name)
-        if m:
-            found.append((int(m.group(1)), f))
-    found.sort()
-    for _, f in found[:-keep_last_k]:
+    for _, f in _step_files(directory)[:-keep_last_k]:
         if f.resolve() in keep:
             continue
         if not (spare and not (directory / SPARE).exists() and _renamed_unheld(f, SPARE)):

@@ -13,8 +13,7 @@ loss; a transport file in RAM is not fsynced) and renames. :func:`save_checkpoin
 writer fed from a mapping.
 
 ``hashed=False`` leaves the hash out (a transport file nobody will check: one pass less);
-``reuse`` names a file of ours in the same directory that is no longer needed, overwritten in
-place under the temporary name instead of a new file (on tmpfs its pages are already allocated).
+``reuse``: a spare file overwritten in place (:func:`~.space.open_temp`).
 ``maps`` (:class:`~.mapping.TransportMaps`, the RAM transport's) writes the data through a shared
 map of the file kept from the last time this file was written: a CPU tensor is then one
 multi-threaded ``copy_`` (with its cast) into the file's pages, not a ``write()`` per chunk.

@@ -21,14 +21,7 @@ return; the extension points (:class:`Refresher`, :class:`Reprocessor`); everyth
 under its module (:class:`.session.PreparedReload`, :class:`.session.OpenReload`,
 :class:`.proof.Proof`, ...).
 
-Limitations:
-1. Derived state is refreshed only where a :class:`Refresher` says how; other derived state is
-   re-processed by the engine's own path or refused by name (see :mod:`.proof`).
-2. A storage freed and re-allocated at the same address with the same size is taken as unchanged.
-3. Names are checked against the checkpoint recorded at load; a loader that maps names
-   differently on reload than on load is not detected.
-4. The read-back compares writes made through ``Tensor.copy_`` (every loader in vLLM and torch's
-   own ``load_state_dict``); other in-place writes count as written but are not compared.
+Limitations: docs/limitations.md.
 """
 
 from __future__ import annotations

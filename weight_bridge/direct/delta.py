@@ -186,10 +186,15 @@ class PreparedDelta:
                 "fingerprint after the delta differs from the trainer's: the engine's bits "
                 "before it were not the delta's base"
             )
-        if self.readback == "full":
-            full = held_tensor(bridge_state(self.model).write_map, patch.name, patch.shape)
-            if exact_fingerprint(full) != want:
-                return "fingerprint of the full tensor read back differs from the trainer's"
+        return self._full_readback(patch, want)
+
+    def _full_readback(self, patch: Patch, want: int) -> str | None:
+        """``readback="full"``: the tensor's fingerprint recomputed from live storage."""
+        if self.readback != "full":
+            return None
+        full = held_tensor(bridge_state(self.model).write_map, patch.name, patch.shape)
+        if exact_fingerprint(full) != want:
+            return "fingerprint of the full tensor read back differs from the trainer's"
         return None
 
     def _dense_fingerprint(
@@ -212,11 +217,7 @@ class PreparedDelta:
             return None
         if exact_fingerprint(patch.values) != want:
             return "fingerprint of the delta's values differs from the trainer's tensor"
-        if self.readback == "full":
-            full = held_tensor(bridge_state(self.model).write_map, patch.name, patch.shape)
-            if exact_fingerprint(full) != want:
-                return "fingerprint of the full tensor read back differs from the trainer's"
-        return None
+        return self._full_readback(patch, want)
 
     def _shard_part(
         self,
@@ -304,11 +305,7 @@ def _specs(delta: Delta) -> dict[str, TensorSpec]:
 
 
 def prepare_delta(
-    model: torch.nn.Module,
-    delta: Delta,
-    *,
-    check_finite: bool = True,
-    readback: str = "sampled",
+    model: torch.nn.Module, delta: Delta, *, check_finite: bool = True, readback: str = "sampled"
 ) -> Writer:
     """Check ``delta`` (decoded by :func:`~weight_bridge.checkpoint.delta.read_delta`; its
     base version is the caller's to check) and map it onto live storage; nothing is written.

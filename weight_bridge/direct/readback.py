@@ -87,7 +87,6 @@ class ReadBack(TorchFunctionMode):
         self.writes: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         self._open: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
         self.mismatched: dict[str, str] = {}  # found when sealed ("full")
-        self._sealing = False  # what sealing computes is not the loader's writes
         self.other_writes: set[str] = set()  # names also written by an in-place op not copy_
         self._spans: list[tuple[int, int]] = []  # bytes touched, in the order written
         self._merged: tuple[list[int], list[int]] | None = None
@@ -108,24 +107,21 @@ class ReadBack(TorchFunctionMode):
     def seal(self) -> None:
         """The copies noted so far: compared now (``"full"``), learned, and kept as the rows
         the final read-back compares; their sources are let go."""
-        self._sealing = True
-        try:
+        with torch._C.DisableTorchFunction():  # what sealing computes is not the loader's
             for name, source, dst, src in self._open:
                 if self.learn is not None:
                     self.learn(name, source, dst, src)
                 if self.mode == "full" and not _same(dst, src, False):
                     self.mismatched[name or "<unnamed>"] = _DIFFERS
-                self.writes.append((name, dst, None if self.mode == "off" else _kept(dst, src)))
-        finally:
-            self._sealing = False
+                kept = None if self.mode == "off" else _kept(dst, src)
+                self.writes.append((name, dst, kept))
         self._open = []
         self.source = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (
-            not self._sealing
-            and args
+            args
             and _in_place(func)
             and isinstance(args[0], torch.Tensor)
             and storage_ptr(args[0]) in self.storages

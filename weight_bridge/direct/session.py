@@ -212,6 +212,7 @@ class PreparedReload:
     ):
         self.model, self.items, self.plan, self.addresses = model, items, plan, now
         # what the loader is handed: the items themselves, or tensors produced one at a time
+        self.streamed = stream is not None
         self.stream = stream or (lambda: iter(self.items))
         self.readback, self.reprocessor, self.partial = readback, reprocessor, partial
         self.preflight_s = preflight_s
@@ -239,7 +240,11 @@ class PreparedReload:
                 "the model's storages changed since this reload was prepared (nothing was "
                 "written): prepare it again"
             )
-        learner = None if self.partial else WriteMapLearner(self.plan.spans, self.addresses)
+        # a complete write shows where every element goes; a push from memory (no delta
+        # follows one) keeps the map already learned on these storages
+        known = state.write_map is not None and state.write_map.addresses == self.addresses
+        learn = not self.partial and not (self.streamed and known)
+        learner = WriteMapLearner(self.plan.spans, self.addresses) if learn else None
         readback = ReadBack(
             set(self.plan.storages), self.readback, learner.note if learner else None
         )

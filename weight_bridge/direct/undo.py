@@ -11,6 +11,7 @@ live storage, by the segment's geometry), so a log holds about the bytes of the 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -144,6 +145,7 @@ class HostStore:
         self.current: set[tuple] = set()  # the keys whose host copy holds the live bits
         self.writing: set[tuple] = set()  # the keys the last undo log was taken for
         self._refreshing: threading.Thread | None = None
+        self.refresh_s = 0.0  # what the last copy in the background took
 
     @property
     def nbytes(self) -> int:
@@ -191,11 +193,13 @@ class HostStore:
             event = torch.cuda.current_stream(pairs[0][0].device).record_event()
 
         def copy() -> None:
+            started = time.perf_counter()
             try:
                 _copy_back(pairs, event)
             except Exception:  # left stale: the next push copies them first
                 return
             self.current |= keys
+            self.refresh_s = time.perf_counter() - started
 
         self._refreshing = threading.Thread(target=copy, name="weight-bridge-store", daemon=True)
         self._refreshing.start()

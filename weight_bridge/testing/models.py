@@ -21,16 +21,7 @@ from safetensors.torch import save_file
 ARCHITECTURES = ("llama", "qwen2")
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
-WORDS = [str(d) for d in range(10)] + [
-    "reverse",
-    "count",
-    "copy",
-    "sort",
-    ":",
-    "=",
-    ">",
-    "|",
-]
+WORDS = [str(d) for d in range(10)] + ["reverse", "count", "copy", "sort", ":", "=", ">", "|"]
 
 
 @dataclass(frozen=True)

@@ -12,22 +12,7 @@ patch of vLLM, is in :mod:`~weight_bridge.vllm.internals`. The engines and clien
 are :mod:`weight_bridge`'s; this front has the checks and what picks a client by name, each
 imported on first use: importing a client module needs no vLLM.
 
-Limitations:
-1. Only vLLM's default safetensors loader is bridged (the checkpoint is captured as it loads).
-2. Derived state is refreshed for the CPU backend's packed linears and its unquantized MoE
-   experts prepack; other derived state or transformed weights are re-processed by vLLM's
-   layerwise path (``auto``, for modules whose own processing made the change) or refused.
-3. Kernel objects created by processing on modules that hold no weight (e.g. a MoE kernel
-   built from the configuration) are taken as not holding weight values; a kernel that copied
-   weights into one would be missed by the proof (the callback's canary would catch it).
-4. Each worker reads the checkpoint from a path it can open, under the engine's checkpoint
-   root: colocated means same filesystem.
-5. With vLLM's asynchronous scheduling (a batch queue; off on the CPU backend, on by default on
-   GPUs) a step already queued when an update commits would have its output stamped with the
-   new version; the bridge stamps at commit assuming steps run one at a time (not run here).
-6. An engine left undefined (a rollback that failed too) stops scheduling; a plain ``vllm.LLM``
-   caller's ``generate`` then waits until a complete update succeeds (``LLMClient`` and
-   ``ColocatedEngine`` refuse instead).
+Limitations: docs/limitations.md.
 """
 
 from __future__ import annotations

@@ -194,12 +194,7 @@ class PushOutcome:
     undefined: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "results": [r.to_dict() for r in self.results],
-            "label": self.label,
-            "failed": self.failed,
-            "undefined": self.undefined,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> PushOutcome | None:

@@ -3,12 +3,9 @@
 A synchronous ``ColocatedEngine`` serializes generation and pushes: the trainer waits for every
 rollout, the engine for every push. This engine runs vLLM's ``AsyncLLM`` on an event loop of its
 own (a background thread), so rollouts are generated while the trainer trains (:meth:`submit`
-returns a future), and a push lands *in flight*: inside ``pause_generation`` ...
-``resume_generation``, with the requests running at that moment recomputed with the new
-weights (``inflight="recompute"``, the default), kept on their old KV (``"keep"``) or finished
-first (``"drain"``); see :mod:`~weight_bridge.vllm.clients.bridge_client`. Every finished output
-carries vLLM's ``weight_versions`` spans
-(:attr:`~weight_bridge.vllm.generation.Completion.versions` gives each token's version).
+returns a future), and a push lands *in flight* (``inflight``, default ``"recompute"``: see
+:mod:`~weight_bridge.vllm.clients.bridge_client`). Every finished output carries vLLM's
+``weight_versions`` spans (:attr:`~weight_bridge.vllm.generation.Completion.versions`).
 
 It is the one client of an ``AsyncLLM``
 (:class:`~weight_bridge.vllm.clients.async_llm.AsyncLLMClient`) plus the engine it owns, started

@@ -29,10 +29,9 @@ class AsyncLLMClient(BridgeClient):
     """Pushes into, and generates with, an ``AsyncLLM`` started with the backend, in flight if
     asked.
 
-    ``loop``: the event loop the engine runs on, for calls from another thread. ``inflight``:
-    the default mode (None: push without pausing generation; the update then lands between two
-    steps, with ``"keep"``'s semantics for requests running at that moment). The ``AsyncLLM``
-    is the caller's: :meth:`close` leaves it running.
+    ``loop``: the event loop the engine runs on, for calls from another thread; ``inflight``:
+    as :class:`~.bridge_client.BridgeClient`'s. The ``AsyncLLM`` is the caller's: :meth:`close`
+    leaves it running.
     """
 
     def __init__(
@@ -104,11 +103,8 @@ class AsyncLLMClient(BridgeClient):
     def submit(
         self, prompts: Sequence[Any], sampling: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
-        """Start generating ``prompts`` (token ids, ``{"prompt_token_ids": ...}`` or text) with
-        ``sampling`` (a dict of vLLM's sampling parameters, or a ``SamplingParams``) in the
-        background; the future's result is one
-        :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order. Pushes
-        meanwhile land in flight."""
+        """:meth:`BridgeClient.submit <.bridge_client.BridgeClient.submit>` on the engine's
+        loop; pushes meanwhile land in flight."""
         from vllm.sampling_params import RequestOutputKind
 
         final = sampling_params(sampling).clone()

@@ -18,11 +18,9 @@ PATH})`` -> ``finish_weight_update(weight_version=V)``, each update a transactio
   generation resumes (a bound: its ``timeout_s``): on every vLLM no request fails.
 
 A refused or failed update resumes generation on the version served before; nothing in flight
-is lost. Every finished output carries vLLM's ``weight_versions`` spans, and each span names the
-weights that computed its tokens, in every mode (``None`` included): the engine core stamps the
-new version in the same call that writes the weights (:mod:`~weight_bridge.vllm.core.updates`). A
-push's version defaults to the engine's one rule (:func:`weight_bridge.checkpoint.version_of`: the
-checkpoint's ``version`` metadata, else its file name), applied by the engine.
+is lost. Every finished output's ``weight_versions`` spans name the weights that computed its
+tokens, in every mode (``None`` included): the engine core stamps the version with the write
+(:mod:`~weight_bridge.vllm.core.updates`; by default :func:`weight_bridge.checkpoint.version_of`).
 
 One update at a time: a push that meets another update in progress raises
 :class:`~weight_bridge.vllm.errors.UpdateInProgressError` (``409 Conflict`` over HTTP) before it
@@ -30,11 +28,8 @@ pauses anything, so it never resumes generation another update paused: each push
 update (``start_weight_update``) *before* it pauses, and resumes only what it paused.
 
 The report (:class:`~weight_bridge.vllm.report.PushReport`), the served chain and the errors come
-from the engine's own answer: the push's outcome as the engine core built it, once
-(:class:`~weight_bridge.vllm.outcome.PushOutcome`: every worker's result, the label stamped; the
-engine-core utility ``weight_bridge_results``, over HTTP the bridge's ``/weight_bridge/results``
-route), the same in every client. A refusal or failure is the same typed error everywhere
-(:func:`~weight_bridge.vllm.outcome.typed_error`), with ``.problems`` naming each tensor.
+from the engine's own answer, the push's outcome as the engine core built it once
+(:mod:`~weight_bridge.vllm.outcome`): the same in every client.
 
 This module imports no vLLM: a trainer that only pushes into a server needs none.
 """

@@ -37,28 +37,14 @@ class ColocatedEngine(LLMClient):
     bridge's options (declared there, once; :attr:`options` holds them); every other keyword goes to
     ``vllm.LLM``.
 
-    ``checkpoint_root``: the directory pushes may read from (default:
-    ``$WEIGHT_BRIDGE_CHECKPOINT_ROOT``, else the current directory); a checkpoint outside it is
-    refused by name (:mod:`weight_bridge.checkpoint.trust`).
-    ``reload_mode``: ``"direct"`` writes every checkpoint tensor into the live storage and
-    refreshes the derived state the bridge knows (refusing, before writing, any weight it cannot
-    prove or refresh); ``"auto"`` does the same and hands only the modules it cannot write
-    directly to vLLM's own per-layer processing (whole-model ``reload_weights`` only when no
-    weight can be written directly); ``"layerwise"`` always uses vLLM's ``reload_weights``. The
-    push report says which weights went which way and why. ``readback`` (``"sampled"``,
-    ``"full"``, ``"off"``) reads every write back after a push and compares it with the
-    checkpoint. ``cpu_linear`` only matters on the CPU backend (see
-    :mod:`weight_bridge.vllm.worker.refresh`). ``check_finite`` refuses checkpoints holding NaN/Inf;
-    ``verify_hash`` checks the content hash written by
-    :func:`~weight_bridge.checkpoint.save_checkpoint` (both overridable per push).
-    ``rollback`` (default on) re-writes the previous version after a push that failed after
-    writing started (``last_rollback_s`` says how long it took), from its checkpoint files, on
-    which the workers hold descriptors: a served file deleted meanwhile still rolls back.
-    ``rpc_timeout_s`` bounds every call into the engine (``None``: wait indefinitely); for a
-    multi-process engine it is enforced on this side. ``kv_cache_gb``: the engine's KV cache
-    per worker in GiB, on every backend; left unset, colocated defaults leave room for the
-    trainer (1 GiB on CPU, ``gpu_memory_utilization`` 0.3 on CUDA; explicit vLLM settings win:
-    :mod:`weight_bridge.vllm.clients.memory`).
+    ``checkpoint_root`` defaults to ``$WEIGHT_BRIDGE_CHECKPOINT_ROOT``, else the current
+    directory; the other options are :class:`~weight_bridge.vllm.options.BridgeOptions`'s
+    (``rollback`` re-writes from the served files, on which the workers hold descriptors: a
+    served file deleted meanwhile still rolls back). ``rpc_timeout_s`` bounds every call into
+    the engine (``None``: wait indefinitely); for a multi-process engine it is enforced on this
+    side. ``kv_cache_gb``: the engine's KV cache per worker in GiB, on every backend; left
+    unset, colocated defaults leave room for the trainer
+    (:mod:`weight_bridge.vllm.clients.memory`; explicit vLLM settings win).
     """
 
     def __init__(

@@ -170,10 +170,8 @@ class HTTPClient(BridgeClient):
         self.call("resume")
 
     def fingerprints(self) -> list[dict[str, str]]:
-        """Per worker, checkpoint name -> the exact fingerprint of the full tensor it holds (as
-        :meth:`LLMClient.fingerprints <weight_bridge.vllm.clients.llm.LLMClient.fingerprints>`),
-        through vLLM's ``/collective_rpc`` development route (``VLLM_SERVER_DEV_MODE=1``, as
-        every RL route)."""
+        """:meth:`LLMClient.fingerprints <weight_bridge.vllm.clients.llm.LLMClient.fingerprints>`
+        through vLLM's ``/collective_rpc`` development route (``VLLM_SERVER_DEV_MODE=1``)."""
         answer = self.call("collective_rpc", {"method": BACKEND_RPC, "args": ["fingerprints"]})
         return list(answer["results"])
 
@@ -185,12 +183,10 @@ class HTTPClient(BridgeClient):
     def submit(
         self, prompts: Sequence[Any], sampling: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
-        """Start generating ``prompts`` (token ids: a list of ints, or vLLM's
-        ``{"prompt_token_ids": [...]}``) with ``sampling`` (a dict of vLLM's sampling
-        parameters; ``max_tokens`` defaults to 16, as in process), one request per prompt
+        """:meth:`BridgeClient.submit <.bridge_client.BridgeClient.submit>` for token ids only
+        (``max_tokens`` defaults to 16, as in process), one request per prompt
         (``/v1/completions`` on vLLM 0.33+, else ``/inference/v1/generate``, which needs
-        ``--enable-scale-out``) on a small thread pool; the future's result is one
-        :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order."""
+        ``--enable-scale-out``) on a small thread pool."""
         if sampling is not None and not isinstance(sampling, dict):
             raise TypeError(
                 f"{type(self).__name__} takes sampling as a dict of vLLM's sampling parameters, "

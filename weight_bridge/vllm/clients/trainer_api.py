@@ -24,60 +24,31 @@ rank iterates the source (a ``DTensor`` is gathered collectively); only the send
 writes and calls the engine. ``send_weights(names=...)`` sends a *partial* checkpoint holding
 only those tensors, on top of ``base_version`` (default: the version sent last).
 
-The source is vLLM 0.32's (``metadata()``, iterated) or 0.33+'s (``metadata`` property,
-``iter_full()``), read through :mod:`~weight_bridge.vllm.internals.sources`: the checkpoint holds
-complete tensors, so the trainer takes ``iter_full()`` (``iter_local()`` only where every tensor
-is replicated). A partial checkpoint is only ever sent on purpose (``names``): before anything
-is gathered or written, a tensor rank 0 would not get whole (0.33+: ``ParamMeta.owners``
-without rank 0, or only a shard and no ``iter_full``; 0.32: not in the sender's
-``held_names()``) is refused by name with :class:`IncompleteSourceError`, on every rank alike
-(0.33+ metadata, ownership included, is the same on every rank).
+The source is read through :mod:`~weight_bridge.vllm.internals.sources` (vLLM 0.32's and 0.33+'s
+APIs). A partial checkpoint is only ever sent on purpose (``names``): before anything is
+gathered or written, a tensor rank 0 would not get whole is refused by name with
+:class:`IncompleteSourceError`, on every rank alike.
 
 Sending is the one push routine every client of the bridge runs
 (:meth:`~weight_bridge.vllm.clients.bridge_client.BridgeClient.push_async`), on the bridge client
-that reaches the engine vLLM's client talks to (:func:`bridge_client_of`: an
-``HTTPVLLMWeightSyncClient`` becomes an :class:`~weight_bridge.vllm.clients.http.HTTPClient` on
-its ``base_url``, a ``vllm.LLM`` its :class:`~weight_bridge.vllm.clients.llm.LLMClient`, a client
-of the bridge is used as it is; anything else, a ``RayVLLMWeightSyncClient`` included, is refused
-by name). So it is the same push as everywhere: no pause by default (``inflight`` of the init
-info), the same typed errors (:class:`~weight_bridge.direct.DirectReloadError`,
-:class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems``,
-:class:`~weight_bridge.vllm.errors.UpdateInProgressError`) and the same
-:class:`~weight_bridge.vllm.report.PushReport` (``last_report``).
+that reaches the engine vLLM's client talks to (:func:`bridge_client_of`): the same push as
+everywhere, with no pause by default (``inflight`` of the init info), the same typed errors and
+the same :class:`~weight_bridge.vllm.report.PushReport` (``last_report``).
 
 The files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
-writes ``step-{n:08d}.safetensors`` (:func:`~weight_bridge.checkpoint.step_file`; a trainer
-started on a directory that holds step files already counts on from the last of them, so it
-never reuses a name a long-lived engine's chain carries), fsynced, and
-after each send :func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k``
-step files of ``directory`` besides every one the engine serves, as the engine answered
-(``PushReport.served``: the last complete checkpoint and the partial ones sent on top of it).
-With no ``version`` the file carries none and none is sent: the engine labels the weights by
-its one rule (:func:`~weight_bridge.checkpoint.version_of`: the file name, ``step-00000001``),
-and the label it stamped is the base of the next partial send.
+writes ``step-{n:08d}.safetensors``, counting on from the last step file ``directory`` holds (a
+long-lived engine's chain may still carry it), and after each send
+:func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k`` besides every
+one the engine serves (``PushReport.served``). With no ``version`` the engine labels the weights
+by the file name (:func:`~weight_bridge.checkpoint.version_of`), the base of the next partial send.
 
-**Deltas**, as the Lightning callback sends them, through the same machinery
-(:mod:`~weight_bridge.checkpoint.delta_state`, :mod:`~weight_bridge.checkpoint.keyframes`).
-Every checkpoint follows the engine's dtype: each floating tensor is cast (as the engine's loader
-rounds) to the dtype the engine reported holding it in after the last complete push
-(``report.dtypes``; before the first report, and for a tensor it does not report, the trainer's
-dtype). With ``delta`` (``"auto"``: once the engine reports it can apply them, where they are
-measured cheaper than full sends, never where host memory carries every byte:
-:mod:`~weight_bridge.checkpoint.delta_choice`, the reason in ``last_choice``; ``"on"``;
-``"off"``) a complete send is either a *keyframe* (a complete file whose header carries every
-tensor's exact fingerprint; it refreshes the reference copy) or, between keyframes, a *delta*
-on top of the version the engine stamped last (``last_version``): only the elements whose
-bits changed (a tensor the engine did not report as patchable goes dense; an unchanged one is
-left out). Keyframes: the first send, the first after a failed one (any exception while writing
-or pushing), after a partial send, after the engine's dtypes changed, every ``full_every_k``-th
-send (64 while deltas run and it is None) and once the deltas since the last keyframe add up
-past its bytes (``DELTA_BUDGET``). A partial send (``names=``) is a plain partial file (in
-the engine's dtypes too) and leaves the reference untrusted, so the next complete send is a
-keyframe. The reference copy lives on the sender (rank 0) only, in host memory (pinned for a
-trainer on an accelerator): **one copy of every sent tensor in the engine's dtype** (a bf16
-engine: 2 bytes per element, half of fp32 master weights), refreshed in place; other ranks hold
-nothing and still iterate the source (its gathers are collective). It is freed by
-:meth:`~WeightBridgeTrainer.shutdown` and never saved: a restarted trainer starts with a keyframe.
+**Deltas** follow the callback's keyframe policy (:mod:`~weight_bridge.checkpoint.keyframes`,
+:mod:`~weight_bridge.checkpoint.delta_state`; why a send was one or not: ``last_choice``), a clock
+of sends instead of steps; a partial send (``names=``) is a plain partial file and makes the next
+complete send a keyframe. The reference copy lives on the sender (rank 0) only, in host memory,
+one copy of every sent tensor in the engine's dtype; the other ranks hold nothing but still
+iterate the source (its gathers are collective). :meth:`~WeightBridgeTrainer.shutdown` frees it;
+it is never saved, so a restarted trainer starts with a keyframe.
 """
 
 from __future__ import annotations

@@ -15,16 +15,13 @@ the phases of :class:`~weight_bridge.vllm.outcome.Phase`, each answered by every
 3. the push's outcome (:class:`~weight_bridge.vllm.outcome.PushOutcome`: every rank's final
    result, the label stamped, why a rank is undefined) is built here, once, and kept for the
    engine-core utility ``weight_bridge_results``; a refusal or failure is raised from
-   ``update_weights`` as the error :func:`~weight_bridge.vllm.outcome.typed_error` makes of it,
-   every rank's problems merged, each naming its tensor (a plain ``Exception`` with the same
-   message across vLLM's process boundary, where the caller's side rebuilds it from the
-   outcome with the same function; over HTTP a non-2xx answer, from which the client does
-   too), logged on one line without a traceback; a success's outcome is what the call returns
-   (vLLM's own ``LLM``/``AsyncLLM.update_weights`` and its HTTP route discard it: a client
-   of those fetches it once, the one adapter
-   :func:`~weight_bridge.vllm.server.typed_errors.update_outcome`). The workers' update session
-   is closed, so the next ``start_weight_update`` works, and a ``finish_weight_update`` for
-   the failed update is refused, so vLLM does not stamp the version that was not written;
+   ``update_weights`` as the error :func:`~weight_bridge.vllm.outcome.typed_error` makes of it
+   (the caller's side rebuilds it from the outcome across vLLM's process boundary), logged on
+   one line without a traceback; a success's outcome is what the call returns (vLLM's own
+   entry points discard it: :func:`~weight_bridge.vllm.server.typed_errors.update_outcome`
+   fetches it). The workers' session is closed, so the next ``start_weight_update`` works, and
+   a ``finish_weight_update`` for the failed update is refused, so vLLM stamps no version that
+   was not written;
 4. after a successful update no request that arrives later reuses KV computed by the old
    weights (:func:`~weight_bridge.vllm.internals.forget_prefixes`; vLLM's own update leaves the
    prefix cache as it was);
@@ -41,23 +38,15 @@ the phases of :class:`~weight_bridge.vllm.outcome.Phase`, each answered by every
    Conflict``) before it reaches a worker, naming since when and for which version; an update that
    makes no call for ``update_timeout_s`` (its trainer died) is abandoned by the next start, and
    vLLM's own ``finish_weight_update`` ends it at once;
-7. while the update runs, the engine core waits for the workers asleep, not spinning
-   (:func:`~weight_bridge.vllm.internals.waiting_without_spinning`: a push's reply is one
-   message at its end), so the workers' push helpers
-   (:mod:`~weight_bridge.vllm.worker.cpu_threads`) can use the CPU vLLM reserves for it;
+7. while the update runs, the engine core waits for the workers asleep, not spinning (a push's
+   reply is one message at its end), so the workers' push helpers can use the CPU vLLM
+   reserves for it;
 8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
-   schedules nothing until a complete update succeeds; every request it holds or receives
-   meanwhile ends at the core's next step with vLLM's ``error`` finish reason and the reason
-   as its ``stop_reason`` (:func:`~.undefined.failing_while_undefined`), so no caller waits:
-   ``vllm.LLM.generate`` and ``AsyncLLM`` return at once, ``vllm serve`` answers 503 with the
-   reason (:func:`~weight_bridge.vllm.server.middleware.update_results_route`). A
-   ``resume_generation`` meanwhile releases the pause it ends
-   (:func:`~.undefined.releasing_resume`), so the repair leaves the engine generating.
+   schedules nothing and ends every request at once with the reason until a complete update
+   succeeds (:mod:`.undefined`), so no caller waits.
 
-The same wrapper routes :data:`~weight_bridge.vllm.options.BACKEND_RPC` (a method name any
-client can send) to :func:`~weight_bridge.vllm.worker.backend.call_backend`'s read-only actions
-(:data:`~weight_bridge.vllm.worker.backend.QUERIES`): the one channel into the workers besides
-vLLM's own calls.
+The same wrapper routes :data:`~weight_bridge.vllm.options.BACKEND_RPC` to the workers'
+read-only actions (:mod:`~weight_bridge.vllm.worker.queries`).
 
 Workers never raise, whatever a phase raised
 (:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`): vLLM's multi-process
@@ -314,9 +303,8 @@ def bridged_collective_rpc(original: Any) -> Any:
                 )
             info = (kwargs or {}).get("update_info", args[0] if args else None)
             state.outcome = None  # nothing of an earlier update may stand for this one
-            if state.active is not None:
-                state.active.last_call = time.monotonic()
-                state.active.version = _asked_version(info)
+            state.active.last_call = time.monotonic()
+            state.active.version = _asked_version(info)
             try:
                 with waiting_without_spinning(self):  # the push's helpers get its CPU
                     try:

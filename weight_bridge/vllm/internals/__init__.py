@@ -34,17 +34,13 @@ Per version (what differs, and which part of an update is vLLM's and which the b
   requests.
 * **0.34**: the runners are ``v1.worker.gpu.model_runner.GPUModelRunner`` and, on the CPU,
   ``v1.worker.cpu.standalone_model_runner.StandaloneCPUModelRunner``. vLLM's own direct reload
-  (``model_loader.reload.direct``, site 20) is what ``reload_mode="vllm-direct"`` rides: vLLM
-  views back, writes through its loaders and re-runs post-load processing (derived state, CPU
-  re-pack included); the bridge validates the whole checkpoint first (vLLM's unchecked delivery
-  contract), asks vLLM's own refusals before writing, audits addresses, reads back every weight
-  it proved at load, rolls back, labels at commit, runs one update at a time, refuses partial
-  checkpoints in that mode. vLLM's direct reload refuses a stock CPU engine (its linear dispatch
-  replaces parameter objects); a bridged engine keeps them (``cpu_linear="repack"``), so vLLM
-  accepts it. ``WeightSource.metadata`` is a property, tensors come from ``iter_full()`` /
+  (``model_loader.reload.direct``, site 20) is what ``reload_mode="vllm-direct"`` rides
+  (:mod:`~weight_bridge.vllm.worker.vllm_direct`); it refuses a stock CPU engine (its linear
+  dispatch replaces parameter objects), not a bridged one (``cpu_linear="repack"`` keeps them).
+  ``WeightSource.metadata`` is a property, tensors come from ``iter_full()`` /
   ``iter_local()`` with ``ParamMeta.owners``; ``pause_generation(mode="wait")`` rejects new
-  requests until resume (503 / ``RetryableRequestError``), which the bridge's ``drain`` avoids
-  (site 19). ``reset_prefix_cache``, ``pause_scheduler``/``resume_scheduler``, ``load_weights``,
+  requests until resume, which the bridge's ``drain`` avoids (site 19, :mod:`.pause`).
+  ``reset_prefix_cache``, ``pause_scheduler``/``resume_scheduler``, ``load_weights``,
   ``process_weights_after_loading`` and ``dispatch_cpu_unquantized_gemm`` changed in body, not
   in the signature or behaviour the bridge relies on (re-read for 0.34).
 

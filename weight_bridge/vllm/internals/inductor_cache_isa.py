@@ -56,15 +56,7 @@ TAG_PREFIX = "cpu-vec-isa:"
 
 # What torch/_inductor/cpu_vec_isa.py reads to pick the ISA (x86_isa_checker, VecAVX512's bf16
 # check, VecAMX), by the names of torch.cpu's checks.
-_FLAGS = (
-    "avx2",
-    "avx512",
-    "avx512_bf16",
-    "vnni",
-    "avx512_vnni",
-    "amx_tile",
-    "amx_fp16",
-)
+_FLAGS = ("avx2", "avx512", "avx512_bf16", "vnni", "avx512_vnni", "amx_tile", "amx_fp16")
 
 
 def isa_tag() -> str:

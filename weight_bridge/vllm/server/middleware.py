@@ -159,10 +159,7 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
 
 
 def _pauses(app: Any) -> _Pauses:
-    pauses = _PAUSES.get(app)
-    if pauses is None:
-        pauses = _PAUSES[app] = _Pauses()
-    return pauses
+    return _PAUSES.setdefault(app, _Pauses())
 
 
 def _pause_served(request: Any) -> bool:

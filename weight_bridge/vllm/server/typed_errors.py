@@ -4,13 +4,10 @@ The engine core raises a refused or failed update as the project's own error
 (:mod:`~weight_bridge.vllm.core.updates`), but vLLM carries an engine core's exception to another
 process as a plain ``Exception`` with its message. The plugin wraps ``LLM.update_weights`` and
 ``AsyncLLM.update_weights`` with the wrappers here (inert unless the engine is bridged) so that
-the caller gets the typed error back: the push's outcome, fetched once (the engine-core utility
-``weight_bridge_results``), made into the error by the one function that does it
-(:func:`~weight_bridge.vllm.outcome.typed_error`): :class:`~weight_bridge.direct.DirectReloadError`
-or :class:`~weight_bridge.checkpoint.CheckpointError` with ``.problems`` naming each tensor, in
-the caller's own process as in-process, carrying the outcome (no client fetches it again).
-Both are ``ValueError``\\s, which ``vllm serve`` answers with 400
-and the message (no traceback in its log).
+the caller gets the typed error back, as in process: the push's outcome, fetched once (the
+engine-core utility ``weight_bridge_results``), made into the error by
+:func:`~weight_bridge.vllm.outcome.typed_error`, carrying the outcome. Those errors
+(``DirectReloadError``, ``CheckpointError``) are ``ValueError``\\s: ``vllm serve`` answers 400.
 
 ``start_weight_update`` is wrapped the same way: a start refused because another update is
 active raises :class:`~weight_bridge.vllm.core.updates.UpdateConflictError` (an

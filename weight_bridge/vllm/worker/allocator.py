@@ -38,11 +38,7 @@ import platform
 
 ALLOCATOR_ENV = "WEIGHT_BRIDGE_MALLOC"  # "default": leave glibc's allocator as it is
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-KEPT = {
-    _M_MMAP_THRESHOLD: 32 * 2**20,
-    _M_TRIM_THRESHOLD: 2**31 - 1,
-    _M_TOP_PAD: 512 * 2**20,
-}
+KEPT = {_M_MMAP_THRESHOLD: 32 * 2**20, _M_TRIM_THRESHOLD: 2**31 - 1, _M_TOP_PAD: 512 * 2**20}
 # glibc's documented defaults (the thresholds then stay fixed: no dynamic rise)
 _DEFAULTS = {_M_MMAP_THRESHOLD: 128 * 2**10, _M_TRIM_THRESHOLD: 128 * 2**10, _M_TOP_PAD: 0}
 _state = "default"

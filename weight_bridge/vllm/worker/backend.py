@@ -31,7 +31,9 @@ only with vLLM's ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -141,8 +143,23 @@ def call_backend(worker: Any, action: str, *args: Any) -> Any:
         args = (worker.reload_weights, partial(reset_runner_caches, worker))
     elif phase is Phase.ROLL_BACK:
         args = (worker.reload_weights, *args)
-    with set_current_vllm_config(config_of(worker)):
+    with set_current_vllm_config(config_of(worker)), _collector_paused():
         return engine.transaction.run(phase, *args).to_dict()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for one phase: a full collection over an engine's
+    objects takes tens of milliseconds (measured: 70 ms in a 100m model's push from memory,
+    three times the write), and a phase makes few cycles; refcounting still frees the rest."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _local_info(worker: Any, info: Any) -> Any:

@@ -17,9 +17,7 @@ vLLM's CPU backend starts its workers with their OpenMP threads bound to their C
 (``VLLM_CPU_OMP_THREADS_BIND``, ``auto`` by default) and keeps the rest of the CPUs its parent
 process may use for the engine core and the frontend (one per worker by default,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU``). While a push runs, nothing needs them: the trainer waits for
-the push, generation waits for the weights, and the engine core waits for the workers without
-spinning (:func:`~weight_bridge.vllm.internals.waiting_without_spinning`, from
-:mod:`~weight_bridge.vllm.core.updates`).
+the push, generation waits for the weights, and the engine core waits for the workers asleep.
 
 :func:`use_spare_cpus` gives each worker an equal share of those CPUs (``len(spare) //
 workers``) as helper threads for its pushes (:mod:`weight_bridge.direct.parallel`: the linears'

@@ -12,11 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...checkpoint.delta import (
-    lineage_of,
-    read_delta,
-    split_name,
-)
+from ...checkpoint.delta import lineage_of, read_delta, split_name
 from ...direct import DirectReloadError
 from ...direct.delta import prepare_delta
 from ...direct.state import bridge_state

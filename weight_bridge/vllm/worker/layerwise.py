@@ -25,15 +25,10 @@ from ...direct import DirectReloadError, ReloadPlan, ReloadReport, plan_direct_r
 from ...direct.session import refresh_derived_state
 from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
 from ...direct.undo import UndoLog
-from ..internals.model import layerwise_begin, layerwise_finish, layerwise_reprocesses
+from ..internals.model import layerwise_begin, layerwise_finish
 from ..internals.patches import cpu_linear_of
 from ..internals.vllm_direct import vllm_direct_refusal
 from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
-
-
-def reprocessable_module(module: torch.nn.Module) -> bool:
-    """Whether vLLM's layerwise path re-runs this module's post-load processing."""
-    return layerwise_reprocesses(module)
 
 
 class LayerwiseReprocessor:

@@ -14,10 +14,8 @@ bridged (:func:`~weight_bridge.vllm.options.bridge_options`: started with
 3. During processing, each module's state right after its own quantization method (or
    attention layer) processed it is noted: a module whose state did not change after that is
    one vLLM's layerwise path can re-process by itself.
-4. On the CPU backend, glibc keeps freed buffers for reuse in the engine's process
-   (:mod:`~weight_bridge.vllm.worker.allocator`), so the packed state re-derived on every push
-   reuses memory already faulted in, and the worker's pushes get helper threads on the CPUs vLLM
-   leaves spare (:mod:`~weight_bridge.vllm.worker.cpu_threads`).
+4. On the CPU backend, the worker's allocator and threads are set up for pushes
+   (:mod:`~weight_bridge.vllm.worker.allocator`, :mod:`~weight_bridge.vllm.worker.cpu_threads`).
 5. After processing, the proof (:func:`weight_bridge.direct.prove_checkpoint_layout`) compares
    what processing left with what was recorded, with the refreshers of
    :mod:`weight_bridge.vllm.worker.refresh` declaring the derived state the bridge re-derives.
@@ -35,12 +33,12 @@ from ...direct.readback import ReadBack
 from ...direct.snapshot import snapshot_module
 from ...direct.state import bridge_state
 from ...layout import TensorSpec, fingerprint, live_tensors, storage_ptr
+from ..internals.model import layerwise_reprocesses
 from ..internals.patches import processing_watched
 from ..internals.vllm_direct import record_vllm_layout
 from ..options import bridge_options
 from .allocator import keep_freed_memory
 from .cpu_threads import sleep_when_idle, use_spare_cpus
-from .layerwise import reprocessable_module
 from .refresh import take_refreshers
 
 _manifests: WeakKeyDictionary[torch.nn.Module, dict[str, TensorSpec]] = WeakKeyDictionary()
@@ -127,7 +125,7 @@ def process_weights_after_loading(original: Any) -> Any:
         def note(module: torch.nn.Module) -> None:
             after_own[id(module)] = _state_of(module)
 
-        watched = [m for m in model.modules() if reprocessable_module(m)]
+        watched = [m for m in model.modules() if layerwise_reprocesses(m)]
         with processing_watched(watched, note):
             out = original(model, model_config, target_device)
         prove_checkpoint_layout(model, take_refreshers(model))

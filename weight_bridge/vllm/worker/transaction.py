@@ -53,6 +53,7 @@ import torch
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
 from ...checkpoint.delta import BASE_LINEAGE_KEY, header_fingerprints, is_delta
 from ...checkpoint.live import LiveCheckpoint, is_live, open_live
+from ...checkpoint.read import CheckpointSource
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import DirectReloadError, ReloadReport
 from ...direct.errors import BaseVersionError
@@ -91,7 +92,7 @@ class PushTransaction:
         self._pre_images: ServedCheckpoint | None = None  # the link whose undo log to drop
         # a writer that returned before what followed it in COMMIT failed: what to take back
         self._unserved: Writer | None = None
-        self._opened: CheckpointReader | LiveCheckpoint | None = None  # by a PREPARE running
+        self._opened: CheckpointSource | None = None  # by a PREPARE running
         self._committing: PreparedUpdate | None = None  # the update COMMIT wrote (until it settles)
         self._reload: Any = None  # the worker's reload_weights, handed in by commit/roll_back
         # what pushes from memory roll back to (their tensors are not files to re-read)
@@ -198,7 +199,7 @@ class PushTransaction:
         self._opened = None
         return self._finished(result)
 
-    def _open(self, checkpoint: str) -> CheckpointReader | LiveCheckpoint:
+    def _open(self, checkpoint: str) -> CheckpointSource:
         """The checkpoint to prepare: tensors the trainer published in this process
         (:mod:`weight_bridge.checkpoint.live`), each materialised on the engine's device, or a
         file under the checkpoint root, held from now (what is served is exactly this)."""
@@ -294,9 +295,9 @@ class PushTransaction:
         longer needs (the chain before the last commit, links compacted away)."""
         self.abandon()
         self._unserved = self._committing = None
-        if self._before is not None or undefined_reason(self.model) is not None:
-            # an update landed here (or the bits are unknown): the store catches up or is stale
-            self.store.landed() if self._pre_images is not None else self.store.stale()
+        unknown = undefined_reason(self.model) is not None  # an update landed, or bits unknown:
+        if self._before is not None or unknown:  # the store catches up, or is stale
+            self.store.landed() if self._pre_images and not unknown else self.store.stale()
         if self._pre_images is not None:  # what it replaced: no rollback needs it now
             self._pre_images.undo, self._pre_images = None, None
         live = {id(link) for link in self.served}

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ...checkpoint import CheckpointReader
-from ...checkpoint.live import LiveCheckpoint
+from ...checkpoint.read import CheckpointSource
 from ...direct.writer import Writer
 
 
@@ -48,7 +47,7 @@ class PreparedUpdate:
     """A prepared update: the open checkpoint, its writer, and every header field the write's
     bookkeeping needs, parsed at prepare (nothing is parsed after the first byte is written)."""
 
-    reader: CheckpointReader | LiveCheckpoint
+    reader: CheckpointSource
     items: list[tuple[str, Any]]  # tensors, or LiveTensor descriptions
     writer: Writer
     path: str

@@ -16,11 +16,8 @@ writing through its own views, and keeps, around it:
   and one update at a time (the engine core), partial and base checks (a partial checkpoint is
   refused here: vLLM's ``finish`` re-processes every module, so it needs them all).
 
-CPU derived state is vLLM's where its ``finish`` re-derives it (each linear's dispatch, which the
-bridge's wrappers, :mod:`.refresh`, turn into new refreshers whose sources are copied into the
-ones proven at load, so a later push in any mode writes the same tensors) and the bridge's where
-it does not: vLLM 0.34 prepacks the CPU experts on the first load only, so after a direct reload
-they would compute with the old prepack; the bridge re-derives it (:func:`adopt_refreshers`).
+CPU derived state is vLLM's where its ``finish`` re-derives it and the bridge's where it does
+not (:func:`adopt_refreshers`), so a later push in any mode writes the same tensors.
 """
 
 from __future__ import annotations
