@@ -136,19 +136,20 @@ demo-ranks: setup
 bench: setup
 	$(PY) -m pytest -q -m bench tests/test_bench.py
 	$(PY) -m benchmarks --out bench/results.json
-	$(PY) -m benchmarks.ranks --out bench/results-ranks.json
-	$(PY) -m benchmarks.clients --out bench/results-clients.json
+	$(PY) -m benchmarks --only ranks --out bench/results-ranks.json
+	$(PY) -m benchmarks --only clients --out bench/results-clients.json
 
 # The engine inside the trainer's ranks alone (`make bench` runs it too): a push from the live
-# tensors beside one memory copy, today's file path and TRL's per-parameter load_weights, in one
-# torchrun job; processes and memory per rank against the default mode (docs/benchmarks.md).
+# tensors beside one memory copy, today's file path and TRL's per-parameter load_weights (with and
+# without the same refresh of derived state), in one torchrun job; processes and memory per rank
+# against the default mode (docs/benchmarks.md).
 bench-ranks: setup
-	$(PY) -m benchmarks.ranks --out bench/results-ranks.json
+	$(PY) -m benchmarks --only ranks --out bench/results-ranks.json
 
 # Other clients of a served engine while a trainer pushes, alone (`make bench` runs it too): the
 # openai package at a fixed rate against vllm serve, no pushes and a push every 3 s in each mode.
 bench-clients: setup
-	$(PY) -m benchmarks.clients --out bench/results-clients.json
+	$(PY) -m benchmarks --only clients --out bench/results-clients.json
 
 # vLLM 0.34 side by side, one run: the bridge's pushes (reload_mode direct and vllm-direct) and
 # vLLM's own reloads on stock engines (layerwise; VLLM_RELOAD_MODE=direct), on the tied and the

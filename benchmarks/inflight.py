@@ -1,68 +1,36 @@
-"""Benchmark: pushes while generations are in flight, and the asynchronous recipe's throughput.
-
-    python -m benchmarks.inflight --out bench/inflight.json         # 10m, 8 pushes per mode
-    python -m benchmarks.inflight --size 1m --pushes 3 --steps 6     # smoke run
-
-1. **The pause.** One ``AsyncColocatedEngine`` (vLLM's ``AsyncLLM`` with the bridge; its engine
-   core and worker are processes of their own) on a Llama of ``size``. First ``pushes`` pushes
-   into the idle engine (B, A, B, ...), then, for each in-flight mode (``recompute``, ``keep``,
-   ``drain``), ``pushes`` more while a background stream of generations keeps the engine busy
-   (batches of 8 prompts x 64 tokens, a new batch as soon as one finishes). Reported per mode:
-   how long generation was paused (from the pause request to the resume's return; the push's
-   own time included), median and p95, beside the idle push's duration. ``None`` (no pause)
-   too: there generation stops only while the engine core runs the update between two steps,
-   which stamps the new version in the same call (no step runs new weights under the old
-   label); its row is the push's own time under load.
-2. **The recipe.** ``examples/grpo/train.py`` for ``steps`` steps, synchronous
-   (``config.yaml``) then asynchronous (``config.yaml`` + ``async.yaml``: rollouts for step k+1
-   generated while step k trains, pushes in flight), one after the other on the same machine;
-   steps per second (training steps only, engine start-up excluded), the last rewards and the
-   staleness distribution from each run's ``summary.json``.
-
-Reported, never asserted. ``bench_inflight(workdir, size, pushes, steps, log)`` is the section a
-suite can call; ``main`` the command; ``render`` the markdown table.
-"""
+"""Sections "inflight" (in a child: ``AsyncLLM`` runs vLLM's multi-process engine): pauses of
+pushes while generations run, per in-flight mode, and the GRPO recipe sync and async; and
+"clients": ``openai`` clients of a ``vllm serve`` at a fixed rate while the trainer pushes, per
+in-flight mode: errors (target 0), latency, gaps, tokens/s."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
+import statistics
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_inflight", "main", "render"]
+from . import harness
+from .harness import MULTIPROCESSING, ROOT, build_models, child, logger, quantile, scratch, table
 
-MODES = ("recompute", "keep", "drain")
-NO_PAUSE = "none"  # the key of inflight=None's row
-ROOT = Path(__file__).resolve().parents[1]
+# fmt: off
+MODES, NO_PAUSE = ("recompute", "keep", "drain"), "none"  # the key of inflight=None's row
 
-
-def _stats(values: list[float]) -> dict[str, float]:
-    s = sorted(values)
-    return {
-        "median_s": s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2,
-        "p95_s": s[min(len(s) - 1, round(0.95 * (len(s) - 1)))],
-        "n": len(s),
-    }
-
+def _stats(xs: list[float]) -> dict[str, Any]:
+    return {"median_s": statistics.median(xs), "p95_s": quantile(xs, 0.95), "n": len(xs)}
 
 class _Busy:
-    """Keeps the engine generating until stopped: a new batch as soon as one finishes."""
+    """Keeps the engine generating until closed (batches of 8 prompts x 64 tokens)."""
 
     def __init__(self, engine: Any) -> None:
         from vllm import SamplingParams
-
-        self.engine = engine
+        self.engine, self.stop, self.batches = engine, threading.Event(), 0
         self.sampling = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True, seed=0)
         self.prompts = [{"prompt_token_ids": [1, 20 + i, 30 + i, 40 + i]} for i in range(8)]
-        self.stop = threading.Event()
-        self.batches = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -71,138 +39,168 @@ class _Busy:
             self.engine.submit(self.prompts, self.sampling).result()
             self.batches += 1
 
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(300)
-
-
-def _pauses(workdir: Path, size: str, pushes: int, log: Callable[[str], None]) -> dict:
+def inflight(workdir: str, size: str, pushes: int, steps: int) -> dict[str, Any]:
+    """The pauses, then (``steps`` > 0) both recipes; a child's call."""
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.vllm.clients.async_colocated import AsyncColocatedEngine
-
-    a = build_tiny_model(workdir / f"{size}_A", arch="llama", size=size, seed=0)
-    b = perturb_checkpoint(a, workdir / f"{size}_B", scale=0.3, seed=1)
+    work, log = Path(workdir), logger("inflight")
+    a = build_tiny_model(work / f"{size}_A", arch="llama", size=size, seed=0)
+    b = perturb_checkpoint(a, work / f"{size}_B", scale=0.3, seed=1)
     kwargs = dict(dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=16)
-    out: dict[str, Any] = {"size": size}
-    with AsyncColocatedEngine(a, inflight=None, checkpoint_root=workdir, **kwargs) as engine:
-        idle = [engine.push(b if i % 2 == 0 else a, version=i).elapsed_s for i in range(pushes)]
-        out["idle"] = _stats(idle)
-        log(f"idle push: {out['idle']}")
+    p: dict[str, Any] = {"size": size}
+    with AsyncColocatedEngine(a, inflight=None, checkpoint_root=work, **kwargs) as engine:
+        p["idle"] = _stats([engine.push(b if i % 2 == 0 else a, version=i).elapsed_s
+                            for i in range(pushes)])
+        log(f"idle push: {p['idle']}")
         for mode in (None, *MODES):
-            busy = _Busy(engine)
-            paused = []
+            busy, paused = _Busy(engine), []
             for i in range(pushes):
                 while busy.batches == 0 and not busy.stop.is_set():
                     busy.stop.wait(0.01)  # generating for real before the first push
                 report = engine.push(b if i % 2 == 0 else a, version=f"{mode}{i}", inflight=mode)
                 paused.append(report.elapsed_s if mode is None else report.paused_s)
-            busy.close()
-            key = mode or NO_PAUSE
-            out[key] = _stats(paused)
-            log(f"{key}: paused {out[key]} ({busy.batches} batches generated meanwhile)")
-    return out
-
-
-def _recipe(workdir: Path, steps: int, overlay: str | None, log: Callable[[str], None]) -> dict:
-    """One run of the recipe from ``workdir`` (its relative ``runs/`` paths land there)."""
-    name = "async" if overlay else "sync"
-    args = [sys.executable, str(ROOT / "examples/grpo/train.py"), "fit"]
-    args += ["--config", str(ROOT / "examples/grpo/config.yaml")]
-    if overlay:
-        args += ["--config", str(ROOT / "examples/grpo" / overlay)]
-    args += ["--trainer.max_steps", str(steps)]
-    done = subprocess.run(args, cwd=workdir, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {name} recipe failed:\n{done.stderr[-3000:]}")
-    run = workdir / "runs" / ("grpo-async" if overlay else "grpo")
-    summary = json.loads((run / "summary.json").read_text())
-    keep = ("steps", "steps_per_s", "reward_first", "reward_last", "staleness_tokens")
-    out = {k: summary.get(k) for k in keep}
-    log(f"{name} recipe: {out}")
-    return out
-
-
-def bench_inflight(
-    workdir: Path, size: str, pushes: int, steps: int, log: Callable[[str], None]
-) -> dict[str, Any]:
-    """The section's results (see the module docstring)."""
-    result: dict[str, Any] = {"pauses": _pauses(workdir, size, pushes, log)}
+            busy.stop.set()
+            busy.thread.join(300)
+            p[mode or NO_PAUSE] = _stats(paused)
+            log(f"{mode or NO_PAUSE}: paused {p[mode or NO_PAUSE]} ({busy.batches} batches)")
     if steps < 1:
-        return result  # pauses only (the quick run)
-    sync = _recipe(workdir, steps, None, log)
-    asynchronous = _recipe(workdir, steps, "async.yaml", log)
-    result["recipe"] = {
-        "sync": sync,
-        "async": asynchronous,
-        "speedup": asynchronous["steps_per_s"] / sync["steps_per_s"],
-    }
-    return result
+        return {"pauses": p}  # pauses only (the quick run)
+    recipes, recipe = {}, ROOT / "examples/grpo"
+    for name, overlay in (("sync", None), ("async", "async.yaml")):
+        configs = [recipe / "config.yaml", *([recipe / overlay] if overlay else [])]
+        args = [sys.executable, str(recipe / "train.py"), "fit",  # the configs, then the steps
+                *(x for c in configs for x in ("--config", str(c))), "--trainer.max_steps",
+                str(steps)]
+        done = subprocess.run(args, cwd=work, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the {name} recipe failed:\n{done.stderr[-3000:]}")
+        run = work / "runs" / ("grpo-async" if overlay else "grpo") / "summary.json"
+        summary = json.loads(run.read_text())
+        keep = ("steps", "steps_per_s", "reward_first", "reward_last", "staleness_tokens")
+        recipes[name] = {k: summary.get(k) for k in keep}
+        log(f"{name} recipe: {recipes[name]}")
+    speedup = recipes["async"]["steps_per_s"] / recipes["sync"]["steps_per_s"]
+    return {"pauses": p, "recipe": {**recipes, "speedup": speedup}}
 
+def section(args: Any, workdir: Path) -> dict[str, Any]:
+    return child("benchmarks.inflight:inflight", workdir / "inflight.json", {MULTIPROCESSING: None},
+                 workdir=workdir, size=args.inflight_size, pushes=args.inflight_pushes,
+                 steps=args.recipe_steps)
 
 def render(result: dict[str, Any]) -> str:
-    """The section as markdown tables."""
-    p = result["pauses"]
-    run = result.get("pauses_run")
-    lines = [
-        f"In-flight pushes ({p['size']} Llama, AsyncColocatedEngine, "
-        f"{p['idle']['n']} pushes each):",
-        "",
-        *(
-            [f"Measured on their own: `{run['command']}`, {run['started']}: {run['why']}.", ""]
-            if run
-            else []
-        ),
-        "| push | generation paused, median | p95 |",
-        "|---|---|---|",
-        f"| into an idle engine (the push itself) | {p['idle']['median_s']:.3f} s "
-        f"| {p['idle']['p95_s']:.3f} s |",
-    ]
+    p, run = result["pauses"], result.get("pauses_run")
+    rows = [["into an idle engine (the push itself)", p["idle"]]]
     if NO_PAUSE in p:  # runs before labels were stamped with the write did not measure it
-        row = p[NO_PAUSE]
-        lines.append(
-            f"| in flight, `None` (no pause; the push's own time: generation stops only while "
-            f"the engine core runs the update between two steps) "
-            f"| {row['median_s']:.3f} s | {row['p95_s']:.3f} s |"
-        )
-    for mode in MODES:
-        lines.append(
-            f"| in flight, `{mode}` | {p[mode]['median_s']:.3f} s | {p[mode]['p95_s']:.3f} s |"
-        )
-    r = result.get("recipe")
-    if r is None:
-        return "\n".join(lines)
-    lines += [
-        "",
-        f"GRPO recipe, {r['sync']['steps']} steps each, one after the other:",
-        "",
-        "| recipe | steps/s | reward first -> last | tokens by staleness |",
-        "|---|---|---|---|",
-    ]
-    for name in ("sync", "async"):
-        s = r[name]
-        lines.append(
-            f"| {name} | {s['steps_per_s']:.3f} | {s['reward_first']:.3f} -> "
-            f"{s['reward_last']:.3f} | {s['staleness_tokens']} |"
-        )
-    lines.append(f"\nasync / sync steps per second: {r['speedup']:.2f}x")
+        rows.append(["in flight, `None` (no pause; the push's own time: generation stops only "
+                     "while the engine core runs the update between two steps)", p[NO_PAUSE]])
+    rows += [[f"in flight, `{mode}`", p[mode]] for mode in MODES]
+    lines = [f"In-flight pushes ({p['size']} Llama, AsyncColocatedEngine, {p['idle']['n']} "
+             "pushes each):", "",
+             *([f"Measured on their own: `{run['command']}`, {run['started']}: {run['why']}.", ""]
+               if run else []),
+             *table(["push", "generation paused, median", "p95"],
+                    [[what, f"{s['median_s']:.3f} s", f"{s['p95_s']:.3f} s"] for what, s in rows])]
+    if (r := result.get("recipe")) is not None:
+        lines += ["", f"GRPO recipe, {r['sync']['steps']} steps each, one after the other:", "",
+                  *table(["recipe", "steps/s", "reward first -> last", "tokens by staleness"], [
+                      [name, f"{r[name]['steps_per_s']:.3f}", f"{r[name]['reward_first']:.3f} -> "
+                       f"{r[name]['reward_last']:.3f}", r[name]["staleness_tokens"]]
+                      for name in ("sync", "async")]),
+                  f"\nasync / sync steps per second: {r['speedup']:.2f}x"]
     return "\n".join(lines)
 
+def _request(sdk: Any, model: str, stream: bool, max_tokens: int) -> int:
+    body = {"model": model, "prompt": [1, 20, 21, 22], "max_tokens": max_tokens}
+    if not stream:
+        return int(sdk.completions.create(**body).usage.completion_tokens)
+    chunks = list(sdk.completions.create(**body, stream=True))
+    return sum(1 for c in chunks if c.choices and c.choices[0].text is not None)
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.inflight", description=__doc__)
-    parser.add_argument("--size", default="10m")
-    parser.add_argument("--pushes", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=40, help="recipe steps per run (0: skip)")
-    parser.add_argument("--out", type=Path, default=Path("bench/inflight.json"))
-    args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with tempfile.TemporaryDirectory(prefix="wb-inflight-") as tmp:
-        result = bench_inflight(Path(tmp), args.size, args.pushes, args.steps, print)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(render(result))
-    return 0
+def _phase(sdk: Any, model: str, args: Any, push: Any) -> dict[str, Any]:
+    """``args.seconds`` of open-loop load; ``push()`` every ``args.every`` seconds (None: none)."""
+    done: list[tuple[float, float, int]] = []  # (finished at, latency, tokens)
+    errors, lock = [], threading.Lock()
 
+    def one(stream: bool) -> None:
+        started = time.perf_counter()
+        try:
+            tokens, now = _request(sdk, model, stream, args.max_tokens), time.perf_counter()
+            with lock:
+                done.append((now, now - started, tokens))
+        except Exception as exc:
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+    threads, pushes, push_errors, n = [], [], [], 0
+    begin = time.perf_counter()
+    next_push = begin + args.every
+    while (now := time.perf_counter()) < begin + args.seconds:
+        if push is not None and now >= next_push:
+            try:
+                pushes.append(harness.timed(push))
+            except Exception as exc:
+                push_errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            next_push = time.perf_counter() + args.every
+        elif now >= begin + n / args.rate:
+            threads.append(threading.Thread(target=one, args=(n % 2 == 1,), daemon=True))
+            threads[-1].start()
+            n += 1
+        else:
+            time.sleep(min(0.005, begin + n / args.rate - now))
+    for thread in threads:
+        thread.join(300)
+    ends, latencies = sorted(t for t, _, _ in done), [lat for _, lat, _ in done]
+    gaps = [b - a for a, b in zip([begin, *ends], ends, strict=False)]
+    wall = (ends[-1] - begin) if ends else args.seconds
+    return {"sent": n, "completed": len(done), "errors": len(errors), "error_examples": errors[:3],
+            "latency_p50_s": quantile(latencies, 0.5), "latency_p99_s": quantile(latencies, 0.99),
+            "longest_gap_s": max(gaps, default=None),
+            "tokens_per_s": sum(t for _, _, t in done) / wall,
+            "pushes": len(pushes), "push_median_s": quantile(pushes, 0.5),
+            "push_errors": push_errors}
 
-if __name__ == "__main__":
-    sys.exit(main())
+def section_clients(args: Any, workdir: Path) -> dict[str, Any]:
+    import openai
+
+    from weight_bridge.vllm.clients.http import HTTPClient
+    from weight_bridge.vllm.clients.served import VLLMServer
+    from weight_bridge.vllm.options import BridgeOptions
+
+    from .engines import server_args
+    size, log = args.size or "10m", logger("clients")
+    result: dict[str, Any] = {"size": size, "rate": args.rate, "seconds": args.seconds,
+                              "every_s": args.every, "max_tokens": args.max_tokens, "phases": {}}
+    with scratch(workdir / "clients") as work:
+        a, b = build_models(work, size)
+        options = BridgeOptions(checkpoint_root=str(work))
+        server = VLLMServer(a, options, server_args(), log=work / "serve.log").start()
+        try:
+            trainer = HTTPClient(server.url, inflight=None)
+            sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            model = sdk.models.list().data[0].id
+            _request(sdk, model, False, args.max_tokens)  # warm
+            files, count = [b / "model.safetensors", a / "model.safetensors"], [0]
+            def push(mode: str | None) -> None:
+                count[0] += 1
+                trainer.push(files[count[0] % 2], version=str(count[0]), inflight=mode)
+            log("clients: no pushes ...")
+            result["phases"]["no pushes"] = _phase(sdk, model, args, None)
+            for mode in (None, *MODES):
+                log(f"clients: pushes with inflight={mode} ...")
+                result["phases"][f"inflight={mode}"] = _phase(sdk, model, args,
+                                                              lambda mode=mode: push(mode))
+        finally:
+            server.stop()
+    return result
+
+def clients_failed(result: dict[str, Any]) -> bool:
+    return any(p["errors"] or p["push_errors"] for p in result["phases"].values())
+
+def render_clients(result: dict[str, Any]) -> str:
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+    rows = [[name, p["sent"], p["completed"], p["errors"], s(p["latency_p50_s"]),
+             s(p["latency_p99_s"]), s(p["longest_gap_s"]), f"{p['tokens_per_s']:.1f}", p["pushes"]]
+            for name, p in result["phases"].items()]
+    return "\n".join(table(["phase", "sent", "completed", "errors", "p50 s", "p99 s",
+                            "longest gap s", "tokens/s", "pushes"], rows)) + "\n"
+# fmt: on

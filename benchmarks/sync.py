@@ -1,35 +1,7 @@
-"""Benchmark section "sync end to end": the callback's sync in a real Lightning Trainer.
-
-    python -m benchmarks --only sync --out bench/results.json   # this section alone, merged
-                                                                # into the JSON under "sync"
-
-For each size (the 100M Llama, fp32, untied, and SmolLM2-135M-Instruct, the real model), a
-``LightningModule`` holding the Hugging Face model (fp32, AdamW) is trained for ``reps`` steps
-with :class:`~callbacks.VLLMWeightSync` syncing after every optimizer step (and once at train
-start: the first sync is excluded, it pays the first-touch costs). Per variant, the callback's
-own ``save_s`` (plan, gather, write, rename) and ``push_s`` (the engine's push) of every sync,
-median and spread, against the two-memory-copies limit: ``2 x`` a ``copy_`` of the model's
-tensors into preallocated tensors (trainer -> transport, transport -> engine), timed in the same
-process right before each sync; the ratio is taken per sync (so both sides see the same load on
-a shared machine), its median reported.
-
-Variants: ``default`` (``VLLMWeightSync(engine=EngineSpec(model=...))`` with every default: the
-engine built by the callback, vLLM's default multi-process engine (engine core and worker in
-processes of their own, as a user gets it), the transport in ``/dev/shm``, the previous file's
-pages recycled, no fsync, no content hash, the push's split jobs on the CPU vLLM leaves spare);
-then each lever on its own, on an engine started once per filesystem and handed to the callback:
-``no_recycle`` (a new file every sync), ``no_kept_maps`` (the spare's pages recycled, but
-written with ``write()``, not through the map the writer keeps of each file), ``writer_hash``
-(the hash in the file, not checked by the engine), ``no_spare_cpus`` (an engine whose worker
-pushes on its own CPU only: ``WEIGHT_BRIDGE_PUSH_THREADS=0``), ``disk`` (``ram_dir=False``: the
-log directory, not fsynced), ``durable`` (the log directory, fsynced: ``durable=True``),
-``verify_hash`` (an engine that verifies hashes: the writer hashes, the engine checks), and
-``old_defaults`` (every setting the callback had before: disk, fsync, hashes verified,
-``keep_last_k=2``). Memory, in one more sync after the timed ones (the samplers' wake-ups
-every 2 ms would compete with the push for the machine's CPUs): the trainer process's peak extra
-resident memory (``VmHWM`` reset before, which counts mapped ``/dev/shm`` pages too) and the
-peak bytes of the sync directory's files (sampled), the RAM the transport holds.
-"""
+"""Sections "sync" (the callback's syncs in a real Trainer against two memory copies, by
+default and each lever alone), "default" (``delta="auto"`` against complete and delta syncs)
+and "fsdp" (a sync from an FSDP2 trainer against one from DDP: the writer's peak memory, torch's
+full gather); the callback measured from inside, which "delta" uses too."""
 
 from __future__ import annotations
 
@@ -39,81 +11,43 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .machine import CpuLoad, RssSampler, fs_type
-from .per_size import reps_child_main, run_sizes
-from .stats import stats
+import torch
 
-__all__ = ["SYNC_SIZES", "bench_sync", "render_sync"]
+from . import harness
+from .harness import ENGINE_KWARGS, fs_type, line, logger, stats, trim, verdict
 
-SYNC_SIZES = ("100m", "smollm2")
+# fmt: off
 TARGET_X = 6.0  # default sync (save + push) within 6x the two-copy limit
+CASES = {"ram_fp32_lr1e-4": ("ram", "float32", 1e-4), "ram_bf16_lr1e-4": ("ram", "bfloat16", 1e-4),
+         "disk_bf16_lr1e-6": ("disk", "bfloat16", 1e-6)}  # case: (where the files go, dtype, lr)
+VARIANTS = {"default": "auto", "complete": "off", "delta": "on"}
+ORDER = ("default", "complete", "delta", "complete", "default")  # neither gains from its place
+TARGET_VS_COMPLETE, TARGET_X_TWO_COPIES = 1.1, 4.7  # the default's, on the RAM cases
+FSDP_FACTOR, FSDP_FIXED = 1.2, 64 * 2**20  # issue 22: the FSDP writer's peak extra memory
 
-
-def model_dir_of(workdir: Path, size: str) -> Path:
-    from weight_bridge.testing.models import build_tiny_model
-    from weight_bridge.testing.real_model import real_model_dir
-
-    if size == "smollm2":
-        return real_model_dir()
-    return build_tiny_model(
-        workdir / f"sync_{size}", arch="llama", size=size, seed=0, tie_word_embeddings=False
-    )
-
-
-def _module(model_dir: Path, lr: float = 1e-4) -> Any:
-    import lightning.pytorch as pl
-    import torch
-
-    class Policy(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            from transformers import AutoModelForCausalLM
-
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            ids = batch[0]
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=lr)
-
-        def train_dataloader(self) -> Any:
-            g = torch.Generator().manual_seed(0)
-            data = torch.randint(4, 500, (64, 8), generator=g)
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
-
-    return Policy()
-
-
-class _DirSampler:
+class DirSampler:
     """Peak bytes held by the files of a directory (allocated blocks), sampled in a thread."""
 
-    def __init__(self, directory: Path, interval: float = 0.002) -> None:
-        self.directory = directory
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.peak, self._stop = directory, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def held(self) -> int:
         total = 0
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.directory):
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # renamed or removed meanwhile
                     total += entry.stat(follow_symlinks=False).st_blocks * 512
         return total
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(0.002):
             self.peak = max(self.peak, self.held())
-            time.sleep(self.interval)
 
-    def __enter__(self) -> _DirSampler:
+    def __enter__(self) -> DirSampler:
         self.peak = self.held()
         self._thread.start()
         return self
@@ -123,187 +57,115 @@ class _DirSampler:
         self._thread.join()
         self.peak = max(self.peak, self.held())
 
-
-class _Copier:
-    """Two memory copies of the model, timed right before each sync (the load on a shared
-    machine changes by the second): ``copy_`` of every tensor the checkpoint holds (tied ones
-    once) into tensors preallocated and touched once, twice over; the best of three."""
+class TwoCopies:
+    """Two memory copies of the model into preallocated tensors, the best of three."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[Any, Any]] = []
         self.bytes = 0
 
     def __call__(self, module: Any) -> float:
-        import torch
-
         if not self.pairs:
-            seen: set[int] = set()
-            for t in module.model.state_dict().values():
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    dst = torch.empty_like(t)
-                    dst.copy_(t)  # first touch outside the timing
-                    self.pairs.append((dst, t.detach()))
+            state = module.model.state_dict().values()
+            unique = {t.untyped_storage().data_ptr(): t for t in state}
+            self.pairs = [(torch.empty_like(t).copy_(t), t.detach()) for t in unique.values()]
             self.bytes = sum(t.nbytes for _, t in self.pairs)
-        best = float("inf")
-        for _ in range(3):  # the best of three: the machine's bandwidth at this moment
-            t0 = time.perf_counter()
-            for _ in range(2):
-                for dst, src in self.pairs:
-                    dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return min(harness.timed(lambda: [d.copy_(s) for d, s in self.pairs * 2])
+                   for _ in range(3))  # the best of three: the machine's bandwidth now
 
-
-def _measured_sync(memory_step: int, **kwargs: Any) -> Any:
+def measured_sync(memory_at: int | str | None = None, record: bool = False,
+                  keep: Path | None = None, tweak: Any = None, **kwargs: Any) -> Any:
+    """The callback, measured on the writer: ``memory_at`` a step (that sync sampled, the
+    others after two timed copies) or ``"every"``; ``record`` reports; ``keep`` files."""
     from callbacks import VLLMWeightSync
-
     class MeasuredSync(VLLMWeightSync):
-        """The callback, each sync right after a timing of two memory copies of the model;
-        the sync of ``memory_step`` (not timed) inside a memory sampler of this process and
-        its directory."""
-
-        def __init__(self, tweak: Callable[[Any], None] | None = None, **kw: Any) -> None:
-            super().__init__(**kw)
-            self.two_copies: list[float] = []
-            self.memory: dict[str, Any] = {}
-            self.copier = _Copier()
-            self.tweak = tweak
+        def __init__(self) -> None:
+            super().__init__(**kwargs)
+            self.two_copies, self.memory, self.pushes, self.kept = [], [], {}, []
+            self.copier = TwoCopies()
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             super().setup(trainer, pl_module, stage)
-            if self.tweak is not None:  # a lever the callback has no option for
-                self.tweak(self)
+            if tweak is not None:
+                tweak(self)
 
         def _sync(self, trainer: Any, pl_module: Any, step: int) -> None:
-            assert self._dir is not None
-            if step != memory_step:
-                self.two_copies.append(self.copier(pl_module))
+            if not trainer.is_global_zero or memory_at not in (step, "every"):
+                if isinstance(memory_at, int):
+                    self.two_copies.append(self.copier(pl_module))
+                return super()._sync(trainer, pl_module, step)
+            if every := memory_at == "every":
+                trim()
+            held = contextlib.nullcontext() if every else DirSampler(self._dir)
+            with harness.RssSampler([os.getpid()], 0.001 if every else 0.002) as rss, held:
                 super()._sync(trainer, pl_module, step)
-                return
-            with RssSampler([os.getpid()], interval=0.002) as rss, _DirSampler(self._dir) as d:
-                super()._sync(trainer, pl_module, step)
-            self.memory = {
-                "step": step,
-                "dir_peak_bytes": d.peak,
-                "dir_after_bytes": d.held(),
-                **rss.report(),
-            }
+            sizes = {} if every else {"dir_peak_bytes": held.peak, "dir_after_bytes": held.held()}
+            self.memory.append({"step": step, **sizes, **rss.report()})
 
-    return MeasuredSync(**kwargs)
+        def _push(self, path: Path, step: int) -> Any:
+            if not record:
+                return super()._push(path, step)
+            nbytes, report = os.path.getsize(path), super()._push(path, step)
+            self.pushes[step] = {"file_bytes": nbytes, **report_fields(report)}
+            if keep is not None and step > 0:  # after the push: outside its report's time
+                self.kept.append(keep / f"{len(self.kept):02d}-{Path(path).name}")
+                shutil.copyfile(path, self.kept[-1])
+            return report
 
+    return MeasuredSync()
 
-def fit_measured(
-    model_dir: Path,
-    root: Path,
-    reps: int,
-    lr: float = 1e-4,
-    delta: str = "auto",
-    **sync_kwargs: Any,
-) -> tuple[Any, Any]:
-    """A real Trainer (AdamW at ``lr``) with the measured callback (``delta``, the rest of
-    ``sync_kwargs``) syncing after every step; the callback and the module."""
-    import lightning.pytorch as pl
+def report_fields(report: Any) -> dict[str, Any]:
+    return {"push_s": report.elapsed_s, "apply_s": report.elapsed_s - report.refresh_s,
+            "repack_s": report.refresh_s, "preflight_s": report.preflight_s,
+            "write_s": report.write_s, "readback_s": report.readback_s,
+            "elements_written": report.changed, "report_delta": report.delta}
 
+def fit_measured(model: Path, root: Path, reps: int, lr: float = 1e-4, delta: str = "auto",
+                 **sync_kwargs: Any) -> dict[str, Any]:
+    """A Trainer syncing every step, ``reps`` timed, one more sampled; its syncs' summary."""
     from callbacks import Schedule
-
-    # syncs: at train start (first-touch costs, not counted), after steps 1..reps (timed),
-    # after step reps + 1 (memory sampled)
     schedule = Schedule(every_n_train_steps=1, delta=delta)
-    sync = _measured_sync(reps + 1, schedule=schedule, **sync_kwargs)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=reps + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        callbacks=[sync],
-    )
-    module = _module(model_dir, lr)
-    trainer.fit(module)
-    return sync, module
-
-
-def free_memory() -> None:
-    """Drop what a finished run left (its model, optimizer state, copies): hand it back."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def summarise(sync: Any) -> dict[str, Any]:
-    """A measured run's syncs: times against the two-copy limit, memory, each kind sent."""
-    # the first sync pays first-touch costs; the last one ran with the memory samplers
-    steady = [h for h in sync.history[1:] if h["step"] != sync.memory.get("step")]
-    save = [h["save_s"] for h in steady]
-    push = [h["push_s"] for h in steady]
-    total = [h["save_s"] + h["push_s"] for h in steady]
-    mem = sync.memory
-    sync.copier.pairs.clear()  # the copies and the model they reference go with the run
-    limits = sync.two_copies[1:]
+    sync = measured_sync(reps + 1, schedule=schedule, **sync_kwargs)
+    harness.fit(harness.policy(model, lr), [sync], reps + 1, root)
+    mem = sync.memory[-1] if sync.memory else {}
+    steady = [h for h in sync.history[1:] if h["step"] != mem.get("step")]
+    total, limits = [h["save_s"] + h["push_s"] for h in steady], sync.two_copies[1:]
     paired = [t / limit for t, limit in zip(total, limits, strict=True)]
-    return {
-        "syncs": len(sync.history),
-        "dir": str(sync._dir),
-        "fs": fs_type(sync._dir) if sync._dir is not None else None,
-        "in_ram": sync._in_ram,
+    sync.copier.pairs.clear()  # the copies and the model they reference go with the run
+    first, where = sync.history[0], sync._dir
+    summary = {
+        "syncs": len(sync.history), "dir": str(where),
+        "fs": fs_type(where) if where is not None else None, "in_ram": sync._in_ram,
         "durable": sync.files.durable,
         "verify_hash": getattr(sync.engine, "verify_hash", False) is True,
-        "save_s": stats(save),
-        "push_s": stats(push),
-        "sync_s": stats(total),
-        "two_copies_s": stats(limits),
+        "save_s": stats(h["save_s"] for h in steady), "push_s": stats(h["push_s"] for h in steady),
+        "sync_s": stats(total), "two_copies_s": stats(limits),
         "x_two_copies": statistics.median(paired) if paired else None,
-        "x_two_copies_per_sync": paired,
-        "bytes": sync.copier.bytes,
-        "first_sync_s": sync.history[0]["save_s"] + sync.history[0]["push_s"],
+        "x_two_copies_per_sync": paired, "bytes": sync.copier.bytes,
+        "first_sync_s": first["save_s"] + first["push_s"],
         "peak_rss_extra_bytes": mem.get("hwm_extra_total") or 0 if mem else None,
         "peak_anon_extra_bytes": mem.get("peak_extra_anon"),
-        "peak_dir_bytes": mem.get("dir_peak_bytes"),
-        "dir_after_bytes": mem.get("dir_after_bytes"),
+        "peak_dir_bytes": mem.get("dir_peak_bytes"), "dir_after_bytes": mem.get("dir_after_bytes"),
         "deltas": [h["delta"] for h in sync.history],
-        "choices": [h["choice"].get("why") for h in sync.history],
-    }
+        "choices": [h["choice"].get("why") for h in sync.history]}
+    del sync
+    trim()  # what the run left (its model, optimizer state, copies) handed back
+    return summary
 
-
-def _writer_levers(model_dir: Path, directory: Path, reps: int) -> dict[str, Any]:
-    """The writer alone on the model's tensors (fp32), files in ``directory``, round-robin:
-    a new file or the spare's pages (written, or through the map kept of it), with or without
-    the hash, and a cast to bf16 in the writer's one pass against a cast of each whole tensor
-    before writing it (as before)."""
-    import torch
-
-    from weight_bridge.checkpoint import CheckpointReader, CheckpointWriter
+def writer_levers(model: Path, directory: Path, reps: int) -> dict[str, Any]:
+    """The writer alone, round-robin: a new file or the spare's pages, hashed or not, bf16."""
+    from weight_bridge.checkpoint import CheckpointWriter
     from weight_bridge.checkpoint.mapping import TransportMaps
-
-    from .stats import Rounds
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    with CheckpointReader(files[0]) as reader:
-        tensors = {n: t.clone() for n, t in reader.tensors()}
+    tensors = harness.tensors_of(sorted(model.glob("*.safetensors"))[0])
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    spare = directory / ".spare"
-    target = directory / "w.safetensors"
-    maps = TransportMaps()
+    spare, target, maps = directory / ".spare", directory / "w.safetensors", TransportMaps()
 
-    def write(hashed: bool, reuse: bool, cast: str | None, mapped: bool = False) -> float:
-        dtype = torch.bfloat16 if cast else None
-        specs = {
-            n: torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
-            for n, t in tensors.items()
-        }
+    def write(hashed: bool, reuse: bool, cast: str | None = None, mapped: bool = False) -> float:
+        specs = {n: torch.empty(t.shape, dtype=torch.bfloat16 if cast else t.dtype, device="meta")
+                 for n, t in tensors.items()}
         t0 = time.perf_counter()
-        kept = maps if mapped else None
-        with CheckpointWriter(
-            target, specs, None, False, hashed, spare if reuse else None, kept
-        ) as w:
+        with CheckpointWriter(target, specs, None, False, hashed, spare if reuse else None,
+                              maps if mapped else None) as w:
             for n, t in tensors.items():
                 if cast == "before":
                     w.write(n, t.to(torch.bfloat16))
@@ -316,181 +178,269 @@ def _writer_levers(model_dir: Path, directory: Path, reps: int) -> dict[str, Any
         else:
             target.unlink()
         return elapsed
-
-    methods = {
-        "new_file": lambda rep: write(False, False, None),
-        "new_file_hashed": lambda rep: write(True, False, None),
-        "recycled": lambda rep: write(False, True, None),
-        "recycled_hashed": lambda rep: write(True, True, None),
-        "recycled_mapped": lambda rep: write(False, True, None, mapped=True),
+    rounds = harness.Rounds({
+        "new_file": lambda rep: write(False, False),
+        "new_file_hashed": lambda rep: write(True, False),
+        "recycled": lambda rep: write(False, True),
+        "recycled_hashed": lambda rep: write(True, True),
+        "recycled_mapped": lambda rep: write(False, True, mapped=True),
         "bf16_cast_in_writer": lambda rep: write(False, False, "writer"),
-        "bf16_cast_before": lambda rep: write(False, False, "before"),
-    }
-    rounds = Rounds()
-    rounds.run(methods, max(reps, 3))
+        "bf16_cast_before": lambda rep: write(False, False, "before")}, max(reps, 3))
     maps.close()
     shutil.rmtree(directory, ignore_errors=True)
-    out: dict[str, Any] = {
-        "dir_fs": fs_type(directory.parent),
-        "bytes": sum(t.nbytes for t in tensors.values()),
-    }
-    for name in methods:
-        out[name] = rounds.result(name)
-    return out
+    nbytes = sum(t.nbytes for t in tensors.values())
+    return {"dir_fs": fs_type(directory.parent), "bytes": nbytes, **rounds.results()}
 
-
-def _bench_size(
-    size: str, workdir: Path, reps: int, shm: Path, log: Callable[[str], None]
-) -> dict[str, Any]:
+def sync_size(size: str, workdir: str, reps: int, shm: str) -> dict[str, Any]:
+    """One size of "sync" (a child's call): the default, the writer, each lever on its own."""
     from callbacks import CheckpointFiles, EngineSpec
+    from weight_bridge import ColocatedEngine
     from weight_bridge.vllm.clients.launch import engine_environment
     from weight_bridge.vllm.worker.cpu_threads import PUSH_THREADS_ENV
-
-    from .config import ENGINE_KWARGS
-
-    model_dir = model_dir_of(workdir, size)
-    out: dict[str, Any] = {"size": size, "model_dir": str(model_dir), "variants": {}}
+    work, log, ram = Path(workdir), logger("sync"), Path(shm) / f"sync-{size}"
+    disk, model = work / f"disk-{size}", harness.model_dir(work / f"sync_{size}", size)
     log(f"{size}: default (the callback builds its engine)")
-    sync, module = fit_measured(
-        model_dir, workdir / f"run_{size}_default", reps,
-        engine=EngineSpec(model=str(model_dir), args=dict(ENGINE_KWARGS)),
-    )  # fmt: skip
-    out["variants"]["default"] = summarise(sync)
-    del module, sync
-    free_memory()
+    spec = EngineSpec(model=str(model), options={"engine_args": dict(ENGINE_KWARGS)})
+    variants = {"default": fit_measured(model, work / f"run_{size}", reps, engine=spec)}
     log(f"{size}: the writer alone")
-    out["writer"] = _writer_levers(model_dir, shm / f"writer-{size}", reps)
-    from weight_bridge.vllm import ColocatedEngine
+    out: dict[str, Any] = {"size": size, "model_dir": str(model), "variants": variants,
+                           "writer": writer_levers(model, Path(shm) / f"writer-{size}", reps)}
 
-    ram_root = shm / f"sync-{size}"
-    disk_root = workdir / f"disk-{size}"
-    for d in (ram_root, disk_root):
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-
-    def no_recycle(sync: Any) -> None:
-        sync.gatherer.spare = None  # a new file every sync: fresh tmpfs pages
-
-    def no_kept_maps(sync: Any) -> None:
-        sync.gatherer.maps = None  # the spare's pages recycled, written with write()
-
-    def writer_hash(sync: Any) -> None:
-        sync.gatherer.hashed = True  # the hash in the file, not checked by the engine
-
-    no_helpers = {PUSH_THREADS_ENV: "0"}  # the worker's push on its own CPU only
-    levers: list[tuple[str, Path, dict[str, str], dict[str, Any]]] = [
-        ("no_recycle", ram_root, {}, {"tweak": no_recycle}),
-        ("no_kept_maps", ram_root, {}, {"tweak": no_kept_maps}),
-        ("writer_hash", ram_root, {}, {"tweak": writer_hash}),
-        ("verify_hash", ram_root, {}, {"verify": True}),
-        ("no_spare_cpus", ram_root, no_helpers, {}),
-        ("disk", disk_root, {}, {"files": CheckpointFiles(ram_dir=False)}),
-        ("durable", disk_root, {}, {"files": CheckpointFiles(durable=True)}),
-        (
-            "old_defaults",
-            disk_root,
-            {},
-            {"files": CheckpointFiles(durable=True, keep_last_k=2), "verify": True},
-        ),
-    ]
+    def gatherer(**attrs: Any) -> dict[str, Any]:  # a lever the callback has no option for
+        return {"tweak": lambda sync: [setattr(sync.gatherer, k, v) for k, v in attrs.items()]}
+    levers = [
+        ("no_recycle", ram, {}, gatherer(spare=None)),  # a new file every sync: fresh pages
+        ("no_kept_maps", ram, {}, gatherer(maps=None)),  # the spare's pages, with write()
+        ("writer_hash", ram, {}, gatherer(hashed=True)),  # hashed, not checked by the engine
+        ("verify_hash", ram, {}, {"verify": True}),
+        ("no_spare_cpus", ram, {PUSH_THREADS_ENV: "0"}, {}),  # the push on its own CPU only
+        ("disk", disk, {}, {"files": CheckpointFiles(ram_dir=False)}),
+        ("durable", disk, {}, {"files": CheckpointFiles(durable=True)}),
+        ("old_defaults", disk, {},
+         {"files": CheckpointFiles(durable=True, keep_last_k=2), "verify": True})]
     engines: dict[tuple, Any] = {}
     try:
         for name, root, env, kwargs in levers:
-            key = (root, tuple(sorted(env.items())))
-            if key not in engines:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if (key := (root, tuple(sorted(env.items())))) not in engines:
                 for other in engines.values():  # one engine at a time: memory is shared
                     other.close()
                 engines.clear()
-                free_memory()
+                trim()
                 log(f"{size}: engine with its checkpoint root in {fs_type(root)} ({root}) {env}")
                 with engine_environment((), env):  # its processes read it when they start
-                    engines[key] = ColocatedEngine(
-                        str(model_dir), checkpoint_root=str(root), **ENGINE_KWARGS
-                    )
+                    engines[key] = ColocatedEngine(str(model), checkpoint_root=str(root),
+                                                   **ENGINE_KWARGS)
             log(f"{size}: {name}")
-            verify = kwargs.pop("verify", False)  # the engine verifies every push's hash
-            engines[key].verify_hash = verify
-            sync = fit_measured(model_dir, root, reps, engine=engines[key], **kwargs)[0]
+            engines[key].verify_hash = kwargs.pop("verify", False)  # the engine checks hashes
+            variants[name] = fit_measured(model, root, reps, engine=engines[key], **kwargs)
             engines[key].verify_hash = False
-            out["variants"][name] = summarise(sync)
-            del sync
-            free_memory()
     finally:
         for engine in engines.values():
             engine.close()
-        shutil.rmtree(ram_root, ignore_errors=True)
-        shutil.rmtree(disk_root, ignore_errors=True)
-    default = out["variants"]["default"]
-    out["bytes"] = default["bytes"]
-    out["two_copy_limit_s"] = default["two_copies_s"]["median"]
-    out["target"] = {
-        "what": f"default sync (save_s + push_s) / two memory copies of the model timed right "
-        f"before it, median over the syncs after the first, <= {TARGET_X}",
-        "value": TARGET_X,
-        "x": default["x_two_copies"],
-        "met": default["x_two_copies"] is not None and default["x_two_copies"] <= TARGET_X,
-    }
+        shutil.rmtree(ram, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    default = variants["default"]
+    out["bytes"], out["two_copy_limit_s"] = default["bytes"], default["two_copies_s"]["median"]
+    out["target"] = verdict(default["x_two_copies"], "<=", TARGET_X, "default sync (save_s + "
+                            "push_s) / two memory copies of the model timed right before it, "
+                            "median over the syncs after the first")
     return out
 
+def _per_size(call: str, what: str) -> Any:
+    """The section of ``call`` (``sync_size``: sizes from ``--sync-sizes``), each size a child."""
+    name = call.split("_")[0]
 
-def bench_sync(
-    workdir: Path, sizes: list[str], reps: int, shm: Path, log: Callable[[str], None]
-) -> dict[str, Any]:
-    """The "sync end to end" section: every size, every variant (see the module docstring),
-    each size in a process of its own (what a run leaves allocated goes with it)."""
-    load = CpuLoad()
-    result: dict[str, Any] = {
-        "what": __doc__.split("\n\n")[2].replace("\n", " ") if __doc__ else "",
-        "reps": reps,
-        "sizes": {},
-    }
-    result["sizes"] = run_sizes("benchmarks.sync", sizes, ["--reps", str(reps)], workdir, shm, log)
-    result["load"] = load.report()
-    return result
+    def run(args: Any, workdir: Path) -> dict[str, Any]:
+        sizes = harness.per_size(f"benchmarks.sync:{call}", getattr(args, f"{name}_sizes"),
+                                 workdir, logger(name), reps=args.sync_reps, shm=args.shm_dir)
+        return {"what": what, "reps": args.sync_reps, "sizes": sizes}
+    return run
 
-
-def main(argv: list[str] | None = None) -> int:
-    """One size of the section (what :func:`bench_sync` runs in a child)."""
-    return reps_child_main("benchmarks.sync", argv, _bench_size)
-
+section_sync = _per_size("sync_size", "the callback's sync in a real Trainer, by default and "
+                         "with each lever on its own")
 
 def render_sync(section: dict[str, Any]) -> str:
-    """The section as a markdown table."""
-    lines = [
-        "## Sync end to end (real Trainer, AdamW, every step)",
-        "",
-        "| size | variant | dir | save s | push s | save+push s | x two copies | peak RSS+ MiB "
-        "| peak dir MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = ["## Sync end to end (real Trainer, AdamW, every step)", "",
+             line(["size", "variant", "dir", "save s", "push s", "save+push s", "x two copies",
+                   "peak RSS+ MiB", "peak dir MiB"]), "|---" * 9 + "|"]
     for size, s in section.get("sizes", {}).items():
         if "error" in s:
-            lines.append(f"| {size} | error: {s['error']} | | | | | | | |")
+            lines.append(line([size, f"error: {s['error']}", *[""] * 7]))
             continue
-        mib = s["bytes"] / 2**20
-        limit = s["two_copy_limit_s"]
-        lines.append(
-            f"| {size} ({mib:.0f} MiB) | two-copy limit | memory | | | {limit:.3f} | 1.0 | | |"
-        )
+        lines.append(line([f"{size} ({s['bytes'] / 2**20:.0f} MiB)", "two-copy limit", "memory",
+                           "", "", f"{s['two_copy_limit_s']:.3f}", "1.0", "", ""]))
         for name, v in s["variants"].items():
-            rss = (v["peak_rss_extra_bytes"] or 0) / 2**20
-            held = (v["peak_dir_bytes"] or 0) / 2**20
-            lines.append(
-                f"| {size} | {name} | {v['fs']} | {v['save_s']['median']:.3f} "
-                f"| {v['push_s']['median']:.3f} | {v['sync_s']['median']:.3f} "
-                f"| {v['x_two_copies']:.1f} | {rss:.0f} | {held:.0f} |"
-            )
+            rss, held = ((v[k] or 0) / 2**20 for k in ("peak_rss_extra_bytes", "peak_dir_bytes"))
+            times = (f"{v[k]['median']:.3f}" for k in ("save_s", "push_s", "sync_s"))
+            lines.append(line([size, name, v["fs"], *times, f"{v['x_two_copies']:.1f}",
+                               f"{rss:.0f}", f"{held:.0f}"]))
     for size, s in section.get("sizes", {}).items():
-        w = s.get("writer")
-        if not w or "new_file" not in w:
-            continue
-        cells = " | ".join(
-            f"{k} {w[k]['median']:.3f}" for k in w if isinstance(w[k], dict) and "median" in w[k]
-        )
-        lines.append(f"\nWriter alone, {size}, {w['dir_fs']}, median s: {cells}")
-    load = section.get("load", {})
-    lines += ["", f"Load during the section: {load}", ""]
-    return "\n".join(lines)
+        if (w := s.get("writer")) and "new_file" in w:
+            cells = " | ".join(f"{k} {v['median']:.3f}" for k, v in w.items()
+                               if isinstance(v, dict) and "median" in v)
+            lines.append(f"\nWriter alone, {size}, {w['dir_fs']}, median s: {cells}")
+    return "\n".join([*lines, "", f"Load during the section: {section.get('load', {})}", ""])
 
+def default_size(size: str, workdir: str, reps: int, shm: str) -> dict[str, Any]:
+    """One size of "default" (a child's call): per case, :data:`ORDER` on one engine."""
+    from callbacks import CheckpointFiles
+    from weight_bridge import ColocatedEngine
+    work, log, out = Path(workdir), logger("default"), {"size": size, "cases": {}}
+    model = harness.model_dir(work / f"sync_{size}", size)
+    for case, (where, dtype, lr) in CASES.items():
+        root = (Path(shm) if where == "ram" else work) / f"default-{size}-{case}"
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        in_ram = fs_type(root) == "tmpfs"
+        files = CheckpointFiles() if in_ram else CheckpointFiles(durable=True)
+        kwargs, runs = {**ENGINE_KWARGS, "dtype": dtype}, {name: [] for name in VARIANTS}
+        engine = ColocatedEngine(str(model), checkpoint_root=str(root), **kwargs)
+        try:
+            for i, name in enumerate(ORDER):
+                log(f"{root.name}: {name} (delta={VARIANTS[name]!r})")
+                runs[name].append(fit_measured(model, root / f"{i}-{name}", reps, lr,
+                                               VARIANTS[name], engine=engine, files=files))
+        finally:
+            engine.close()
+            shutil.rmtree(root, ignore_errors=True)
+        variants = {name: {
+            "runs": len(r), "sync_s": stats(t for s in r for t in s["sync_s"]["samples"]),
+            "x_two_copies": statistics.median(x for s in r for x in s["x_two_copies_per_sync"]),
+            "deltas": [d for s in r for d in s["deltas"]],
+            "choices": [c for s in r for c in s["choices"]], "per_run": r}
+            for name, r in runs.items()}
+        median = {n: v["sync_s"]["median"] for n, v in variants.items()}
+        c = out["cases"][case] = {
+            "fs": fs_type(root), "dtype": dtype, "lr": lr, "variants": variants,
+            "default_vs_complete": median["default"] / median["complete"],
+            "delta_vs_complete": median["delta"] / median["complete"],
+            "default_x_two_copies": variants["default"]["x_two_copies"]}
+        if in_ram:
+            targets = [verdict(c["default_vs_complete"], "<=", TARGET_VS_COMPLETE, "default / "
+                               "complete sync, medians"), verdict(c["default_x_two_copies"], "<=",
+                               TARGET_X_TWO_COPIES, "default sync / two memory copies")]
+            what = (f"default sync <= {TARGET_VS_COMPLETE}x a complete one (medians, same run) "
+                    f"and <= {TARGET_X_TWO_COPIES}x two memory copies")
+            c["target"] = {"what": what, "met": all(t["met"] for t in targets), "targets": targets}
+    return out
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+section_default = _per_size("default_size", "delta='auto' against complete syncs and deltas, "
+                            "real Trainer runs on one engine")
+
+def render_default(section: dict[str, Any]) -> str:
+    lines, notes = ['## Default sync (`delta="auto"`) against complete syncs and deltas (real '
+                    "Trainer)", "", line(["size", "case", "variant", "deltas sent",
+                    "save+push s (median)", "x complete", "x two copies"]), "|---" * 7 + "|"], []
+    for size, s in section.get("sizes", {}).items():
+        if "error" in s:
+            lines.append(line([size, f"error: {s['error']}", *[""] * 5]))
+        for case, c in s.get("cases", {}).items():
+            complete = c["variants"]["complete"]["sync_s"]["median"]
+            for name, v in c["variants"].items():
+                m = v["sync_s"]["median"]
+                lines.append(line([size, case, name, f"{sum(v['deltas'])} of {len(v['deltas'])}",
+                                   f"{m:.3f}", f"{m / complete:.2f}", f"{v['x_two_copies']:.1f}"]))
+            if "target" in c:
+                met = "met" if c["target"]["met"] else "missed"
+                notes.append(f"\n{size} {case}: {c['target']['what']}: {met}")
+            why = c["variants"]["default"]["choices"][-1]
+            notes.append(f"\n{size} {case}, the default's reason at its last sync: {why}")
+    load = f"Load during the section: {section.get('load', {})}"
+    return "\n".join([*lines, *notes, "", load, ""])
+
+def fsdp_job(kind: str, model: str, reps: int, sync_dir: str) -> dict[str, Any] | None:
+    """One job (both ranks run it): FSDP2 on each decoder layer and the model, or DDP."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from callbacks import CheckpointFiles, EngineSpec, Schedule
+    shard, gather = kind == "fsdp", {}
+    sync = measured_sync("every", engine=EngineSpec(model=model, options={"engine_args": dict(
+        ENGINE_KWARGS)}), schedule=Schedule(every_n_train_steps=1),
+        files=CheckpointFiles(dirpath=sync_dir, keep_last_k=2))
+
+    class FullGather(pl.Callback):  # every rank calls it; rank zero gets the model
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            harness.trim()
+            with harness.RssSampler([os.getpid()], interval=0.001) as sampler:
+                t0 = time.perf_counter()
+                state = get_model_state_dict(pl_module.model, options=options)
+                elapsed = time.perf_counter() - t0
+            del state
+            if trainer.is_global_zero:
+                gather.update(sampler.report(), elapsed_s=elapsed)
+
+    module = harness.policy(model, lr=1e-3, tokens=16, batch=2, sgd=True, shard=shard)
+    strategy = "ddp"
+    if shard:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = harness.fit(module, [sync, FullGather()] if shard else [sync], reps, devices=2,
+                          strategy=strategy)
+    if trainer.is_global_zero:
+        return {"syncs": sync.history, "memory": sync.memory, "full_gather": gather}
+    return None
+
+def section_fsdp(args: Any, workdir: Path) -> dict[str, Any]:
+    """The FSDP and the DDP job (medians over the syncs after the first), compared."""
+    from weight_bridge.checkpoint import CheckpointReader
+    size, reps, log = args.fsdp_size, args.fsdp_reps, logger("fsdp")
+    log(f"building the {size} model")
+    model = harness.model_dir(workdir / f"{size}_fsdp", size)
+    with CheckpointReader(model / "model.safetensors") as reader:
+        sizes = [e.end - e.begin for f in reader.files for e in f.entries.values()]
+    result: dict[str, Any] = {"size": size, "model_bytes": sum(sizes), "largest_tensor": max(sizes)}
+    # Allocations above 1 MiB mapped and unmapped by glibc (the threshold otherwise grows to
+    # 32 MiB and freed memory stays resident), so a peak is what a sync itself allocated.
+    env = {harness.MULTIPROCESSING: "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    for kind in ("fsdp", "ddp"):
+        log(f"{kind} job: 2 ranks with an engine each, {reps + 1} syncs")
+        started = time.perf_counter()
+        raw = harness.child("benchmarks.sync:fsdp_job", workdir / f"{kind}.json", env, kind=kind,
+                            model=model, reps=reps, sync_dir=workdir / f"sync-{kind}")
+        if "error" in raw:
+            raise RuntimeError(f"the {kind} job failed: {raw['error']}")
+        raw["job_wall_s"] = time.perf_counter() - started
+        syncs, memory = raw["syncs"][1:] or raw["syncs"], raw["memory"][1:] or raw["memory"]
+        hwm = [m["hwm_extra_total"] or 0 for m in raw["memory"]]
+        result[kind] = {
+            "syncs": len(raw["syncs"]), "save_s": statistics.median(s["save_s"] for s in syncs),
+            "push_s": statistics.median(s["push_s"] for s in syncs),
+            "sync_s": statistics.median(s["save_s"] + s["push_s"] for s in syncs),
+            "peak_extra_hwm": max(hwm), "peak_extra_anon": max(m["peak_extra_anon"] for m in
+                                                               raw["memory"]),
+            "peak_extra_hwm_median": statistics.median(m["hwm_extra_total"] or 0 for m in memory),
+            "job_wall_s": raw["job_wall_s"], "raw": raw}
+    fsdp, ddp, largest, nbytes = result["fsdp"], result["ddp"], max(sizes), sum(sizes)
+    fsdp["full_gather"] = fsdp["raw"]["full_gather"]
+    peak = max(fsdp["peak_extra_hwm"], fsdp["peak_extra_anon"])
+    result["targets"] = {"fsdp_writer_peak": verdict(
+        peak, "<=", FSDP_FACTOR * largest + FSDP_FIXED, "writer's peak extra resident memory "
+        "during an FSDP sync <= 1.2 x largest tensor + 64 MiB")}
+    result["ratios"] = {
+        "fsdp_peak_vs_largest": peak / largest, "fsdp_peak_vs_model": peak / nbytes,
+        "full_gather_peak_vs_model": fsdp["full_gather"].get("hwm_extra_total", 0) / nbytes,
+        "fsdp_vs_ddp_sync_s": fsdp["sync_s"] / ddp["sync_s"],
+        "fsdp_vs_ddp_save_s": fsdp["save_s"] / ddp["save_s"]}
+    return result
+
+def render_fsdp(result: dict[str, Any]) -> str:
+    mib, f, d = 2**20, result["fsdp"], result["ddp"]
+    t, gather = result["targets"]["fsdp_writer_peak"], f["full_gather"]
+    rows = [[name, f"{s['save_s']:.3f}", f"{s['push_s']:.3f}", f"{s['sync_s']:.3f}",
+             f"{s['peak_extra_hwm'] / mib:.1f} MiB", f"{s['peak_extra_anon'] / mib:.1f} MiB"]
+            for name, s in (("FSDP2 (streamed gather)", f), ("DDP", d))]
+    rows.append(["torch full gather (`get_model_state_dict`, rank 0)", f"{gather['elapsed_s']:.3f}",
+                 "", "", f"{(gather['hwm_extra_total'] or 0) / mib:.1f} MiB",
+                 f"{gather['peak_extra_anon'] / mib:.1f} MiB"])
+    return "\n".join([
+        f"## FSDP2 sync vs DDP sync ({result['size']}, 2 ranks)", "",
+        f"model {result['model_bytes'] / mib:.1f} MiB, largest tensor "
+        f"{result['largest_tensor'] / mib:.1f} MiB", "",
+        *harness.table(["", "save s", "push s", "sync s", "writer peak extra (VmHWM)",
+                "peak extra RssAnon"], rows), "",
+        f"target: writer peak {t['value'] / mib:.1f} MiB <= {t['limit'] / mib:.1f} MiB (1.2 x "
+        f"largest + 64 MiB): {'met' if t['met'] else 'MISSED'}; FSDP sync / DDP sync = "
+        f"{result['ratios']['fsdp_vs_ddp_sync_s']:.2f}"])
+# fmt: on

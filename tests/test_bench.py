@@ -44,7 +44,6 @@ def test_quick_bench_writes_complete_results(tmp_path: Path) -> None:
 
     r = json.loads(out.read_text())
     assert out.with_suffix(".md").stat().st_size > 0
-    assert out.with_suffix(".png").stat().st_size > 0
     assert "-m benchmarks" in r["command"] and "--quick" in r["command"]
     for key in ("cpu_model", "cores", "memory_total_bytes", "copy_bandwidth_bytes_per_s"):
         assert r["machine"].get(key) is not None, key
@@ -207,15 +206,19 @@ def _delta() -> dict:
     return json.loads(RESULTS_DELTA.read_text())["delta"]
 
 
-def test_results_delta_md_is_the_rendering_of_results_delta_json() -> None:
-    code = (
-        "import json, sys; from benchmarks.delta_report import render_delta; "
-        "sys.stdout.write(render_delta(json.load(open(sys.argv[1]))['delta']))"
-    )
-    cmd = [sys.executable, "-c", code, str(RESULTS_DELTA)]
+def _rendered(results: Path, tmp_path: Path) -> str:
+    """The .md that ``python -m benchmarks --render`` writes for a copy of ``results``."""
+    copy = tmp_path / results.name
+    copy.write_text(results.read_text())
+    cmd = [sys.executable, "-m", "benchmarks", "--render", str(copy)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == (ROOT / "bench" / "results-delta.md").read_text()
+    return copy.with_suffix(".md").read_text()
+
+
+def test_results_delta_md_is_the_rendering_of_results_delta_json(tmp_path: Path) -> None:
+    rendered = _rendered(RESULTS_DELTA, tmp_path)
+    assert rendered == (ROOT / "bench" / "results-delta.md").read_text()
 
 
 def test_benchmarks_md_quotes_the_delta_results() -> None:
@@ -289,24 +292,13 @@ def _own(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(SECTIONS))
-def test_a_sections_md_is_its_json_rendered_and_the_docs_quote_it(name: str) -> None:
+def test_a_sections_md_is_its_json_rendered_and_the_docs_quote_it(
+    name: str, tmp_path: Path
+) -> None:
     """``bench/results-{name}.md`` is the rendering of its JSON; every table line of its
     section of docs/benchmarks.md is a line of it, and the section names the run's date."""
-    results = ROOT / "bench" / f"results-{name}.json"
-    code = (
-        f"import json, sys; from benchmarks.{name} import render; "
-        "sys.stdout.write(render(json.load(open(sys.argv[1]))))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(results)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rendered = (ROOT / "bench" / f"results-{name}.md").read_text()
-    assert proc.stdout == rendered
+    assert _rendered(ROOT / "bench" / f"results-{name}.json", tmp_path) == rendered
     heading = SECTIONS[name][0]
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     section = doc.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
@@ -323,9 +315,10 @@ def test_readme_quotes_the_ranks_and_clients_results() -> None:
     m = r["median_s"]
     assert f"{m['live'] / m['copy']:.1f}x one copy" in line
     met = "met" if r["target_met"] else "missed"
+    factor = r["target"].split("<= ")[1].split("x")[0].removesuffix(".0")  # as the run stated it
     assert (
-        f"{r['live_without_repack_over_copy']:.1f}x without the CPU re-pack; target 2x: {met}"
-        in line
+        f"{r['live_without_repack_over_copy']:.1f}x without the CPU re-pack; "
+        f"target {factor}x: {met}" in line
     )
     assert f"{m['live'] / m['file']:.2f}x the file path" in line
     wrong = "" if r["correct"]["load_weights"] else ", wrong on this CPU"
@@ -343,3 +336,54 @@ def test_readme_quotes_the_ranks_and_clients_results() -> None:
     assert f"p99 {phases['no pushes']['latency_p99_s']:.3f} s without pushes" in line
     worst = max(p["latency_p99_s"] for p in phases.values())
     assert f"at most {worst:.3f} s with" in line
+
+
+def test_ranks_md_shows_trls_way_with_the_same_refresh_and_both_targets() -> None:
+    """A run that measured ``load_weights_refresh`` renders its row and both targets (the
+    committed run predates it: its table stays as the docs quote it)."""
+    from benchmarks.harness import verdict
+    from benchmarks.ranks import TARGET_FACTOR, TARGET_VS_ANCHOR, render
+
+    r = _own("ranks")
+    m = {**r["median_s"], "load_weights_refresh": 2 * r["median_s"]["load_weights"]}
+    live = m["live"] / m["load_weights_refresh"]
+    targets = {
+        "live_without_repack": verdict(r["live_without_repack_over_copy"], "<=", TARGET_FACTOR, ""),
+        "live_vs_load_weights_refresh": verdict(live, "<=", TARGET_VS_ANCHOR, ""),
+    }
+    met = targets["live_without_repack"]["met"]
+    run = {
+        **r,
+        "median_s": m,
+        "targets": targets,
+        "target_met": met,
+        "target": f"live - repack <= {TARGET_FACTOR}x copy",
+        "correct": {**r["correct"], "load_weights_refresh": True},
+    }
+    text = render(run)
+    assert f"(target {TARGET_FACTOR}x: {'met' if met else 'missed'})" in text
+    row = [x for x in text.splitlines() if x.startswith("| TRL's way followed by the same refresh")]
+    assert len(row) == 1 and f"this mode {live:.2f}x it, target {TARGET_VS_ANCHOR}x" in row[0]
+    assert "equals a cold start: yes" in row[0]
+    assert render(r) == (ROOT / "bench" / "results-ranks.md").read_text()
+
+
+def test_benchmarks_is_one_small_harness() -> None:
+    """At most 3,000 lines, no function over 80, no private name of the library imported, and
+    one command: every section behind ``--only``."""
+    import ast
+
+    from benchmarks.__main__ import REGISTRY
+
+    files = sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert sum(len(f.read_text().splitlines()) for f in files) <= 3000
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 80, (f.name, node.name)
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [*node.module.split("."), *(a.name for a in node.names)]
+                private = [n for n in names if n.startswith("_") and n != "__future__"]
+                assert not private, (f.name, node.module, private)
+    sections = {"fsdp", "inflight", "sync", "vllm034", "delta", "default", "ranks", "clients"}
+    assert set(REGISTRY) == sections

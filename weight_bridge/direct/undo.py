@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .derived import refresh_derived_state
@@ -211,11 +212,19 @@ class HostStore:
             thread.join()
 
 
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """``t``'s bytes as numpy sees them (as integers of its width: numpy has no bfloat16)."""
+    return t.detach().view(_INTS[t.element_size()]).numpy()
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 @torch.no_grad()
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
-    if event is None:
-        for view, host in pairs:
-            host.copy_(view)
+    if event is None:  # on the CPU: numpy's copy, one thread, no OpenMP team of this thread's
+        for view, host in pairs:  # (whose workers spin afterwards on the engine's own cores)
+            np.copyto(_raw(host), _raw(view))
         return
     stream = torch.cuda.Stream(pairs[0][0].device)
     stream.wait_event(event)  # type: ignore[arg-type]
