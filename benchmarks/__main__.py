@@ -1,7 +1,6 @@
 """The one command of the benchmark harness (docs/benchmarks.md):
 
-    python -m benchmarks --out bench/results.json        # make bench: the push section per size,
-                                                         # then every section with ``full`` set
+    python -m benchmarks --out bench/results.json        # make bench: every ``full`` section
     python -m benchmarks --quick --out /tmp/r.json       # smoke run: 1m, 2 reps, the push paths
     python -m benchmarks --only ranks --out bench/results-ranks.json   # one section of REGISTRY
     python -m benchmarks --render bench/results.json     # redraw a JSON's .md

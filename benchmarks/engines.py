@@ -267,9 +267,8 @@ class BenchWorkerExtension:
                     model.load_weights([(name, t)])
         return timed(naive)
 
-    # vLLM's own sparse patches (``load_checkpoint_weight_patches``: what its ``sparse_nccl``
-    # backend calls on each worker) on the live model of a bridged engine (vLLM's own CPU
-    # engine holds its linears as oneDNN handles only): snapshot, patch (timed), check, restore.
+    # vLLM's sparse patches (what ``sparse_nccl`` calls on each worker) on a bridged engine's
+    # live model: snapshot, patch (timed), check, restore.
 
     def bench_vllm_snapshot(self) -> int:
         model = self.model_runner.get_model()

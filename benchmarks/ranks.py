@@ -1,6 +1,5 @@
-"""Section "ranks": the engine in the trainer's ranks (torchrun, TP=2): ``push_tensors``
-against one copy, the file path, TRL's ``load_weights`` with and without the same refresh
-of derived state; each rank's footprint; each way's output against a cold start."""
+"""Section "ranks": the engine in the ranks (torchrun, TP=2): ``push_tensors`` against one copy,
+the file path, TRL's ``load_weights`` with and without the same refresh; footprints; outputs."""
 
 from __future__ import annotations
 
@@ -20,36 +19,30 @@ TARGET_VS_ANCHOR = 1.25  # live, at most this many times TRL's load_weights plus
 _COPIES: list = []  # (live parameter, its preallocated copy): the worker is in this process
 
 def _preallocate(worker: Any) -> int:
-    import torch
-    _COPIES[:] = [(p, torch.empty_like(p)) for p in worker.model_runner.get_model().parameters()]
+    _COPIES[:] = [(p, p.detach().clone()) for p in worker.model_runner.get_model().parameters()]
     return len(_COPIES)
 
 def _copy_all(worker: Any) -> float:
     return harness.timed(lambda: [copy.copy_(source) for source, copy in _COPIES])
 
 def _store_settled(worker: Any) -> float:
-    """Wait for the host store's copy in the background (the rollback source of a push from
-    memory, off the push's critical path); what that copy took."""
+    """Wait for the host store's copy in the background (off the push); what it took."""
     from weight_bridge.vllm.internals.model import transfer_engine
     store = transfer_engine(worker).transaction.store
-    store.wait()
-    return store.refresh_s
+    return store.wait() or store.refresh_s
 
 def _load_weights(worker: Any, state: dict, refresh: bool) -> float:
     """TRL's colocate sync (``load_weights`` per parameter); ``refresh``: the bridge's refresh."""
     from weight_bridge.direct.derived import refresh_derived_state
     from weight_bridge.direct.state import bridge_state
-    model = worker.model_runner.get_model()
+    model, started = worker.model_runner.get_model(), time.perf_counter()
     modules = dict(bridge_state(model).refreshers) if refresh else {}
-    started = time.perf_counter()
     for name, tensor in state.items():
         model.load_weights([(name, tensor)])
-    if refresh:
-        refresh_derived_state(model, modules)
+    refresh_derived_state(model, modules)
     return time.perf_counter() - started
 
 def job(model_a: str, model_b: str, workdir: str, reps: int) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
     from weight_bridge.checkpoint import save_checkpoint
@@ -101,7 +94,7 @@ def job(model_a: str, model_b: str, workdir: str, reps: int) -> dict[str, Any]:
             "runs_s": times, "live_parts_s": {k: statistics.median(v) for k, v in parts.items()},
             "bytes": sum(t.numel() * t.element_size() for t in b.values()), "footprint": fp,
             "correct": {k: check_parity(v, reference).match for k, v in outputs.items()},
-            "store_refresh_s": statistics.median(store), "threads": torch.get_num_threads()}
+            "store_refresh_s": statistics.median(store)}
 
 def default_footprint(model_a: str, workdir: str) -> dict[str, int]:
     from weight_bridge import ColocatedEngine
@@ -151,6 +144,7 @@ def render(result: dict[str, Any]) -> str:
     m, repack, mib = result["median_s"], result["repack_s"], 2**20
     factor = result["target"].split("<= ")[1].split("x")[0].removesuffix(".0")
     met = "met" if result["target_met"] else "missed"
+    t, right = result["targets"]["live_vs_load_weights_refresh"], result["correct"]
     rows = [
         ["one memory copy of the engine's bytes (each rank's parameters, `copy_` inside the "
          "engine)", m["copy"], "1.00x"],
@@ -159,23 +153,17 @@ def render(result: dict[str, Any]) -> str:
         ["of which the CPU re-pack of linears for oneDNN (the report's `refresh_s`)", repack,
          f"{repack / m['copy']:.2f}x"],
         ["this mode without the re-pack", m["live"] - repack,
-         f"{result['live_without_repack_over_copy']:.2f}x (target {factor}x: {met})"]]
-    if "store_refresh_s" in result:  # runs since the host store
-        rows.append(["after it, off the push: the host store (its rollback source) catching up "
-                     "in the background", result["store_refresh_s"],
-                     f"{result['store_refresh_s'] / m['copy']:.2f}x"])
-    rows += [
+         f"{result['live_without_repack_over_copy']:.2f}x (target {factor}x: {met})"],
+        ["after it, off the push: the host store (its rollback source) catching up in the "
+         "background", result["store_refresh_s"], f"{result['store_refresh_s'] / m['copy']:.2f}x"],
         ["today's file path: `save_checkpoint` to `/dev/shm`, then a push of the file", m["file"],
          f"{m['file'] / m['copy']:.2f}x ({m['file'] / m['live']:.2f}x this mode)"],
         ["TRL's way: `model.load_weights([(name, tensor)])` per parameter, same engine",
-         m["load_weights"], f"{m['load_weights'] / m['copy']:.2f}x"]]
-    if "load_weights_refresh" in m:  # runs since it was measured
-        t, right = result["targets"]["live_vs_load_weights_refresh"], result["correct"]
-        rows.append(["TRL's way followed by the same refresh of derived state (the CPU re-pack)",
-                     m["load_weights_refresh"], f"{m['load_weights_refresh'] / m['copy']:.2f}x "
-                     f"(this mode {t['value']:.2f}x it, target {t['limit']}x: "
-                     f"{'met' if t['met'] else 'missed'}; equals a cold start: "
-                     f"{'yes' if right['load_weights_refresh'] else 'no'})"])
+         m["load_weights"], f"{m['load_weights'] / m['copy']:.2f}x"],
+        ["TRL's way followed by the same refresh of derived state (the CPU re-pack)",
+         m["load_weights_refresh"], f"{m['load_weights_refresh'] / m['copy']:.2f}x (this mode "
+         f"{t['value']:.2f}x it, target {t['limit']}x: {'met' if t['met'] else 'missed'}; "
+         f"equals a cold start: {'yes' if right['load_weights_refresh'] else 'no'})"]]
     fp = result["footprint_per_rank"]
     lines = table(["per push", "s", "/ one copy"], [[w, f"{s:.3f}", r] for w, s, r in rows])
     lines += ["", line(["", "processes", "extra resident memory"]), "|---" * 3 + "|"]

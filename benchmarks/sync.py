@@ -391,8 +391,7 @@ def section_fsdp(args: Any, workdir: Path) -> dict[str, Any]:
     with CheckpointReader(model / "model.safetensors") as reader:
         sizes = [e.end - e.begin for f in reader.files for e in f.entries.values()]
     result: dict[str, Any] = {"size": size, "model_bytes": sum(sizes), "largest_tensor": max(sizes)}
-    # Allocations above 1 MiB mapped and unmapped by glibc (the threshold otherwise grows to
-    # 32 MiB and freed memory stays resident), so a peak is what a sync itself allocated.
+    # glibc maps what is above 1 MiB (else freed memory stays resident): a peak is the sync's
     env = {harness.MULTIPROCESSING: "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
     for kind in ("fsdp", "ddp"):
         log(f"{kind} job: 2 ranks with an engine each, {reps + 1} syncs")
