@@ -121,7 +121,7 @@ USER_SCRIPT = """
 import json, sys
 import psutil
 from vllm import SamplingParams
-from weight_bridge.vllm import ColocatedEngine
+from weight_bridge import ColocatedEngine
 
 def peak_rss(pid):
     with open(f"/proc/{pid}/status") as f:

@@ -211,9 +211,9 @@ class PreparedReload:
         stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
     ):
         self.model, self.items, self.plan, self.addresses = model, items, plan, now
-        # what the loader is handed: the items themselves, or tensors produced one at a time
-        self.streamed = stream is not None
-        self.stream = stream or (lambda: iter(self.items))
+        # what the loader is handed: the items, or tensors produced one at a time (no lambda
+        # over self: the cycle kept the items, and the files they map, until a collection)
+        self.stream, self.streamed = stream, stream is not None
         self.readback, self.reprocessor, self.partial = readback, reprocessor, partial
         self.preflight_s = preflight_s
         # without pre_images, what it wrote is taken back from the files served before (a
@@ -252,7 +252,8 @@ class PreparedReload:
             self.model, self.plan, readback, self.reprocessor, self.partial, self.addresses
         )
         session.open(live)
-        handle = OpenReload(self.plan, readback.track(self.stream()))
+        weights = self.stream() if self.stream is not None else iter(self.items)
+        handle = OpenReload(self.plan, readback.track(weights))
         try:
             with readback:
                 yield handle
@@ -334,9 +335,8 @@ def prepare_direct_reload(
     write every planned target. ``pre_images``: keep a copy of every target before writing
     (the writer's undo log; a failed write restores it), for weights no file can give back;
     a :class:`~.undo.HostStore`: take it from the store (no copy where it is up to date).
-    ``stream``: where the write takes the tensors from, one at a time, when ``weights`` only
-    describe them (:class:`~weight_bridge.checkpoint.live.LiveTensor`: validated from their
-    metadata and the parts this rank holds, produced only when the loader asks).
+    ``stream``: the tensors, one at a time as the loader asks, where ``weights`` only describe
+    them (:class:`~weight_bridge.checkpoint.live.LiveTensor`: validated from metadata and parts).
     """
     started = time.perf_counter()
     state = bridge_state(model)
