@@ -136,8 +136,6 @@ class FileTransport(Transport):
 
     def retire(self, path: Path, served: Iterable[Any]) -> None:
         if self.writer and self.directory is not None:
-            engine = self.engine()  # what it serves now (a delta's report names its link only)
-            served = engine.served_checkpoints if engine is not None else served
             self.gatherer.retire(self.directory, path, self.files.keep(self.in_ram), served)
 
     def discard(self, path: Path) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -83,13 +84,10 @@ class LiveTensor:
         return any(is_dtensor(s) for s in self.sources)
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def prepare(self) -> Callable[[], torch.Tensor]:
         """The local part (each sharded source's buffer allocated, its shard checked): what can

@@ -288,10 +288,8 @@ class PreparedReload:
         try:
             if self.pre_images:  # every target's bits, before the first byte is written
                 views = [t.view for t in self.plan.targets.values()]
-                if isinstance(self.pre_images, HostStore):
-                    kept = self.pre_images.undo_log(self.model, views, self.plan.refresh)
-                else:
-                    kept = UndoLog.pre_images(self.model, views, self.plan.refresh)
+                store = self.pre_images if isinstance(self.pre_images, HostStore) else HostStore()
+                kept = store.undo_log(self.model, views, self.plan.refresh)
             with self.write() as reload:
                 if load is None:
                     own = getattr(self.model, "load_weights", None)

@@ -72,14 +72,7 @@ class UndoLog:
         it back: tensors pushed from memory) in host memory (:func:`host_copy`: nothing on the
         engine's device), each distinct view once, the served fingerprints, and ``refresh``:
         whose derived state to re-derive after restoring."""
-        log = cls(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
-        seen = set()
-        for view in views:  # a tied weight's targets are one view: copied once
-            key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()), view.dtype)
-            if key not in seen:
-                seen.add(key)
-                log.log(view, None, host_copy(view))
-        return log
+        return HostStore().undo_log(model, views, refresh)  # a store of its own, filled now
 
     def restore_after(
         self, model: torch.nn.Module, error: DirectReloadError, before: str | None
@@ -222,8 +215,8 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @torch.no_grad()
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]], event: object) -> None:
-    if event is None:  # on the CPU: numpy's copy, one thread, no OpenMP team of this thread's
-        for view, host in pairs:  # (whose workers spin afterwards on the engine's own cores)
+    if event is None:  # on the CPU: numpy's copy, on this thread alone (torch's would start an
+        for view, host in pairs:  # OpenMP team of its own beside the engine's bound threads)
             np.copyto(_raw(host), _raw(view))
         return
     stream = torch.cuda.Stream(pairs[0][0].device)
