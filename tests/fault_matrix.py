@@ -27,20 +27,6 @@ from pathlib import Path
 DEADLINE_S = 120.0  # a push that has not ended by then hangs
 
 
-def weights_digest(worker) -> str:
-    """SHA-256 of every parameter's bytes, in name order (observation only)."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, p in sorted(worker.model_runner.get_model().named_parameters()):
-            h.update(name.encode())
-            h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _pushes(a: Path, b: Path, tmp: Path, wanted: list[str]) -> dict:
     """Each push of the matrix: (its file, its version, the session's reload mode, what the
     engine serves before it), its files built here."""
@@ -99,7 +85,7 @@ def main() -> None:
     tmp = Path(args.tmp)
     fault_file = str(tmp / "fault.json")
     os.environ["WEIGHT_BRIDGE_TEST_FAULT_FILE"] = fault_file
-    from helpers import ENGINE_KWARGS
+    from helpers import ENGINE_KWARGS, weights_digest
 
     from weight_bridge.testing.faults import FAULTS, KINDS, arm_file, fault_points, install
 

@@ -515,6 +515,20 @@ class Evil:
         return (open, (self.marker, "w"))
 
 
+def weights_digest(worker) -> str:
+    """SHA-256 of every parameter's bytes, in name order (observation only)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in sorted(worker.model_runner.get_model().named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 FAULT_PARAM = "model.layers.1.mlp.down_proj.weight"  # written mid-way through a push
 
 

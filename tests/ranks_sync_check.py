@@ -290,7 +290,8 @@ def _matrix(engine, rank: int, fault: Path, good: dict, changed: dict, label: st
     every point the code has, every kind, a complete push from memory each. Each case ends on
     both ranks with the old weights under the old label, the new under the new, or undefined
     (nothing generated); never a rank waiting (the job's own deadline). Rank 0 repairs each."""
-    from fault_matrix import after_failure, weights_digest
+    from fault_matrix import after_failure
+    from helpers import weights_digest
 
     from weight_bridge import EngineUndefinedError
     from weight_bridge.testing.faults import KINDS, arm_file, fault_points

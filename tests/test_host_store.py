@@ -5,7 +5,7 @@ stream it writes from (``weight_bridge.direct.undo.HostStore``,
 * The store is filled once, by the first push; after an update landed it catches up in the
   background, and the next push's pre-images are its tensors, not a copy.
 * A push that fails mid-write is restored from the store bit for bit, whatever wrote before
-  (another writer makes it stale: the next push copies first).
+  (another writer's write dates it out: the next push copies first).
 * The write takes its tensors one at a time from the stream: a produced tensor is let go once
   the loader moved on (the read-back keeps rows of it, not it), so a push holds the tensors in
   flight, never the checkpoint.
@@ -43,10 +43,10 @@ def test_the_store_is_filled_once_then_caught_up_in_the_background() -> None:
     hosts = {k: h.data_ptr() for k, (_, h) in store.copies.items()}
     assert store.nbytes == sum(t.nbytes for t in A.values())
     assert all(torch.equal(h, A[n]) for n, (_, h) in zip(A, store.copies.values(), strict=True))
-    store.landed()  # B landed on every rank: copied in, off the push
+    store.landed(model)  # B landed on every rank: copied in, off the push
     store.wait()
     assert all(torch.equal(h, B[n]) for n, (_, h) in zip(B, store.copies.values(), strict=True))
-    assert store.current == set(store.copies) and store.refresh_s > 0
+    assert store.current(model) == set(store.copies) and store.refresh_s > 0
     _push(model, A, store)  # its pre-images are the store's tensors: nothing allocated
     assert {k: h.data_ptr() for k, (_, h) in store.copies.items()} == hosts
 
@@ -56,10 +56,10 @@ def test_a_failed_push_is_restored_from_the_store(stale: bool) -> None:
     model = cold_start(A, lambda m: None)
     store = HostStore()
     _push(model, B, store)
-    store.landed()
-    if stale:  # a file push, say: the store did not see it
+    store.landed(model)
+    if stale:  # a file push, say: the store is not told, the write dates it
         direct_reload(model, A)
-        store.stale()
+        assert not store.current(model)
     before = snapshot_bytes(model)
 
     def failing_load(weights) -> None:

@@ -39,7 +39,7 @@ from .readback import ReadBack
 from .record import require_layout
 from .report import ReloadReport
 from .snapshot import addresses, addresses_of, named_tensors
-from .state import bridge_state
+from .state import bridge_state, note_written
 from .undo import HostStore, UndoLog
 from .validate import validate_checkpoint
 from .write_map import WriteMapLearner
@@ -101,6 +101,7 @@ class _Session:
             for tensor, original in self.saved.values():
                 tensor.data = original
         self.state.writing = False
+        note_written(self.model)
 
     def abort(self, reason: str) -> None:
         """Restore the live views and leave the model undefined."""

@@ -33,7 +33,10 @@ class BridgeState:
     ``write_map``: where each checkpoint element lands, learned from the last complete direct
     write (:mod:`.write_map`; what a delta is applied with). ``fingerprints``: checkpoint name
     -> the exact fingerprint (:mod:`weight_bridge.exact`) of the full tensor served now, where
-    known (a delta's base).
+    known (a delta's base). ``writes``: how many writes of the weights have ended, by any
+    writer and with any outcome (:func:`note_written`): what a copy of the weights is dated by,
+    so whether it still holds what the engine holds is derived, not told
+    (:class:`~.undo.HostStore`).
     """
 
     layout: CheckpointLayout | None = None
@@ -46,6 +49,7 @@ class BridgeState:
     plan_cache: tuple[Any, Any] | None = None
     write_map: WriteMap | None = None
     fingerprints: dict[str, int] = field(default_factory=dict)
+    writes: int = 0
 
 
 def bridge_state(model: torch.nn.Module) -> BridgeState:
@@ -70,3 +74,11 @@ def mark_undefined(model: torch.nn.Module, reason: str) -> None:
 def clear_undefined(model: torch.nn.Module) -> None:
     """Declare the weights whole again (a complete reload by another path succeeded)."""
     bridge_state(model).undefined = None
+
+
+def note_written(model: torch.nn.Module) -> None:
+    """A write of the model's weights ended (whatever it wrote, however it ended): every copy
+    of them dated before is out of date. Called where every write passes: the end of a write
+    session (:mod:`.session`) and of every phase of an engine's update that may write
+    (:mod:`weight_bridge.vllm.worker.transaction`), so no writer has to remember it."""
+    bridge_state(model).writes += 1

@@ -130,13 +130,19 @@ class HostStore:
     landed, off the critical path (:meth:`landed`: a thread, on CUDA a side stream into pinned
     memory), and an update's pre-images are its tensors, not copied (:meth:`undo_log`). It is
     one copy of what this worker's pushes write, allocated once, in host memory (plentiful
-    where the device is full); nothing on the engine's device. Whatever else writes the
-    weights makes it stale (:meth:`stale`): the next push then copies first, as pre-images.
+    where the device is full); nothing on the engine's device.
+
+    Whether a copy still holds what the engine holds is derived, never told: each copy is
+    dated with the model's write count when it was taken (``BridgeState.writes``, moved at
+    the end of every write by whatever wrote: :func:`~.state.note_written`), and a push takes
+    a copy as its pre-images only where that date is still the model's; any other copy is
+    taken again first. So a writer that never uses the store (a file push, vLLM's layerwise
+    reload, a rollback) makes it out of date by writing, with nothing to remember.
     """
 
     def __init__(self) -> None:
         self.copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key: (live, host)
-        self.current: set[tuple] = set()  # the keys whose host copy holds the live bits
+        self.dated: dict[tuple, int] = {}  # key -> the model's write count its copy was taken at
         self.writing: set[tuple] = set()  # the keys the last undo log was taken for
         self._refreshing: threading.Thread | None = None
         self.refresh_s = 0.0  # what the last copy in the background took
@@ -145,14 +151,21 @@ class HostStore:
     def nbytes(self) -> int:
         return sum(host.nbytes for _, host in self.copies.values())
 
+    def current(self, model: torch.nn.Module) -> set[tuple]:
+        """The keys whose copy holds what ``model`` holds now (dated at its write count)."""
+        self.wait()
+        now = bridge_state(model).writes
+        return {key for key, date in self.dated.items() if date == now}
+
     def undo_log(
         self, model: torch.nn.Module, views: Iterable[torch.Tensor], refresh: Mapping[str, str]
     ) -> UndoLog:
         """The pre-images of ``views`` before a write (:meth:`UndoLog.pre_images`'s log): the
-        store's own tensors where they hold the live bits, else copied into it now (the first
-        push, or after another writer)."""
+        store's own tensors where they hold the live bits (dated at the model's write count),
+        else copied into it now (the first push, or after any other write)."""
         self.wait()
-        log = UndoLog(modules=dict(refresh), fingerprints=dict(bridge_state(model).fingerprints))
+        state = bridge_state(model)
+        log = UndoLog(modules=dict(refresh), fingerprints=dict(state.fingerprints))
         self.writing = set()
         for view in views:  # a tied weight's targets are one view: stored once
             key = _key(view)
@@ -162,26 +175,25 @@ class HostStore:
             kept = self.copies.get(key)
             if kept is None:
                 self.copies[key] = kept = (view, host_copy(view))
-            elif key not in self.current:
+            elif self.dated.get(key) != state.writes:
                 kept[1].copy_(view)
-            self.current.add(key)
+            self.dated[key] = state.writes
             log.log(view, None, kept[1])
         return log
 
-    def stale(self) -> None:
-        """The weights were written by something the store did not see."""
-        self.wait()
-        self.current.clear()
-
-    def landed(self) -> None:
+    def landed(self, model: torch.nn.Module) -> None:
         """The update the last undo log was taken for landed on every rank (no rollback needs
-        its old bits now): copy the new bits in, in the background (:meth:`wait` joins it)."""
+        its old bits now): copy the new bits in, in the background (:meth:`wait` joins it),
+        dated at the model's write count now (a write that overlaps the copy moves the count:
+        the copy is then out of date, never taken for current)."""
         self.wait()
         keys, self.writing = self.writing, set()
-        self.current -= keys
         pairs = [self.copies[k] for k in keys]
         if not pairs:
             return
+        for key in keys:  # out of date until the copy is done
+            self.dated.pop(key, None)
+        date = bridge_state(model).writes
         event = None
         if pairs[0][0].device.type == "cuda":  # after the writes queued on the current stream
             event = torch.cuda.current_stream(pairs[0][0].device).record_event()
@@ -190,9 +202,9 @@ class HostStore:
             started = time.perf_counter()
             try:
                 _copy_back(pairs, event)
-            except Exception:  # left stale: the next push copies them first
+            except Exception:  # left undated: the next push copies them first
                 return
-            self.current |= keys
+            self.dated.update(dict.fromkeys(keys, date))
             self.refresh_s = time.perf_counter() - started
 
         self._refreshing = threading.Thread(target=copy, name="weight-bridge-store", daemon=True)

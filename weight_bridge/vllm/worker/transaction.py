@@ -57,7 +57,7 @@ from ...checkpoint.read import CheckpointSource
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import DirectReloadError, ReloadReport
 from ...direct.errors import BaseVersionError
-from ...direct.state import mark_undefined, undefined_reason
+from ...direct.state import mark_undefined, note_written, undefined_reason
 from ...direct.undo import HostStore
 from ...direct.writer import Writer
 from ..options import BridgeOptions
@@ -104,11 +104,16 @@ class PushTransaction:
         (``KeyboardInterrupt``, ``SystemExit``) is not an outcome: it propagates."""
         step = getattr(self, phase.value)
         pending = self._pending if phase is Phase.COMMIT else None
+        writes = phase in (Phase.COMMIT, Phase.ROLL_BACK)
+        if writes:  # no copy into the store runs beside a writer or a rollback reading it
+            self.store.wait()
         try:
             return step(*args)
         except Exception as exc:
             return self._failed(phase, exc)
         finally:
+            if writes and self.result.written:  # whichever writer: copies dated before are stale
+                note_written(self.model)
             if pending is not None and isinstance(pending.reader, LiveCheckpoint):
                 # the other ranks may wait in its stream's next agreement: answer it (a
                 # failure to is theirs to time out on; this rank's outcome is decided)
@@ -295,9 +300,9 @@ class PushTransaction:
         longer needs (the chain before the last commit, links compacted away)."""
         self.abandon()
         self._unserved = self._committing = None
-        unknown = undefined_reason(self.model) is not None  # an update landed, or bits unknown:
-        if self._before is not None or unknown:  # the store catches up, or is stale
-            self.store.landed() if self._pre_images and not unknown else self.store.stale()
+        landed = self._before is not None and undefined_reason(self.model) is None
+        if landed and self._pre_images is not None:  # the store catches up, off the next push
+            self.store.landed(self.model)
         if self._pre_images is not None:  # what it replaced: no rollback needs it now
             self._pre_images.undo, self._pre_images = None, None
         live = {id(link) for link in self.served}
