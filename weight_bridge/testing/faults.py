@@ -47,13 +47,16 @@ def fault_points() -> list[str]:
     :class:`~weight_bridge.vllm.outcome.Phase` of the worker's transaction as it is entered and
     as it returns, each writer of the registry (:data:`~weight_bridge.vllm.worker.writers.
     WRITERS`) as it starts, the weight loader after the first tensor was written, and the
-    refresh of derived state after the write."""
+    refresh of derived state after the write, the gather of a sharded tensor pushed from
+    memory as it starts (its local part) and as it returns (after the communication, on this
+    rank alone), and the host store's copy in the background after an update landed."""
     from ..vllm.outcome import Phase
     from ..vllm.worker.writers import WRITERS
 
     phases = [f"{phase.value}:{end}" for phase in Phase for end in ENDS]
     writers = [f"writer:{mode}" for mode in WRITERS]
-    return [*phases, *writers, "loader", "refresh", "prefix_reset"]
+    gather = [f"gather:{end}" for end in ENDS]
+    return [*phases, *writers, "loader", "refresh", "prefix_reset", *gather, "store_refresh"]
 
 
 def arm_file(path: str | os.PathLike, *faults: tuple[str, str, int | None]) -> None:
@@ -82,7 +85,8 @@ def register() -> None:
 
 def install(path: str | os.PathLike) -> None:
     """Wrap every fault point in this process, armed by the file at ``path``."""
-    from ..direct import delta, session
+    from ..checkpoint.dtensor import ShardGather
+    from ..direct import delta, session, undo
     from ..direct.readback import ReadBack
     from ..vllm.core import updates
     from ..vllm.outcome import Phase
@@ -94,7 +98,8 @@ def install(path: str | os.PathLike) -> None:
         return  # installed already
     PushTransaction.fault_file = path  # type: ignore[attr-defined]
     for phase in Phase:
-        setattr(PushTransaction, phase.value, _phase(path, getattr(PushTransaction, phase.value)))
+        method = getattr(PushTransaction, phase.value)
+        setattr(PushTransaction, phase.value, _around(path, phase.value, method))
     for mode, prepare in list(writers.WRITERS.items()):
         writers.WRITERS[mode] = _writer(path, mode, getattr(prepare, "unwrapped", prepare))
     track = getattr(ReadBack.track, "unwrapped", ReadBack.track)
@@ -104,6 +109,12 @@ def install(path: str | os.PathLike) -> None:
         module.refresh_derived_state = _at(path, "refresh", refresh)  # type: ignore[attr-defined]
     forget = getattr(updates.forget_prefixes, "unwrapped", updates.forget_prefixes)
     updates.forget_prefixes = _at(path, "prefix_reset", forget)
+    # a gather's local part (this rank alone, before the ranks agree), and its end (after
+    # the communication every rank took part in)
+    for method, end in (("prepare", "enter"), ("run", "return")):
+        setattr(ShardGather, method, _around(path, "gather", getattr(ShardGather, method), (end,)))
+    copy_back = getattr(undo._copy_back, "unwrapped", undo._copy_back)
+    undo._copy_back = _at(path, "store_refresh", copy_back)
 
 
 def _fire(path: str, point: str) -> None:
@@ -146,18 +157,22 @@ def _rank() -> int:
     return worker_rank()
 
 
-def _phase(path: str, method: Any) -> Any:
+def _around(path: str, name: str, method: Any, ends: tuple[str, ...] = ENDS) -> Any:
+    """``method`` with the point ``name:END`` firing as it is entered and as it returns, for
+    each END of ``ends``."""
     method = getattr(method, "unwrapped", method)
 
     @functools.wraps(method)
-    def phase(self, *args: Any) -> Any:
-        _fire(path, f"{method.__name__}:enter")
-        result = method(self, *args)
-        _fire(path, f"{method.__name__}:return")
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        if "enter" in ends:
+            _fire(path, f"{name}:enter")
+        result = method(*args, **kwargs)
+        if "return" in ends:
+            _fire(path, f"{name}:return")
         return result
 
-    phase.unwrapped = method  # type: ignore[attr-defined]
-    return phase
+    faulty.unwrapped = method  # type: ignore[attr-defined]
+    return faulty
 
 
 def _writer(path: str, mode: str, prepare: Callable) -> Callable:

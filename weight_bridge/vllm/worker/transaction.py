@@ -5,28 +5,23 @@ weight loaders keep only its shard. An update runs in phases, so that the engine
 (:mod:`weight_bridge.vllm.core.updates`) can make every rank agree before any rank writes, and
 roll back every rank that wrote if one failed:
 
-1. ``PREPARE`` (:meth:`PushTransaction.prepare`): the path is checked against the engine's
-   checkpoint root (:mod:`weight_bridge.checkpoint.trust`), the file's headers (and, if asked,
-   its content hash; every field the write's bookkeeping reads, such as the recorded
-   fingerprints, parsed now), a partial checkpoint's base version against the version served,
-   tensors pushed from memory materialised on the engine's device, the whole checkpoint
-   against the layout recorded at load (names, shapes, dtypes, NaN/Inf), and every weight is
-   resolved and proven. Nothing is written; a refusal is a result naming each tensor.
+1. ``PREPARE`` (:meth:`PushTransaction.prepare`): the path against the checkpoint root
+   (:mod:`weight_bridge.checkpoint.trust`), every header field the write or its bookkeeping
+   reads (and, if asked, the content hash), a partial's base version, the whole checkpoint
+   against the layout recorded at load (names, shapes, dtypes, NaN/Inf), every weight resolved
+   and proven. Nothing is written; a refusal is a result naming each tensor.
 2. ``COMMIT`` (:meth:`PushTransaction.commit`): the one writer prepared for it
    (:mod:`.writers`, by mode: every writer follows :class:`~weight_bridge.direct.writer.Writer`)
    writes, reads back and refreshes derived state. A failure past the first write is a result
    too: the writer left the model on its previous bits or marked undefined.
 3. ``ROLL_BACK`` (:meth:`PushTransaction.roll_back`): take back what the writer wrote: from its
-   undo log (a delta's pre-images, O(delta); for a push from memory, the host store of the
-   bits it replaced: :class:`~weight_bridge.direct.undo.HostStore`), or by re-writing the
-   version served before (its complete checkpoint, then each partial one), re-read through
-   the descriptors held since each was pushed, each file's identity checked first
-   (:mod:`~weight_bridge.vllm.worker.served_chain`). If that fails too, the model stays
-   *undefined*.
+   undo log (a delta's pre-images; for a push from memory, the host store:
+   :class:`~weight_bridge.direct.undo.HostStore`), or by re-writing the version served before,
+   re-read through the descriptors held since each file was pushed, identities checked first
+   (:mod:`~weight_bridge.vllm.worker.served_chain`). If that fails too, it stays *undefined*.
 
-Every file of the chain is held shared-locked, so no writer recycles it; the chain served
-before the last commit is released when the update ends (vLLM's ``finish_weight_update``:
-:meth:`PushTransaction.settle`), so the trainer's next save may recycle it.
+Every file of the chain is held shared-locked, so no writer recycles it, until the update
+that replaced it ends (vLLM's ``finish_weight_update``: :meth:`PushTransaction.settle`).
 
 Nothing here raises, for any outcome: :meth:`PushTransaction.run` is the one entry of every
 phase (:class:`~weight_bridge.vllm.outcome.Phase`), and whatever a phase raises, typed or not (a
