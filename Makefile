@@ -82,7 +82,10 @@ test: setup lint
 # (the wheel of ../shared/wheels has vllm._C for avx512_bf16 and vllm._C_AVX2 for CPUs without
 # AVX-512; none for AVX-512 without BF16). tools/logprob_probe.py starts an engine on a tiny
 # local model and compares every logprob it reports with a Hugging Face forward (within 1e-3).
-# Exit 0: the subset runs. Exit 3 (the engine cannot start, or a logprob is off): the subset
+# That engine is vLLM alone: the probe keeps the bridge's own vllm.general_plugins entry point
+# out of it (VLLM_PLUGINS), so it asks whether vLLM runs here, never whether the bridge does; a
+# bridge that breaks every engine passes the probe and fails the subset, and `make test`.
+# Exit 0: the subset runs. Exit 3 (vLLM's engine cannot start, or a logprob is off): the subset
 # is skipped, with the probe's one line saying why. Any other exit (a bug): the target fails.
 test-vllm034:
 	$(MAKE) setup VLLM=0.34

@@ -5,8 +5,12 @@ started with its backend), or an :class:`EngineSpec`: a model directory to start
 (in the callback's ``setup``, reading checkpoints only from the sync's directory, closed at
 ``teardown``), or the URL of a ``vllm serve`` process already running the bridge's backend.
 One option instead of loose arguments, so a LightningCLI YAML says it in one mapping, its
-options typed (:class:`EngineOptions`) and checked when the spec is built: a misspelt key is
-refused by name, with the closest valid one, as the CLI builds the callback, not found late::
+options typed (:class:`EngineOptions`) and checked when the spec is built, before anything
+starts: a misspelt key is refused by name, with the closest valid one, and a value by its
+declared type and the values allowed (YAML's ``"false"`` for a boolean, ``"120"`` for a
+number, a list for a mapping, a negative size: :func:`~weight_bridge.vllm.options.check_fields`,
+the one check the engine runs on its bridge options too), as the CLI builds the callback, not
+found late (:class:`~weight_bridge.vllm.options.OptionError`)::
 
     engine:
       model: /models/policy
@@ -25,18 +29,22 @@ from typing import Any, Literal
 
 from weight_bridge import BridgeOptions
 from weight_bridge.vllm import ENGINE_MODES, EngineClient, client_for, connect, start_engine
+from weight_bridge.vllm.options import OptionError, check_fields
 
 _BRIDGE = {f.name: f"bridge.{f.name}" for f in fields(BridgeOptions)}  # where each one goes
 
 
 def _built(cls: type[Any], data: Mapping[str, Any], what: str, also: Sequence[str] = ()) -> Any:
-    """``cls(**data)``, an unknown key refused by name with the closest valid one."""
+    """``cls(**data)``, an unknown key refused by name with the closest valid one (each value
+    is then checked by ``cls`` itself)."""
+    if not isinstance(data, Mapping):
+        raise OptionError(f"{what}s must be a mapping of names to values, not {data!r}")
     known = [f.name for f in fields(cls)]
     for key in data:
         if key not in known:
             near = difflib.get_close_matches(key, [*known, *also], n=1)
             hint = f"did you mean {near[0]!r}?" if near else f"valid: {', '.join(known)}"
-            raise ValueError(f"unknown {what} {key!r} ({hint})")
+            raise OptionError(f"unknown {what} {key!r} ({hint})")
     return cls(**data)
 
 
@@ -46,17 +54,19 @@ class EngineOptions:
 
     ``inflight``: what a push does to requests in flight (``recompute``, ``keep``, ``drain``;
     None: no pause), where there can be any (mode ``async`` or ``serve``, or a ``url``).
-    ``kv_cache_gb``: the engine's KV cache per worker in GiB (unset: colocated memory defaults).
-    ``cpu_threads_bind`` (CPU backend; mode ``async`` or ``ranks``): the cores the engine's
-    workers compute on (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0|1"`` for two ranks).
+    ``kv_cache_gb``: the engine's KV cache per worker in GiB, a number > 0 (unset: colocated
+    memory defaults). ``cpu_threads_bind`` (CPU backend; mode ``async`` or ``ranks``): a
+    string, the cores the engine's workers compute on (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``,
+    e.g. ``"0|1"`` for two ranks).
     ``bridge``: what the engine does on an update, by name and checked as
     :class:`~weight_bridge.BridgeOptions` (``readback``, ``reload_mode``, ``verify_hash``...;
     the checkpoint root is the sync's directory unless set): a mapping, as YAML gives it
     (jsonargparse would drop a misspelt key of a dataclass nested this deep, unseen).
-    ``engine_args``: passed through as they are, checked by the engine when it starts: vLLM's
+    ``engine_args``: a mapping passed through as it is, checked by the engine when it starts: vLLM's
     engine arguments (``dtype``, ``max_model_len``, ``tensor_parallel_size``...) and the
     engine's other keywords (``plugins``, ``rpc_timeout_s``; ``api_key`` and ``log`` for
-    ``serve``; ``api_key`` alone for a ``url``).
+    ``serve``; ``api_key`` alone for a ``url``). Each field is checked by its declared type
+    and allowed values (:func:`~weight_bridge.vllm.options.check_fields`).
     """
 
     inflight: Literal["recompute", "keep", "drain"] | None = "recompute"
@@ -66,10 +76,11 @@ class EngineOptions:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_fields(self, "engine option")  # each value by its type
         _built(BridgeOptions, self.bridge, "bridge option")  # each name, and its value
         typed = _BRIDGE | {f.name: f.name for f in fields(self)}
         for key in set(self.engine_args) & set(typed):
-            raise ValueError(f"engine_args {key!r} is a typed engine option: set {typed[key]}")
+            raise OptionError(f"engine_args {key!r} is a typed engine option: set {typed[key]}")
 
 
 # where an option set away from its default means something ("url": a running server's client;
@@ -96,16 +107,18 @@ class EngineSpec:
         if isinstance(self.options, Mapping):
             options = _built(EngineOptions, self.options, "engine option", [*_BRIDGE.values()])
             object.__setattr__(self, "options", options)
+        if not isinstance(self.options, EngineOptions):
+            raise OptionError(f"engine options must be a mapping, not {self.options!r}")
         if (self.model is None) == (self.url is None):
-            raise ValueError("an EngineSpec needs a model to start an engine on, or a url")
+            raise OptionError("an EngineSpec needs a model to start an engine on, or a url")
         if self.mode not in ENGINE_MODES:
-            raise ValueError(f"engine mode must be one of {ENGINE_MODES}, not {self.mode!r}")
+            raise OptionError(f"engine mode must be one of {ENGINE_MODES}, not {self.mode!r}")
         if self.url is not None and self.mode != "colocated":
-            raise ValueError(f"an engine at a url is already running: no mode ({self.mode!r})")
+            raise OptionError(f"an engine at a url is already running: no mode ({self.mode!r})")
         where, default = ("url" if self.url else self.mode), EngineOptions()
         for name, modes in _APPLIES.items():
             if getattr(self.options, name) != getattr(default, name) and where not in modes:
-                raise ValueError(f"{name} applies to mode {' or '.join(modes)}, not {where}")
+                raise OptionError(f"{name} applies to mode {' or '.join(modes)}, not {where}")
 
     @property
     def in_ranks(self) -> bool:

@@ -4,13 +4,17 @@ The probe's decision is a pure function of the logprobs vLLM reported and a refe
 distribution per position (:func:`compare_logprobs`), and its exit status follows from that
 verdict or from what raised (:func:`main`). Both are checked here with no engine and no GPU, so
 this runs in the normal suite on every vLLM. The probe's real run (an engine against Hugging
-Face) is what ``make test-vllm034`` does.
+Face) is what ``make test-vllm034`` does; one real run here (issue 62.5) checks that it is a run
+of vLLM alone: a bridge whose plugin breaks every engine does not make the probe skip.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -170,3 +174,101 @@ def test_the_plugin_keys_torchs_compile_cache_by_the_cpus_vector_isa(monkeypatch
         assert inductor_cache_isa.apply() != tag  # another ISA, another key
     finally:
         compiler_config.cache_key_tag = before
+
+
+# -- issue 62.5: the probe runs vLLM without the bridge's plugin ---------------------------------
+
+# In a fresh interpreter with the probe's environment: the general plugins vLLM loads (its own
+# loader) and the cache-key tag torch reads at import.
+LOADED = (
+    "import json, torch.compiler.config as c\n"
+    "from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group\n"
+    "print(json.dumps([sorted(load_plugins_by_group(DEFAULT_PLUGINS_GROUP)), c.cache_key_tag]))\n"
+)
+
+
+def test_the_probes_vllm_loads_every_plugin_but_the_bridges_and_keeps_the_isa_key() -> None:
+    """What vLLM's own plugin loader loads in a process started with the probe's environment
+    (as vLLM spawns the engine's): every general plugin installed but the bridge's, where
+    without it the bridge's is loaded; and torch's compile-cache key carries the CPU's vector
+    ISA, as the bridge's plugin would have set it. A ``VLLM_PLUGINS`` already set is narrowed,
+    never widened."""
+    import torch.compiler.config as compiler_config
+
+    from weight_bridge.vllm.internals import inductor_cache_isa
+
+    def loaded(env: dict[str, str]) -> tuple[list[str], str]:
+        out = subprocess.run(
+            [sys.executable, "-c", LOADED], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        names, tag = json.loads(out.strip().splitlines()[-1])
+        return names, tag
+
+    unset = ("VLLM_PLUGINS", "TORCH_COMPILE_CACHE_KEY_TAG")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
+    plain, _ = loaded(base)
+    assert "weight_bridge" in plain  # installed: vLLM loads it everywhere unless told not to
+    env, narrowed = dict(base), {**base, "VLLM_PLUGINS": "weight_bridge,another"}
+    before = compiler_config.cache_key_tag  # the probe applies the key in its own process too
+    try:
+        assert probe.keep_the_bridge_out(env) == ["weight_bridge"]
+        probe.keep_the_bridge_out(narrowed)
+    finally:
+        compiler_config.cache_key_tag = before
+    names, tag = loaded(env)
+    assert names == sorted(set(plain) - {"weight_bridge"})
+    assert tag == env["TORCH_COMPILE_CACHE_KEY_TAG"]
+    assert inductor_cache_isa.isa_tag() in tag.split("|")
+    assert narrowed["VLLM_PLUGINS"] == "another"
+
+
+# A stand-in for a bridge that breaks every engine: run by the bridge's own plugin
+# (``weight_bridge.vllm.plugin.register`` runs the engine plugins of WEIGHT_BRIDGE_PLUGINS in
+# every vLLM process), raising as a patch site reported missing does.
+BROKEN = """
+def register():
+    raise RuntimeError("weight-bridge: patch site vllm.v1.engine.core.EngineCore.step is missing")
+"""
+# Every Python process started with the test's PYTHONPATH records the cache-key tag it inherits.
+RECORD = """
+import os
+if os.environ.get("PROBE_TEST_RECORD"):
+    with open(os.environ["PROBE_TEST_RECORD"], "a") as f:
+        f.write(f"{os.getpid()} {os.environ.get('TORCH_COMPILE_CACHE_KEY_TAG', '')}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_a_bridge_that_breaks_every_engine_does_not_make_the_probe_skip(tmp_path: Path) -> None:
+    """Issue 62.5: the bridge's plugin raising in every vLLM process (a patch site reported
+    missing) made the probe's engine fail to start: exit 3, and ``make test-vllm034`` skipped
+    the subset whose every test would fail. The probe runs vLLM without the bridge's plugin: it
+    exits 0 (vLLM runs and its logprobs match here, as the rest of the suite relies on), so the
+    subset runs and fails. Every process of the probe's engine got the ISA-keyed cache tag."""
+    from weight_bridge.vllm.internals import inductor_cache_isa
+
+    (tmp_path / "broken_bridge_site.py").write_text(BROKEN)
+    (tmp_path / "sitecustomize.py").write_text(RECORD)
+    record, why = tmp_path / "processes", tmp_path / "why"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+        "WEIGHT_BRIDGE_PLUGINS": "broken_bridge_site:register",
+        "PROBE_TEST_RECORD": str(record),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    env.pop("VLLM_PLUGINS", None)
+    env.pop("TORCH_COMPILE_CACHE_KEY_TAG", None)
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--why", str(why), "--max-tokens", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    said = why.read_text() if why.exists() else ""
+    assert done.returncode == 0, f"exit {done.returncode}: {said}\n{done.stdout[-3000:]}"
+    assert said.startswith("vLLM's logprobs match Hugging Face"), said
+    tags = [line.split(" ", 1)[1] for line in record.read_text().splitlines()]
+    assert len(tags) >= 2 and tags[0] == ""  # the probe, then the engine's processes
+    assert set(tags[1:]) == {inductor_cache_isa.isa_tag()}, tags

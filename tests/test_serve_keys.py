@@ -186,6 +186,38 @@ def test_a_pause_nothing_follows_is_released_after_the_update_timeout(monkeypatc
                 assert _ask(client, "POST", "/resume", KEY) == 200
 
 
+@pytest.mark.every_vllm
+@pytest.mark.parametrize("dev", [True, False], ids=["dev-mode", "no-dev-mode"])
+def test_only_an_authenticated_call_keeps_a_pause_from_its_release(monkeypatch, dev) -> None:
+    """Issue 62.3: with a key, a keyed pause followed only by calls that did not pass the key
+    check (an anonymous ``OPTIONS /resume``, which vLLM answers 405 or 404, an ``OPTIONS`` with
+    the key, a ``POST /resume`` or ``/start_weight_update`` without the key or with a wrong
+    one: each refused 401) is still released after ``update_timeout_s``, in every middleware
+    order; without a key (dev mode: the pause is served) an ``OPTIONS`` does not follow it
+    either. Before, the ``OPTIONS`` counted as the call that follows and the pause held."""
+    from starlette.testclient import TestClient
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    timeout_s = 0.3
+    keyed = [(None, "OPTIONS", "/resume"), (KEY, "OPTIONS", "/resume")]
+    keyed += [(None, "OPTIONS", "/start_weight_update"), (KEY, "OPTIONS", PAUSE_ROUTE)]
+    keyed += [(k, "POST", r) for k in (None, "wrong") for r in ("/resume", "/start_weight_update")]
+    cases = [(KEY, keyed)] + ([(None, [(None, "OPTIONS", "/resume")])] if dev else [])
+    for server_key, follows in cases:
+        for order in ORDERS:
+            app, engine = _app(order, dev, server_key, timeout_s)
+            with TestClient(app) as client:
+                started = time.monotonic()
+                assert _ask(client, "POST", PAUSE_ROUTE, server_key) == 200 and engine.paused
+                for key, method, route in follows:
+                    status = _ask(client, method, route, key)
+                    assert status in ((401,) if method == "POST" else (404, 405)), (route, status)
+                while engine.paused and time.monotonic() - started < 10:
+                    time.sleep(0.02)
+                assert not engine.paused and engine.resumed == 1, (server_key, order, follows)
+                assert time.monotonic() - started >= timeout_s
+
+
 # -- one real vllm serve: vLLM's --api-key, no dev mode, the results route alone ---------------
 
 RELEASE_S = 3.0  # the server's update_timeout_s

@@ -7,6 +7,12 @@ generates greedily from :data:`weight_bridge.testing.parity.PROMPTS` with ``logp
 Hugging Face ``transformers`` forward of the same model in float32: ``log_softmax`` of the
 logits at the same position.
 
+Plain means without the bridge: its own ``vllm.general_plugins`` entry point is kept out of
+every process of the engine (:func:`keep_the_bridge_out`). The probe asks whether vLLM itself
+runs on this machine, never whether the bridge does: a bridge that breaks vLLM (its plugin
+raising in every process, a patch site reported missing) is not a skip, the probe passes and
+the subset it gates fails.
+
 Tolerance: :data:`TOL` = 1e-3 nats. Both sides are float32 over the same weights: they agree
 within 4e-5 on the AVX-512 path (../shared/wheels/README.md), and within 3e-6 here on both the
 AVX-512 and the (forced) AVX2 path, so 1e-3 leaves 25x or more for other kernels (another ISA's
@@ -18,9 +24,9 @@ reference says.
 Exit status:
 
 * 0: the engine started and every logprob matched.
-* 3 (:data:`SKIP`): the engine could not start (for example no library of the installed vLLM
-  for this CPU) or a logprob did not match. One line says why: which vLLM library the engine
-  loaded, the worst difference and where.
+* 3 (:data:`SKIP`): vLLM's engine, without the bridge's plugin, could not start (for example
+  no library of the installed vLLM for this CPU) or a logprob did not match. One line says
+  why: which vLLM library the engine loaded, the worst difference and where.
 * 1: anything else (a bug in the probe, the model build or the reference): never a skip.
 
 ``--why FILE`` also writes that one line (or, on success, the summary) to ``FILE``.
@@ -28,9 +34,11 @@ Exit status:
 A known cause of wrong logprobs that is not the CPU: torch's Inductor compiles vLLM's logprob
 functions (``vllm/v1/worker/cpu/logprob.py``) and caches the generated code under a key without
 the CPU's vector ISA, so a cache filled under another ISA (another machine, a simulated CPU,
-``ATEN_CPU_CAPABILITY``) is reused with the wrong vector width. The skip line names the cache
-directory; a fresh ``TORCHINDUCTOR_CACHE_DIR`` rules it out
-(``weight_bridge/vllm/internals/inductor_cache_isa.py`` has the details and a proposed fix).
+``ATEN_CPU_CAPABILITY``) is reused with the wrong vector width. The bridge's plugin keys the
+cache by the ISA in every process (``weight_bridge/vllm/internals/inductor_cache_isa.py`` has the
+details); with the plugin kept out, :func:`keep_the_bridge_out` gives the probe's engine the same
+key through torch's own ``TORCH_COMPILE_CACHE_KEY_TAG``, which its spawned processes inherit.
+The skip line names the cache directory; a fresh ``TORCHINDUCTOR_CACHE_DIR`` rules it out.
 
     .venv-vllm034/bin/python tools/logprob_probe.py [--why FILE] [--max-tokens 12]
 """
@@ -45,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +64,7 @@ TOL = 1e-3
 POSITIVE_SLACK = 1e-4
 SKIP = 3
 TOP_K = 5
+BRIDGE_PACKAGE = "weight_bridge"  # whose entry points in vLLM's plugin groups are kept out
 
 
 # -- the decision: pure, tested on plain data (tests/test_logprob_probe.py) ---------------------
@@ -141,6 +150,33 @@ class EngineDidNotStart(Exception):
     """vLLM's engine raised while starting: the subset cannot run here."""
 
 
+def keep_the_bridge_out(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Make the vLLM engines started from here plain vLLM; the names of the bridge's plugins
+    kept out.
+
+    vLLM loads every entry point of its plugin groups (``vllm.general_plugins``: in every
+    process it starts) unless ``VLLM_PLUGINS`` lists the names to load (``vllm/plugins``, 0.32
+    and 0.34; the one list for every group). That becomes every plugin the environment installs
+    (or ``VLLM_PLUGINS`` already allows) but the bridge's. The Inductor cache key by the CPU's
+    vector ISA, the bridge's plugin's fix for wrong logprobs
+    (:func:`weight_bridge.vllm.internals.inductor_cache_isa.apply`), is kept: applied here and
+    put in ``TORCH_COMPILE_CACHE_KEY_TAG``, which torch reads into the same setting when a
+    process imports it (vLLM spawns its engine processes on the CPU: they inherit it).
+    """
+    from importlib.metadata import distributions
+
+    from weight_bridge.vllm.internals.inductor_cache_isa import apply
+
+    environ = os.environ if environ is None else environ
+    vllms = {ep for d in distributions() for ep in d.entry_points if ep.group.startswith("vllm.")}
+    bridge = {ep.name for ep in vllms if ep.module.split(".")[0] == BRIDGE_PACKAGE}
+    given = environ.get("VLLM_PLUGINS")
+    allowed = given.split(",") if given is not None else [ep.name for ep in vllms]
+    environ["VLLM_PLUGINS"] = ",".join(sorted({name for name in allowed if name not in bridge}))
+    environ["TORCH_COMPILE_CACHE_KEY_TAG"] = apply()
+    return sorted(bridge)
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
@@ -210,6 +246,7 @@ def run(max_tokens: int) -> tuple[Verdict, str]:
     from weight_bridge.testing.models import build_tiny_model
     from weight_bridge.testing.parity import PROMPTS
 
+    keep_the_bridge_out()  # before vLLM loads its plugins, here and in the engine's processes
     with tempfile.TemporaryDirectory(prefix="logprob-probe-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny-llama", arch="llama", seed=0)
 
@@ -280,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         verdict, libraries = run(args.max_tokens)
     except EngineDidNotStart as e:
-        code, line = SKIP, f"vLLM's engine did not start on this machine: {e}"
+        code, line = SKIP, f"vLLM's engine did not start on this machine (no bridge plugin): {e}"
     except Exception:
         traceback.print_exc()
         code, line = 1, "the logprob probe itself failed (a bug, not a skip): see the traceback"

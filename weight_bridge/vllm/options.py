@@ -4,19 +4,31 @@ An engine is *bridged* when it is started with vLLM's weight-transfer config nam
 bridge's backend (``weight_transfer_config={"backend": "weight_bridge"}``, CLI
 ``--weight-transfer-config '{"backend": "weight_bridge"}'``). Its options come from
 ``additional_config={"weight_bridge": {...}}`` (CLI ``--additional-config``), fixed when the
-engine starts; :meth:`BridgeOptions.from_config` reads and checks them. Per-update choices a
+engine starts; :meth:`BridgeOptions.from_dict` reads and checks them. Per-update choices a
 trainer may make (read-back, NaN/Inf check, hash check) can also be given in
 ``init_weight_transfer_engine``'s ``init_info``; the checkpoint root never can.
+
+Every option is checked by type and value as its dataclass is built, by one function
+(:func:`check_fields`, also run by the callback's :class:`~callbacks.engine.EngineOptions`): the
+field's declared type (a ``bool`` is a boolean, never YAML's ``"false"``, ``"no"`` or ``2``; a
+number never a boolean or a string; ``None`` only where the type is optional; a ``Literal``
+one of its values; a ``dict`` a mapping) and a small table of the values allowed
+(:data:`ALLOWED`). A refusal is an :class:`OptionError` naming the option and what it allows,
+on the trainer's side when a spec is built and in the engine when its config is read.
 """
 
 from __future__ import annotations
 
 import os
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from ..direct.readback import READBACK_MODES
+from ..errors import WeightBridgeError
 
 BACKEND = "weight_bridge"  # the backend's name in vLLM's factories, and its additional_config key
 # the method name the engine core routes to the backend's read-only queries (any client sends it)
@@ -25,8 +37,103 @@ ROOT_ENV = "WEIGHT_BRIDGE_CHECKPOINT_ROOT"  # the default checkpoint root of the
 # what init_weight_transfer_engine's init_info may change for a running engine
 SESSION_FIELDS = ("reload_mode", "readback", "check_finite", "verify_hash", "rollback")
 CPU_LINEAR_MODES = ("torch", "repack", "stock")
-RELOAD_MODES = ("direct", "layerwise", "auto", "vllm-direct")
 ReloadMode = Literal["direct", "layerwise", "auto", "vllm-direct"]
+RELOAD_MODES: tuple[str, ...] = typing.get_args(ReloadMode)
+
+
+class OptionError(WeightBridgeError, ValueError):
+    """An option refused by name (unknown, of the wrong type, or a value not allowed), with
+    what is allowed; raised before anything starts (a ``ValueError``: HTTP 400 from a server)."""
+
+
+@dataclass(frozen=True)
+class Above:
+    """The numbers allowed: greater than ``low`` (NaN never is)."""
+
+    low: float
+
+    def __contains__(self, value: Any) -> bool:
+        return bool(value > self.low)
+
+    def __str__(self) -> str:
+        return f"a number > {self.low:g}"
+
+
+# the values allowed beyond the declared types, by dataclass field (Literal types carry theirs)
+ALLOWED: dict[str, tuple[Any, ...] | Above] = {
+    "cpu_linear": CPU_LINEAR_MODES,
+    "readback": READBACK_MODES,
+    "update_timeout_s": Above(0),
+    "kv_cache_gb": Above(0),
+}
+
+
+def check_fields(instance: Any, what: str) -> None:
+    """Refuse the first field of the dataclass ``instance`` whose value is not of its declared
+    type or not in :data:`ALLOWED`, naming it (``what``: e.g. "bridge option") and what it
+    allows."""
+    hints = typing.get_type_hints(type(instance))
+    for f in fields(instance):
+        value, allowed = getattr(instance, f.name), ALLOWED.get(f.name)
+        kinds = _kinds(hints[f.name])
+        if any(_is(value, kind) for kind in kinds) and (
+            value is None or allowed is None or value in allowed
+        ):
+            continue
+        must = _describe(kinds, allowed)
+        raise OptionError(f"{what} {f.name}={value!r} is refused: {f.name} must be {must}")
+
+
+def _kinds(declared: Any) -> tuple[Any, ...]:
+    """The alternatives of a declared type (``X | None``: X and None)."""
+    union = typing.get_origin(declared) in (Union, types.UnionType)
+    return typing.get_args(declared) if union else (declared,)
+
+
+def _is(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is of the declared ``kind``, strictly: a bool is no number, and no
+    string or number is a bool."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return True
+    if kind is type(None):
+        return value is None
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if kind is bool:
+        return type(value) is bool
+    if kind in (int, float):  # an int is a number too
+        numbers = (int, float) if kind is float else int
+        return isinstance(value, numbers) and type(value) is not bool
+    if kind is dict or origin is dict:
+        key, item = args or (Any, Any)
+        return isinstance(value, Mapping) and all(
+            _is(k, key) and _is(v, item) for k, v in value.items()
+        )
+    return isinstance(value, kind)
+
+
+_NAMES = {bool: "true or false (a boolean, not a string or a number)", str: "a string"}
+_NAMES |= {float: "a number", int: "an integer", type(None): "None (YAML null)"}
+
+
+def _describe(kinds: tuple[Any, ...], allowed: tuple[Any, ...] | Above | None) -> str:
+    """What a field allows, in words: ``one of 'a', 'b' or None (YAML null)``."""
+    words = []
+    for kind in kinds:
+        if kind is not type(None) and allowed is not None:
+            words.append(str(allowed) if isinstance(allowed, Above) else _one_of(allowed))
+        elif typing.get_origin(kind) is Literal:
+            words.append(_one_of(typing.get_args(kind)))
+        elif kind is dict or typing.get_origin(kind) is dict:
+            words.append("a mapping (of names to values)")
+        else:
+            words.append(_NAMES.get(kind, getattr(kind, "__name__", str(kind))))
+    return " or ".join(words)
+
+
+def _one_of(values: tuple[Any, ...]) -> str:
+    return "one of " + ", ".join(repr(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -59,25 +166,19 @@ class BridgeOptions:
     update_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.reload_mode not in RELOAD_MODES:
-            raise ValueError(f"reload_mode must be one of {RELOAD_MODES}, not {self.reload_mode!r}")
-        if self.cpu_linear not in CPU_LINEAR_MODES:
-            raise ValueError(
-                f"cpu_linear must be one of {CPU_LINEAR_MODES}, not {self.cpu_linear!r}"
-            )
-        if self.readback not in READBACK_MODES:
-            raise ValueError(f"readback must be one of {READBACK_MODES}, not {self.readback!r}")
-        if not self.update_timeout_s > 0:
-            raise ValueError(f"update_timeout_s must be > 0, not {self.update_timeout_s!r}")
+        check_fields(self, "bridge option")
         if self.checkpoint_root is not None and not os.path.isabs(self.checkpoint_root):
             object.__setattr__(self, "checkpoint_root", os.path.abspath(self.checkpoint_root))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BridgeOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+    def from_dict(cls, data: Mapping[str, Any]) -> BridgeOptions:
+        """The options of a mapping (an engine's ``additional_config`` entry), each checked."""
+        known = [f.name for f in fields(cls)]
+        if not isinstance(data, Mapping):
+            raise OptionError(f"the weight_bridge options must be a mapping, not {data!r}")
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"unknown weight_bridge options {unknown}; known: {sorted(known)}")
+            raise OptionError(f"unknown weight_bridge options {unknown}; known: {known}")
         return cls(**data)
 
     def with_session(self, init_info: dict[str, Any]) -> BridgeOptions:
@@ -86,7 +187,7 @@ class BridgeOptions:
         the engine starts)."""
         fixed = sorted(set(init_info) - set(SESSION_FIELDS))
         if fixed:
-            raise ValueError(
+            raise OptionError(
                 f"init_info may set {list(SESSION_FIELDS)}; {fixed} are fixed when the engine "
                 "starts (additional_config or --additional-config), never by a request"
             )
@@ -127,4 +228,4 @@ def bridge_options(vllm_config: Any = None) -> BridgeOptions | None:
         return None
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get(BACKEND) if isinstance(extra, dict) else None
-    return BridgeOptions.from_dict(dict(raw or {}))
+    return BridgeOptions.from_dict({} if raw is None else raw)

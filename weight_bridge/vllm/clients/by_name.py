@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .bridge_client import EngineClient
+from ..options import OptionError
+from .bridge_client import EngineClient, check_inflight
 
 ENGINE_MODES = ("colocated", "async", "serve", "ranks")
 
@@ -36,9 +37,14 @@ def start_engine(
     """The engine of ``mode`` on ``model``; ``kwargs`` as the engine takes them (the bridge's
     options, ``kv_cache_gb``, ``plugins``, vLLM's engine arguments; ``api_key`` for
     ``serve``; ``cpu_threads_bind`` for ``ranks``). ``inflight``: the pushes' default in-flight
-    mode (``async`` and ``serve``)."""
+    mode (``async`` and ``serve``), checked before any engine starts (as every option the
+    engine checks itself before it starts: the bridge's, ``kv_cache_gb``)."""
     if mode not in ENGINE_MODES:
-        raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, not {mode!r}")
+        raise OptionError(f"engine_mode must be one of {ENGINE_MODES}, not {mode!r}")
+    try:
+        check_inflight(inflight if mode in ("async", "serve") else None)
+    except ValueError as refused:  # the clients' own check, before their engine starts
+        raise OptionError(str(refused)) from None
     if mode == "colocated":
         from .colocated import ColocatedEngine
 

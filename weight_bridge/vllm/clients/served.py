@@ -16,12 +16,15 @@ bridge's middleware (:func:`~weight_bridge.vllm.server.middleware.update_results
 added) then requires on every route but the health and version probes. That middleware's
 results route lets a client report what each push wrote. ``--enable-scale-out`` adds the
 token-in/token-out route ``/inference/v1/generate``.
-The server is started as a child of this process and ends with it
-(:mod:`~weight_bridge.vllm.lifeline`).
+The server is started as a child of this process, in a process group of its own, and ends with
+it (:mod:`~weight_bridge.vllm.lifeline`); a start that fails after the process was launched
+(it exits, times out, or anything raises while it is awaited) stops the whole group, its engine
+core included, before the error leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -114,23 +117,33 @@ class VLLMServer:
         return args + (["--api-key", self.api_key] if self.api_key else [])
 
     def start(self) -> VLLMServer:
-        """Start the server and wait until it answers ``/health``."""
+        """Start the server and wait until it answers ``/health``; on any failure after the
+        launch, stop it (its process group) before raising."""
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **self.env}
         env[FRONTEND_ENV] = str(os.getpid())  # the server ends when this process does
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
-                self.command(), env=env, stdout=out, stderr=subprocess.STDOUT
+                self.command(),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: stop() ends its engine core too
             )
+        try:
+            self._await_health(self.process)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _await_health(self, process: subprocess.Popen) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"vllm serve exited with {self.process.returncode}:\n{self.tail()}"
-                )
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {process.returncode}:\n{self.tail()}")
             if self.healthy():
-                return self
+                return
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(
             f"vllm serve did not answer within {self.startup_timeout_s} s:\n{self.tail()}"
         )
@@ -149,18 +162,22 @@ class VLLMServer:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM (vLLM's own clean shutdown), then SIGKILL if it has not ended."""
+        """SIGTERM to the server's process group (vLLM's own clean shutdown: the server, then
+        its engine core), then SIGKILL to whatever of it is left after ``timeout_s``."""
         process, self.process = self.process, None
         if self._own_log:
             self.log.unlink(missing_ok=True)
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.send_signal(signal.SIGTERM)
-        try:
+        _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        while group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # its engine core, still shutting down
+        if group_members(process.pid):
+            _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
 
     def __enter__(self) -> VLLMServer:
         return self.start() if self.process is None else self
@@ -170,6 +187,26 @@ class VLLMServer:
 
 
 _DEFAULTS = {k: v for k, v in asdict(BridgeOptions()).items() if k != "checkpoint_root"}
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to every process of the group ``pgid`` (none left: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes (zombies left out) of the process group ``pgid``, read from
+    ``/proc`` (Linux)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if int(group) == pgid and state not in "ZX":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _temporary_log(port: int) -> Path:
@@ -217,13 +254,14 @@ class ServedEngine(HTTPClient):
     ) -> None:
         from .memory import colocated_llm_kwargs
 
-        options, engine_kwargs = BridgeOptions.split(kwargs)
+        options, engine_kwargs = BridgeOptions.split(kwargs)  # each option checked
         args = cli_args(colocated_llm_kwargs(model, engine_kwargs, kv_cache_gb))
         env = {PLUGINS_ENV: ",".join(plugins)} if plugins else None
         server = VLLMServer(model, options, args, env=env, log=log, api_key=api_key)
-        self.server = server.start()
+        # the client first: what it refuses (an unknown inflight) is refused before any process
+        super().__init__(server.url, api_key=api_key, inflight=inflight)
         self.options = options
-        super().__init__(self.server.url, api_key=api_key, inflight=inflight)
+        self.server = server.start()  # a failed start stops what it launched
 
     def close(self) -> None:
         super().close()

@@ -15,6 +15,9 @@
    pause is served only where vLLM serves ``/resume`` (``VLLM_SERVER_DEV_MODE=1``) or a key is
    set (elsewhere ``404``, as a route that does not exist), and one that no update, resume or
    other pause follows within the engine's ``update_timeout_s`` is released, with a warning.
+   Only a call that passed the key check follows a pause: a refused one (``401``) and any
+   ``OPTIONS`` (a CORS preflight, never checked) do not, so nobody without the key can keep a
+   pause from being released.
 2. :func:`require_api_key`: the same key check alone, for a server without the results route.
 
 **The API key.** vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``,
@@ -60,6 +63,7 @@ RESULTS_ROUTE = "/weight_bridge/results"  # the bridge's routes, served here, ca
 PAUSE_ROUTE = "/weight_bridge/pause"
 # Calls that follow a pause of PAUSE_ROUTE: an update (whose client resumes), a resume, another
 # pause (whose own caller resumes), a call into the workers. After one, its release is not ours.
+# Only a call that passed the key check counts (``_checked``): never a refused one, nor OPTIONS.
 _FOLLOW_A_PAUSE = frozenset(
     {"/start_weight_update", "/update_weights", "/finish_weight_update", "/pause", "/resume"}
     | {"/collective_rpc", PAUSE_ROUTE}
@@ -99,12 +103,25 @@ def _authorized(header: str | None, keys: list[str]) -> bool:
     return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
 
 
+def _exempt(request: Any) -> bool:
+    """A request the key check lets through unchecked: the probes of :data:`OPEN_ROUTES` and
+    ``OPTIONS`` (a browser's CORS preflight carries no ``Authorization``)."""
+    return _path(request) in OPEN_ROUTES or request.method == "OPTIONS"
+
+
+def _checked(request: Any) -> bool:
+    """Whether a request that :func:`_refusal` let through passed the key check (every one
+    but :func:`_exempt`'s; with no key configured, the check passes everyone): only such a
+    request counts as a call that follows a pause."""
+    return not _exempt(request)
+
+
 def _refusal(request: Any) -> Any | None:
     """The one key check of both middlewares: a ``401`` for a request on any route but
     :data:`OPEN_ROUTES` without the server's key; None to let it through (no key configured:
     everything, as vLLM)."""
     keys = _keys(request)
-    guarded = keys and _path(request) not in OPEN_ROUTES and request.method != "OPTIONS"
+    guarded = keys and not _exempt(request)
     if guarded and not _authorized(request.headers.get("Authorization"), keys):
         from starlette.responses import JSONResponse
 
@@ -135,7 +152,7 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
     if refused is not None:
         return refused
     path = _path(request)
-    if path in _FOLLOW_A_PAUSE:
+    if path in _FOLLOW_A_PAUSE and _checked(request):
         _pauses(request.app).calls += 1
     if path == RESULTS_ROUTE and request.method == "GET":
         core = server_core_client(request)
