@@ -470,6 +470,21 @@ def _push_watcher_base() -> type:
     return PushWatcher
 
 
+def engine_options_cli(model: Path, tmp_path: Path, options: str):
+    """LightningCLI building the callback from a YAML whose engine (mode ``serve``) has the
+    ``options`` given as YAML flow text (nothing runs, nothing starts)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "trainer:\n  logger: false\n  callbacks:\n    - class_path: callbacks.VLLMWeightSync\n"
+        f"      init_args:\n        engine: {{model: {model}, mode: serve, options: {options}}}\n"
+        f"model:\n  model_path: {model}\n"
+    )
+    cls = globals().get("TinyLM") or __getattr__("TinyLM")
+    return LightningCLI(cls, run=False, args=["--config", str(path)], save_config_callback=None)
+
+
 def trainer(tmp_path: Path, callbacks: list, max_steps: int, **kwargs):
     """A real Lightning ``Trainer`` on CPU, quiet, writing under ``tmp_path``."""
     import lightning.pytorch as pl

@@ -22,6 +22,7 @@ from helpers import (
     assert_parity,
     close_engine,
     crash_before_rename,
+    engine_options_cli,
     greedy,
     model_dir_with,
     trainer,
@@ -595,17 +596,8 @@ def test_a_misspelt_engine_option_in_yaml_fails_as_the_cli_parses_it(
     """The engine's options are typed: LightningCLI refuses a misspelt one by name, with the
     closest valid one, or one that does not apply to the mode, as it builds the callback from
     the YAML (before any trainer or engine)."""
-    from lightning.pytorch.cli import LightningCLI
-
-    model = str(models["llama_A"])
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        "trainer:\n  logger: false\n  callbacks:\n    - class_path: callbacks.VLLMWeightSync\n"
-        f"      init_args:\n        engine: {{model: {model}, mode: serve, options: {options}}}\n"
-        f"model:\n  model_path: {model}\n"
-    )
     with pytest.raises(ValueError, match=re.escape(words)):
-        LightningCLI(TinyLM, run=False, args=["--config", str(path)], save_config_callback=None)
+        engine_options_cli(models["llama_A"], tmp_path, options)
 
 
 class RankReport(Callback):

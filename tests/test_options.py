@@ -11,13 +11,12 @@ import os
 import re
 import signal
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 import pytest
 import yaml
-from helpers import SERVE_ARGS, TinyLM
+from helpers import SERVE_ARGS, engine_options_cli
 
 from callbacks import EngineSpec
 from callbacks.engine import EngineOptions, engine_of
@@ -106,19 +105,6 @@ def test_good_values_pass_as_yaml_gives_them() -> None:
     assert BridgeOptions.from_dict({"readback": "off", "checkpoint_root": None}).readback == "off"
 
 
-def _cli(models, tmp_path: Path, options: str):
-    from lightning.pytorch.cli import LightningCLI
-
-    model = str(models["llama_A"])
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        "trainer:\n  logger: false\n  callbacks:\n    - class_path: callbacks.VLLMWeightSync\n"
-        f"      init_args:\n        engine: {{model: {model}, mode: serve, options: {options}}}\n"
-        f"model:\n  model_path: {model}\n"
-    )
-    return LightningCLI(TinyLM, run=False, args=["--config", str(path)], save_config_callback=None)
-
-
 @pytest.mark.parametrize(
     "options, words",
     [
@@ -136,7 +122,7 @@ def test_a_bad_value_in_yaml_fails_as_the_cli_parses_it(models, tmp_path, option
     ``ValueError`` carrying ours."""
     before = _children()
     with pytest.raises(ValueError, match=re.escape(words)):
-        _cli(models, tmp_path, options)
+        engine_options_cli(models["llama_A"], tmp_path, options)
     assert _children() - before == set()
 
 
@@ -146,7 +132,9 @@ def test_yaml_strings_reach_the_spec_as_what_they_mean_through_lightningcli(mode
     ``yaml.safe_load``, keeps the strings: refused above)."""
     options = '{bridge: {rollback: "false", check_finite: "no", update_timeout_s: "120"}}'
     (sync,) = [
-        cb for cb in _cli(models, tmp_path, options).trainer.callbacks if hasattr(cb, "spec")
+        cb
+        for cb in engine_options_cli(models["llama_A"], tmp_path, options).trainer.callbacks
+        if hasattr(cb, "spec")
     ]
     assert sync.spec.options.bridge == {
         "rollback": False,

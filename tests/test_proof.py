@@ -16,6 +16,7 @@ from weight_bridge.direct import (
     prove_checkpoint_layout,
     record_checkpoint_layout,
 )
+from weight_bridge.direct import readback as readback_module
 from weight_bridge.direct.state import undefined_reason
 from weight_bridge.layout import fingerprint
 
@@ -134,6 +135,68 @@ def test_read_back_catches_a_write_that_a_later_one_overwrote() -> None:
     with pytest.raises(DirectReloadError, match="read-back") as info:
         direct_reload(model, B, load=clobbering_load)
     assert info.value.names == ["proj.weight"]
+    assert "read-back" in (undefined_reason(model) or "")
+
+
+class Wide(torch.nn.Module):
+    """One tensor of more rows than the sampled read-back keeps (8 of 1000: 0, 143, 285, 428,
+    571, 714, 856, 999), stored in bf16 so that every write casts, then a small one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(1000, 16, dtype=torch.bfloat16))
+        self.small = torch.nn.Parameter(torch.zeros(4))
+
+
+def wide(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(1000, 16, generator=g)
+    big[::7, 3] = -0.0  # signed zeros: bits, not just values, are compared
+    return {"big": big, "small": torch.randn(4, generator=g)}
+
+
+def clobbering_row(model: Wide, row: int | None):
+    """A loader that copies by name and, while writing ``small`` (``big`` was sealed when it
+    asked for ``small``), overwrites one element of ``big``'s ``row`` with 123.0."""
+
+    def load(weights) -> None:
+        for name, t in weights:
+            model.get_parameter(name).data.copy_(t)
+            if name == "small" and row is not None:
+                model.big.data[row, 5].fill_(123.0)
+
+    return load
+
+
+@pytest.mark.parametrize("readback", ["full", "full-device-digest", "sampled"])
+@pytest.mark.parametrize("row", [3, 998, 999, None])
+def test_read_back_of_a_sealed_tensor_that_a_later_write_clobbered(
+    readback, row, monkeypatch
+) -> None:
+    """``"full"`` catches a later write anywhere in an earlier tensor (it compares every element
+    bit for bit after the last write: a digest of each source taken when it was sealed against
+    the same digest of the engine's bytes), and accepts the exact push; with the digest an
+    accelerator uses (``exact_fingerprint``) too. ``"sampled"`` catches it only in the rows it
+    keeps: row 999 (the last) is refused; rows 3 and 998 are not kept, so that push is accepted
+    with 123.0 in the engine (what ``"sampled"`` trades for its cost)."""
+    if readback == "full-device-digest":
+        monkeypatch.setattr(readback_module, "_DIGESTS", {})
+        readback = "full"
+    model = Wide()
+    load_by_name(model, wide(0))
+    record_checkpoint_layout(model)
+    caught = row is not None and (readback == "full" or row == 999)
+    if not caught:
+        report = direct_reload(model, wide(1), load=clobbering_row(model, row), readback=readback)
+        assert report.verified_writes == 2 and undefined_reason(model) is None
+        want = wide(1)["big"].to(torch.bfloat16)
+        if row is not None:
+            want[row, 5] = 123.0  # the miss, spelled out
+        assert torch.equal(model.big.data.view(torch.int16), want.view(torch.int16))
+        return
+    with pytest.raises(DirectReloadError, match="read-back") as info:
+        direct_reload(model, wide(1), load=clobbering_row(model, row), readback=readback)
+    assert info.value.names == ["big"]
     assert "read-back" in (undefined_reason(model) or "")
 
 

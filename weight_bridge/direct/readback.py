@@ -5,13 +5,15 @@ destination lies in a storage the reload writes into (the loaders of vLLM and of
 all end in one), together with the checkpoint tensor being loaded. When the loader moves on to
 the next checkpoint tensor, the copies of the one it finished are *sealed*: what the read-back
 will compare is kept (``"sampled"``: up to 8 rows of each source, first, last and spread
-between; ``"full"``: each copy compared in full now, while its source is there, and its 8 rows
-kept), the write map learns them (:class:`~.write_map.WriteMapLearner`), and the source is let
-go. So a push holds its sources one at a time (a push from memory produces and frees each
-tensor in turn), not the checkpoint. After the last write, each destination's kept rows are
-read back and compared: a later write that clobbered an earlier one (overlapping targets), a
-write that went to a copy, or a cast that lost values shows up here and names the tensor.
-``"off"`` compares nothing.
+between; ``"full"``: a digest of each source as the destination holds it, cast to its dtype,
+a few bytes: :func:`_digest`), the write map learns them (:class:`~.write_map.WriteMapLearner`),
+and the source is let go. So a push holds its sources one at a time (a push from memory
+produces and frees each tensor in turn), not the checkpoint. After the last write, each
+destination is read back and compared: its kept rows (``"sampled"``), or the same digest of all
+of its bytes (``"full"``). A later write that clobbered an earlier one (overlapping targets), a
+write that went to a copy, or a cast that lost values shows up here and names the tensor:
+anywhere in it under ``"full"``, in the kept rows under ``"sampled"``. ``"off"`` compares
+nothing.
 
 Every in-place write into those storages (``copy_``, indexing assignment, any other in-place
 op) is also noted, whatever the mode, and :meth:`ReadBack.wrote_into` answers whether a view
@@ -23,12 +25,14 @@ from __future__ import annotations
 
 import bisect
 import functools
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..exact import exact_fingerprint
 from ..layout import byte_span, storage_ptr
 
 READBACK_MODES = ("sampled", "full", "off")
@@ -83,10 +87,10 @@ class ReadBack(TorchFunctionMode):
         self.learn = learn  # each copy, as its tensor is sealed: (name, source, dst, src)
         self.current = ""
         self.source: torch.Tensor | None = None  # the checkpoint tensor being loaded
-        # sealed: (name, destination, the rows kept of its source); open: the tensor's copies
-        self.writes: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+        # sealed: (name, destination, what is kept of its source: the rows read back
+        # ("sampled"), its digest ("full"), nothing ("off")); open: the tensor's copies
+        self.writes: list[tuple[str, torch.Tensor, torch.Tensor | int | None]] = []
         self._open: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
-        self.mismatched: dict[str, str] = {}  # found when sealed ("full")
         self.other_writes: set[str] = set()  # names also written by an in-place op not copy_
         self._spans: list[tuple[int, int]] = []  # bytes touched, in the order written
         self._merged: tuple[list[int], list[int]] | None = None
@@ -105,15 +109,17 @@ class ReadBack(TorchFunctionMode):
             del item
 
     def seal(self) -> None:
-        """The copies noted so far: compared now (``"full"``), learned, and kept as the rows
-        the final read-back compares; their sources are let go."""
+        """The copies noted so far: learned, and kept as what the final read-back compares
+        (their rows, or their digests); their sources are let go."""
         with torch._C.DisableTorchFunction():  # what sealing computes is not the loader's
             for name, source, dst, src in self._open:
                 if self.learn is not None:
                     self.learn(name, source, dst, src)
-                if self.mode == "full" and not _same(dst, src, False):
-                    self.mismatched[name or "<unnamed>"] = _DIFFERS
-                kept = None if self.mode == "off" else _kept(dst, src)
+                kept: torch.Tensor | int | None = None
+                if self.mode == "full":
+                    kept = _digest(_as_written(dst, src))
+                elif self.mode == "sampled":
+                    kept = _kept(dst, src)
                 self.writes.append((name, dst, kept))
         self._open = []
         self.source = None
@@ -158,14 +164,18 @@ class ReadBack(TorchFunctionMode):
 
     @torch.no_grad()
     def verify(self) -> dict[str, str]:
-        """Checkpoint name -> what differs between a written view and its source."""
+        """Checkpoint name -> what differs between a written view and its source, read back
+        after the last write: every element (``"full"``) or the kept rows (``"sampled"``)."""
         self.seal()
-        bad = dict(self.mismatched)
+        bad: dict[str, str] = {}
         if self.mode == "off":
             return bad
         for name, dst, kept in self.writes:
             assert kept is not None
-            if not _same(_rows_of(dst), kept, False):
+            if isinstance(kept, int):  # "full": all of it, bit for bit
+                if _digest(dst) != kept:
+                    bad[name or "<unnamed>"] = _DIFFERS
+            elif not _same(_rows_of(dst), kept, False):
                 bad[name or "<unnamed>"] = _DIFFERS
         return bad
 
@@ -188,11 +198,44 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _shaped(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``src`` in ``dst``'s shape, as ``dst.copy_(src)`` reads it (broadcast)."""
+    if dst.shape != src.shape:
+        src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
+    return src
+
+
+def _as_written(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``src`` as ``dst.copy_(src)`` left it in ``dst``: in its shape, cast to its dtype on
+    its device (``Tensor.to`` goes through the ``copy_`` the loader made, so the bits agree);
+    a view of ``src`` when nothing changes, else a temporary of ``dst``'s size."""
+    return _shaped(dst, src).to(device=dst.device, dtype=dst.dtype)
+
+
+def _crc32(t: torch.Tensor) -> int:
+    """CRC-32 of ``t``'s bytes in row-major order (a copy only where ``t`` is not contiguous)."""
+    flat = t.detach().reshape(-1).contiguous()
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)  # releases the GIL
+
+
+# the digest of a tensor's bits by device type; exact_fingerprint (on the device) elsewhere
+_DIGESTS: dict[str, Callable[[torch.Tensor], int]] = {"cpu": _crc32}
+
+
+def _digest(t: torch.Tensor) -> int:
+    """What ``"full"`` compares: a digest of all of ``t``'s bits, where it lives. On the CPU a
+    CRC-32 of its bytes (a pass at memory speed: the cost of a comparison), on an accelerator
+    :func:`~weight_bridge.exact.exact_fingerprint` (int64 passes on the device, no transfer).
+    Either changes with certainty when one element of up to 4 bytes changes (a burst of 32
+    bits; an odd weight), and otherwise misses a difference with odds of 2**-32 (2**-64): a
+    check against a loader's mistakes, which recur on every push, not an adversary."""
+    return _DIGESTS.get(t.device.type, exact_fingerprint)(t)
+
+
 def _kept(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """What the read-back keeps of a copy's source: its rows that :func:`_rows_of` reads of
     the destination, as the destination holds them (a copy: the source may be freed)."""
-    if dst.shape != src.shape:
-        src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
+    src = _shaped(dst, src)
     rows = _rows_of(src)
     if rows is src:
         rows = src.clone()
@@ -202,8 +245,7 @@ def _kept(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def _same(dst: torch.Tensor, src: torch.Tensor, sampled: bool) -> bool:
     """Whether ``dst`` holds ``src``'s values (cast to ``dst``'s dtype): one comparison pass,
     no temporaries; the NaN-aware comparison only for a view that is not bit-equal."""
-    if dst.shape != src.shape:
-        src = src.expand_as(dst) if src.dim() <= dst.dim() else src.reshape(dst.shape)
+    src = _shaped(dst, src)
     if sampled and dst.dim() > 0 and dst.shape[0] > _SAMPLE_ROWS:
         dst = dst.index_select(0, _row_index(dst.shape[0], dst.device))
         src = src.index_select(0, _row_index(src.shape[0], src.device))
