@@ -14,8 +14,8 @@ from weight_bridge.checkpoint.sender import Sent
 
 def sync_record(step: int, sent: Sent, gap: float | None) -> dict[str, Any]:
     """One history entry, from the sender's record of the sync
-    (:class:`~weight_bridge.checkpoint.Sent`). ``delta``: the file held only what changed since
-    the last push; ``changed``: the fraction of its tensors' elements that did (None for a
+    (:class:`~weight_bridge.checkpoint.sender.Sent`). ``delta``: the file held only what changed
+    since the last push; ``changed``: the fraction of its tensors' elements that did (None for a
     keyframe); ``choice``: why it is a delta or not, with the costs measured so far
     (:meth:`~weight_bridge.checkpoint.delta_choice.DeltaChoice.describe`); ``push_s``: the push
     and, when on, the canary."""

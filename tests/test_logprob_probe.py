@@ -1,11 +1,12 @@
 """``tools/logprob_probe.py`` (what ``make test-vllm034`` asks first) decides right, on plain data.
 
 The probe's decision is a pure function of the logprobs vLLM reported and a reference
-distribution per position (:func:`compare_logprobs`), and its exit status follows from that
-verdict or from what raised (:func:`main`). Both are checked here with no engine and no GPU, so
-this runs in the normal suite on every vLLM. The probe's real run (an engine against Hugging
-Face) is what ``make test-vllm034`` does; one real run here (issue 62.5) checks that it is a run
-of vLLM alone: a bridge whose plugin breaks every engine does not make the probe skip.
+distribution per position (:func:`~tools.logprob_probe.compare_logprobs`), and its exit status
+follows from that verdict or from what raised (:func:`~tools.logprob_probe.main`). Both are
+checked here with no engine and no GPU, so this runs in the normal suite on every vLLM. The
+probe's real run (an engine against Hugging Face) is what ``make test-vllm034`` does; one real
+run here (issue 62.5) checks that it is a run of vLLM alone: a bridge whose plugin breaks every
+engine does not make the probe skip.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def test_minus_infinity_matches_only_minus_infinity() -> None:
 
 
 def run_main(monkeypatch, tmp_path: Path, outcome) -> tuple[int, str]:
-    """:func:`probe.main` with ``run`` replaced: ``outcome`` is raised if an exception, else
-    returned as ``(verdict, libraries)``."""
+    """:func:`~tools.logprob_probe.main` with ``run`` replaced: ``outcome`` is raised if an
+    exception, else returned as ``(verdict, libraries)``."""
 
     def fake_run(max_tokens: int):
         if isinstance(outcome, BaseException):

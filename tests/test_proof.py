@@ -101,7 +101,7 @@ def test_without_the_proof_the_same_push_would_be_silently_wrong() -> None:
 
 
 class TransposedCopy:
-    """A :class:`~weight_bridge.Refresher` (structural: no base class needed)."""
+    """A :class:`~weight_bridge.direct.Refresher` (structural: no base class needed)."""
 
     kind = "transposed copy"
     explains = frozenset({"weight_t"})

@@ -5,7 +5,8 @@
 * Every name of ``weight_bridge.__all__`` resolves (the vLLM ones on first use).
 * The README's examples import the library from at most three modules (fixtures of
   ``weight_bridge.testing`` aside): the product, the callbacks, and ``vllm`` itself.
-* Every client and every engine the library starts is a :class:`BridgeClient` with nothing
+* Every client and every engine the library starts is a
+  :class:`~weight_bridge.vllm.clients.bridge_client.BridgeClient` with nothing
   left abstract: one push routine, one served chain, one report.
 * The face is small: ``__all__`` on the package fronts only, at most 80 names over all of
   them (the internals export nothing), a user's (``weight_bridge`` and ``callbacks``) at most 40.

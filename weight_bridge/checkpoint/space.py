@@ -70,7 +70,7 @@ def _recycle(path: Path, reuse: Path) -> tuple[int, str] | None:
 def remove_stale_temps(path: Path) -> None:
     """Delete temporary files of earlier saves into ``path``'s directory whose writer is gone.
 
-    Only names :func:`save_checkpoint` makes are considered (``.<name>.<8 random>.tmp`` for
+    Only names :func:`~.write.save_checkpoint` makes are considered (``.<name>.<8 random>.tmp`` for
     this ``path`` or any ``*.safetensors``). A live writer holds an exclusive lock on its
     file; a killed one's lock went with it. The age test closes the window between a writer
     creating its file and locking it.

@@ -45,4 +45,4 @@ class BaseVersionError(DirectReloadError):
 
 
 class NotDirectlyReloadable(WeightBridgeError):
-    """Why one weight cannot be written in place (raised by :func:`resolve_target`)."""
+    """Why one weight cannot be written in place (raised by :func:`~.resolve.resolve_target`)."""

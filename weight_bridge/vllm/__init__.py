@@ -4,10 +4,12 @@ An engine started with ``weight_transfer_config={"backend": "weight_bridge"}`` (
 ``AsyncLLM`` or ``vllm serve``) takes updates through vLLM's own RL API, each a proven,
 transactional direct reload (:mod:`~weight_bridge.vllm.worker.backend`). One client protocol
 (:mod:`~weight_bridge.vllm.clients.bridge_client`) pushes into each way of running it
-(:class:`LLMClient`, :class:`AsyncLLMClient`, :class:`HTTPClient`), and each generates the same
-results (:class:`Generation`, :mod:`~weight_bridge.vllm.generation`); :class:`ColocatedEngine`,
-:class:`AsyncColocatedEngine` and :class:`ServedEngine` are those clients plus an engine they start
-and own (:func:`start_engine` picks one by name). Every use of vLLM's private internals, and every
+(:class:`~weight_bridge.LLMClient`, :class:`~weight_bridge.AsyncLLMClient`,
+:class:`~weight_bridge.HTTPClient`), and each generates the same results
+(:class:`~weight_bridge.Generation`, :mod:`~weight_bridge.vllm.generation`);
+:class:`~weight_bridge.ColocatedEngine`, :class:`~weight_bridge.AsyncColocatedEngine` and
+:class:`~weight_bridge.ServedEngine` are those clients plus an engine they start and own
+(:func:`start_engine` picks one by name). Every use of vLLM's private internals, and every
 patch of vLLM, is in :mod:`~weight_bridge.vllm.internals`. The engines and clients a user imports
 are :mod:`weight_bridge`'s; this front has the checks and what picks a client by name, each
 imported on first use: importing a client module needs no vLLM.

@@ -5,7 +5,7 @@ started it: when that process is killed (``SIGKILL``, the OOM killer, Lightning 
 rank of a DDP job after one failed), the engine core and its workers live on with the model
 and the KV cache in memory, serving nobody, and keep the job's output pipes open.
 
-:class:`~weight_bridge.vllm.ColocatedEngine` names its own process in :data:`FRONTEND_ENV`
+:class:`~weight_bridge.ColocatedEngine` names its own process in :data:`FRONTEND_ENV`
 while vLLM starts the engine processes (they inherit the environment). In each process vLLM
 starts, the plugin calls :func:`follow_parent`: a direct child of that process (the engine
 core, or a worker of an in-process engine) watches it and, once it is gone, sends itself

@@ -70,7 +70,7 @@ def run_engine_plugins(specs: str | None = None) -> None:
 
     This is how an engine gets out-of-tree architectures (``ModelRegistry.register_model``)
     without anything being registered in every vLLM process of the environment:
-    :class:`~weight_bridge.vllm.ColocatedEngine` puts its ``plugins`` in the environment its
+    :class:`~weight_bridge.ColocatedEngine` puts its ``plugins`` in the environment its
     engine processes inherit, and each of them calls them here.
     """
     listed = specs if specs is not None else os.environ.get(PLUGINS_ENV, "")

@@ -2,10 +2,11 @@
 
 A synchronous ``ColocatedEngine`` serializes generation and pushes: the trainer waits for every
 rollout, the engine for every push. This engine runs vLLM's ``AsyncLLM`` on an event loop of its
-own (a background thread), so rollouts are generated while the trainer trains (:meth:`submit`
-returns a future), and a push lands *in flight* (``inflight``, default ``"recompute"``: see
-:mod:`~weight_bridge.vllm.clients.bridge_client`). Every finished output carries vLLM's
-``weight_versions`` spans (:attr:`~weight_bridge.vllm.generation.Completion.versions`).
+own (a background thread), so rollouts are generated while the trainer trains
+(:meth:`AsyncColocatedEngine.submit` returns a future), and a push lands *in flight*
+(``inflight``, default ``"recompute"``: see :mod:`~weight_bridge.vllm.clients.bridge_client`).
+Every finished output carries vLLM's ``weight_versions`` spans
+(:attr:`~weight_bridge.vllm.generation.Completion.versions`).
 
 It is the one client of an ``AsyncLLM``
 (:class:`~weight_bridge.vllm.clients.async_llm.AsyncLLMClient`) plus the engine it owns, started
@@ -40,7 +41,7 @@ class AsyncColocatedEngine(AsyncLLMClient):
     without that is twice as slow as taking turns (:mod:`benchmarks.inflight`).
     ``plugins``, ``kv_cache_gb`` and the bridge's options (any field of
     :class:`~weight_bridge.vllm.options.BridgeOptions`): as for
-    :class:`~weight_bridge.vllm.ColocatedEngine`. Every other keyword goes to vLLM's
+    :class:`~weight_bridge.ColocatedEngine`. Every other keyword goes to vLLM's
     ``AsyncEngineArgs``.
     """
 

@@ -63,7 +63,7 @@ class AsyncLLMClient(BridgeClient):
     async def _pause(self, mode: str, clear_cache: bool) -> None:
         """``drain`` (``mode="wait"``) pauses the scheduler itself: vLLM 0.33+'s
         ``pause_generation(mode="wait")`` rejects the requests that arrive meanwhile, which
-        ``drain`` promises to queue (:func:`~weight_bridge.vllm.internals.pause_queueing`)."""
+        ``drain`` promises to queue (:func:`~weight_bridge.vllm.internals.pause.pause_queueing`)."""
         if mode == "wait":
             await pause_queueing(self.engine, mode, clear_cache)
             return

@@ -13,7 +13,7 @@ PATH})`` -> ``finish_weight_update(weight_version=V)``, each update a transactio
   no request that arrives later reuses it (``mode="keep", clear_cache=False``);
 * ``"drain"``: running requests finish first, new ones wait (``mode="wait"``). Since vLLM 0.33
   ``pause_generation(mode="wait")`` rejects the new ones (HTTP 503) instead, so ``AsyncLLM``
-  pauses its scheduler itself (:func:`~weight_bridge.vllm.internals.pause_queueing`, which
+  pauses its scheduler itself (:func:`~weight_bridge.vllm.internals.pause.pause_queueing`, which
   queues them, as 0.32 did) and ``HTTPClient`` sends a rejected generate request again until
   generation resumes (a bound: its ``timeout_s``): on every vLLM no request fails.
 

@@ -1,4 +1,4 @@
-"""How the bridge's own engines (:class:`~weight_bridge.vllm.ColocatedEngine`,
+"""How the bridge's own engines (:class:`~weight_bridge.ColocatedEngine`,
 :class:`~weight_bridge.vllm.clients.async_colocated.AsyncColocatedEngine`) start vLLM: the engine
 arguments (the backend, its options, colocated memory defaults), the environment their engine
 processes inherit."""

@@ -13,7 +13,7 @@ flight (a ``vllm.LLM`` generates only when asked). What a failed push leaves beh
 * A failure after writing started (in a weight loader, in the refresh of derived state, in the
   read-back) is rolled back: every rank re-writes the version it served, from that version's
   checkpoints, and keeps serving it; the error says so (``last_rollback_s`` says how long it
-  took). Only if the rollback fails too is the engine left *undefined*: :meth:`generate`
+  took). Only if the rollback fails too is the engine left *undefined*: :meth:`LLMClient.generate`
   raises :class:`EngineUndefinedError` naming why, until a complete push succeeds.
 * With a multi-process engine (vLLM's default), every call into the engine waits at most
   ``rpc_timeout_s`` and stops waiting as soon as vLLM marks the engine core process dead

@@ -8,7 +8,7 @@ default takes 92 % of the GPU. A colocated trainer then has nothing left.
 
 :func:`colocated_llm_kwargs` turns the user's ``vllm.LLM`` keywords into colocated ones:
 
-* ``kv_cache_gb`` (the one knob, :class:`~weight_bridge.vllm.ColocatedEngine`'s parameter): the
+* ``kv_cache_gb`` (the one knob, :class:`~weight_bridge.ColocatedEngine`'s parameter): the
   KV cache per worker in GiB, on every backend; it becomes vLLM's ``kv_cache_memory_bytes``,
   which both the CPU and the CUDA worker honour as the exact KV size.
 * CPU, nothing chosen (no ``kv_cache_gb``, ``kv_cache_memory_bytes``,

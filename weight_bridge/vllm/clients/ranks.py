@@ -11,9 +11,9 @@ that is already initialised.
 
 Every guarantee of a file push holds, because a push is the same update: each rank's engine core
 drives its own worker, and the cores agree over the trainer's process group
-(:func:`~weight_bridge.vllm.internals.across_engine_ranks`), so the whole update is validated on
-every rank before any rank writes, a refusal on one rank is every rank's, and a failure after a
-rank wrote rolls every rank back. The rollback is from a host store
+(:func:`~weight_bridge.vllm.internals.engine_core.across_engine_ranks`), so the whole update is
+validated on every rank before any rank writes, a refusal on one rank is every rank's, and a
+failure after a rank wrote rolls every rank back. The rollback is from a host store
 (:class:`~weight_bridge.direct.undo.HostStore`): one copy of this rank's shard of the weights in
 host memory (pinned on CUDA, nothing on the engine's device), brought up to date in the
 background after each update landed, so a push's critical path holds no copy of the old bits.
@@ -25,9 +25,9 @@ gathered only when the engine's loader asks for it, written, read back and dropp
 tensors, not the model.
 
 Limits vLLM's external launcher sets: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set here), every rank
-must call :meth:`generate` and :meth:`push` together (the callback does), a ``vllm.LLM`` only (no
-``AsyncLLM``: nothing is in flight during a push), tensor parallelism within a node (one engine
-per node across nodes, vLLM's data parallel).
+must call :meth:`RanksEngine.generate` and :meth:`RanksEngine.push` together (the callback
+does), a ``vllm.LLM`` only (no ``AsyncLLM``: nothing is in flight during a push), tensor
+parallelism within a node (one engine per node across nodes, vLLM's data parallel).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from .colocated import ColocatedEngine
 
 
 class RanksEngine(ColocatedEngine):
-    """A :class:`~weight_bridge.vllm.ColocatedEngine` started in this trainer rank with vLLM's
+    """A :class:`~weight_bridge.ColocatedEngine` started in this trainer rank with vLLM's
     external launcher on the initialised ``torch.distributed`` world, tensor-parallel over a
     node's ranks (every rank starts one, together). Keywords as
-    :class:`~weight_bridge.vllm.ColocatedEngine`; ``cpu_threads_bind`` (CPU backend): the cores
+    :class:`~weight_bridge.ColocatedEngine`; ``cpu_threads_bind`` (CPU backend): the cores
     each rank's worker computes on (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, such as ``"0|1"`` for
     two ranks)."""
 

@@ -234,7 +234,7 @@ class ServedEngine(HTTPClient):
     client that pushes into it (:class:`~weight_bridge.vllm.clients.http.HTTPClient`). :meth:`close`
     stops the server.
 
-    Keywords as for :class:`~weight_bridge.vllm.ColocatedEngine`: the bridge's options (any
+    Keywords as for :class:`~weight_bridge.ColocatedEngine`: the bridge's options (any
     field of :class:`~weight_bridge.vllm.options.BridgeOptions`), ``kv_cache_gb`` and ``plugins``;
     every other keyword is a ``vllm.LLM``-style engine argument, passed as a command-line flag
     (:func:`cli_args`), after the same colocated memory defaults

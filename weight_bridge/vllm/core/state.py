@@ -1,5 +1,5 @@
 """What a bridged engine core remembers between the calls of an update (one record per core,
-kept on the core: :func:`~weight_bridge.vllm.internals.bridge_state_of`)."""
+kept on the core: :func:`~weight_bridge.vllm.internals.objects.bridge_state_of`)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ the phases of :class:`~weight_bridge.vllm.outcome.Phase`, each answered by every
    a ``finish_weight_update`` for the failed update is refused, so vLLM stamps no version that
    was not written;
 4. after a successful update no request that arrives later reuses KV computed by the old
-   weights (:func:`~weight_bridge.vllm.internals.forget_prefixes`; vLLM's own update leaves the
-   prefix cache as it was);
+   weights (:func:`~weight_bridge.vllm.internals.engine_core.forget_prefixes`; vLLM's own
+   update leaves the prefix cache as it was);
 5. **the weights and their label change together**: the engine core stamps the new weight
    version (the request's ``version``, else the checkpoint's ``version`` metadata, else its
    file name) in the same call that commits the write, so no engine step runs the new weights
@@ -52,11 +52,11 @@ Workers never raise, whatever a phase raised
 (:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`): vLLM's multi-process
 executor raises at the first failed rank without collecting the others' replies (left queued
 for the next call). In the trainer's ranks (vLLM's external launcher) each rank's core hears
-every core's answers (:func:`~weight_bridge.vllm.internals.across_engine_ranks`, within the
-trainer's process-group timeout): the same decisions on every rank; a worker call that raised
-anyway is that rank's answer (:func:`_phase`), and a step of the core's own that raised rolls
-every writer back (:func:`_core_failed`), so no rank waits for another and no label is stamped
-on bits it does not name.
+every core's answers (:func:`~weight_bridge.vllm.internals.engine_core.across_engine_ranks`,
+within the trainer's process-group timeout): the same decisions on every rank; a worker call
+that raised anyway is that rank's answer (:func:`_phase`), and a step of the core's own that
+raised rolls every writer back (:func:`_core_failed`), so no rank waits for another and no label
+is stamped on bits it does not name.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _phase(rpc: Any, core: Any, timeout: float | None, phase: Phase, *args: Any)
     raised (:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`); a call that
     raised anyway (a worker that died, a message that could not travel) is this rank's answer
     too (:meth:`PushResult.unanswered`), so this core still reaches the exchange every other
-    rank's core waits in (:func:`~weight_bridge.vllm.internals.across_engine_ranks`)."""
+    rank's core waits in (:func:`~weight_bridge.vllm.internals.engine_core.across_engine_ranks`)."""
     try:
         local = rpc(core, call_backend, timeout, (phase.value, *args))
     except Exception as exc:

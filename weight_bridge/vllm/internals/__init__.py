@@ -71,23 +71,27 @@ Per version (what differs, and which part of an update is vLLM's and which the b
 9. ``model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``:
    patched as the module attribute (its callers still import it at call time); it still sets
    ``layer.cpu_linear``, which generation calls (set and dropped here too). Read by
-   :func:`is_input_embedding`: ``layers.vocab_parallel_embedding.VocabParallelEmbedding`` (its
-   forward still looks rows up in the weight; only ``apply``, for logits, calls
-   ``cpu_linear``) and its subclass ``ParallelLMHead``.
+   :func:`~.model.is_input_embedding`:
+   ``layers.vocab_parallel_embedding.VocabParallelEmbedding`` (its forward still looks rows up
+   in the weight; only ``apply``, for logits, calls ``cpu_linear``) and its subclass
+   ``ParallelLMHead``.
 10. ``layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts.process_weights_after_loading(self,
     layer)``: patched; it still prepacks ``w13_weight`` / ``w2_weight`` (same shape and dtype).
-11. Read by :func:`forget_prefixes`: ``EngineCore.scheduler``, ``.reset_prefix_cache()`` (True
-    if it reset), ``Scheduler.running``, ``.kv_cache_manager.coordinator.single_type_managers
-    [*].block_pool`` (``blocks``, ``_maybe_evict_cached_block``,
-    ``cached_block_hashes_by_block``), ``Request._block_hasher`` (request -> block hashes).
+11. Read by :func:`~.engine_core.forget_prefixes`: ``EngineCore.scheduler``,
+    ``.reset_prefix_cache()`` (True if it reset), ``Scheduler.running``,
+    ``.kv_cache_manager.coordinator.single_type_managers[*].block_pool`` (``blocks``,
+    ``_maybe_evict_cached_block``, ``cached_block_hashes_by_block``), ``Request._block_hasher``
+    (request -> block hashes).
 12. Scheduling stopped and restored: ``Scheduler.pause_state``, ``.set_pause_state``,
     ``.reset_prefix_cache(reset_running_requests=True)``, ``PauseState.PAUSED_ALL``.
-13. ``EngineCore._weight_version``: the label stamped on outputs (:func:`served_version`).
-14. The engine-core client (:func:`watched_call`...): ``llm.llm_engine.engine_core``
-    (``SyncMPClient`` or ``InprocClient``), ``.resources.engine_dead`` (multi-process only),
-    ``.resources.engine_manager.processes`` / ``.finished_procs()``, ``.utility_results``
-    (futures), ``.outputs_queue`` (an exception put there is raised by ``generate``),
-    ``.shutdown()``, ``.call_utility(name)``, ``.call_utility_async(name)``.
+13. ``EngineCore._weight_version``: the label stamped on outputs
+    (:func:`~.engine_core.served_version`).
+14. The engine-core client (:func:`~.engine_client.watched_call`...):
+    ``llm.llm_engine.engine_core`` (``SyncMPClient`` or ``InprocClient``),
+    ``.resources.engine_dead`` (multi-process only), ``.resources.engine_manager.processes`` /
+    ``.finished_procs()``, ``.utility_results`` (futures), ``.outputs_queue`` (an exception put
+    there is raised by ``generate``), ``.shutdown()``, ``.call_utility(name)``,
+    ``.call_utility_async(name)``.
 15. Layerwise reload (``model_loader.reload``): ``get_layerwise_info``,
     ``restore_layer_on_meta``, ``initialize_online_processing``, ``get_layer_params_buffers``,
     ``finalize_layerwise_processing``; ``LayerwiseInfo.kernel_tensors`` /
@@ -108,15 +112,15 @@ Per version (what differs, and which part of an update is vLLM's and which the b
     timeout_ms)`` spins while the last message came less than ``busy_loop_s`` ago, else sleeps
     until the writer's notification, which every ``enqueue`` sends): ``wait`` patched (a bridged
     CPU worker sleeps when idle, a shortened wait re-checks often); read by
-    :func:`waiting_without_spinning`: ``EngineCore.model_executor.response_mqs``
+    :func:`~.engine_core.waiting_without_spinning`: ``EngineCore.model_executor.response_mqs``
     (``MultiprocExecutor``), each queue's ``_spin_condition.busy_loop_s``, set to 0 during a
     bridged update, restored after.
-19. The ``drain`` pause (:func:`pause_queueing`): ``AsyncLLM.engine_core
+19. The ``drain`` pause (:func:`~.pause.pause_queueing`): ``AsyncLLM.engine_core
     .pause_scheduler_async(mode, clear_cache)`` still reaching the engine core's
     ``pause_scheduler``, which queues requests that arrive while paused (0.33+'s
     ``pause_generation`` rejects them, HTTP 503); ``resume_generation`` still releases them,
     and ``AsyncLLM.is_paused()`` still says whether the scheduler is paused
-    (:func:`release_pause`).
+    (:func:`~.pause.release_pause`).
 20. (0.34+) vLLM's direct reload, ``model_loader.reload.direct``: ``record_checkpoint_layout``
     (called by the bridge's load recording, before post-load processing), ``begin_direct_reload``,
     ``finish_direct_reload(model, model_config, device)``, and its checks ``_check_params_kept``
@@ -130,6 +134,7 @@ Per version (what differs, and which part of an update is vLLM's and which the b
     (:mod:`~weight_bridge.vllm.worker.external_launcher`). The engine core, in the trainer's
     ranks, reads vLLM's world group (``distributed.parallel_state.get_world_group().cpu_group``)
     and its config's ``parallel_config.distributed_executor_backend`` and ``world_size``
-    (:func:`across_engine_ranks`); a shutdown's ``cleanup_dist_env_and_memory`` still destroys
-    the default process group, which the bridge keeps (:func:`shutdown`).
+    (:func:`~.engine_core.across_engine_ranks`); a shutdown's ``cleanup_dist_env_and_memory``
+    still destroys the default process group, which the bridge keeps
+    (:func:`~.engine_client.shutdown`).
 """

@@ -9,7 +9,7 @@
    is answered ``503`` with the reason instead, as an OpenAI error body of type
    ``EngineUndefinedError``. ``POST /weight_bridge/pause?mode=wait&clear_cache=...`` pauses
    generation for a ``drain`` push with the requests that arrive meanwhile *queued*
-   (:func:`~weight_bridge.vllm.internals.pause_queueing`, as in process): vLLM 0.33+'s own
+   (:func:`~weight_bridge.vllm.internals.pause.pause_queueing`, as in process): vLLM 0.33+'s own
    ``/pause?mode=wait`` rejects them with ``503`` until ``/resume``, so every other client of the
    server (the ``openai`` package, an evaluator) would see failed requests at every sync. That
    pause is served only where vLLM serves ``/resume`` (``VLLM_SERVER_DEV_MODE=1``) or a key is

@@ -8,9 +8,9 @@ streams them, re-processed, and copied into the original storages (addresses unc
 runs in the same ``load_weights`` pass as the direct writes.
 
 The vLLM internals of ``vllm.model_executor.model_loader.reload`` it relies on are driven by
-:mod:`~weight_bridge.vllm.internals` (:func:`~weight_bridge.vllm.internals.layerwise_begin`,
-:func:`~weight_bridge.vllm.internals.layerwise_finish`); the per-layer metadata they use is recorded
-by vLLM at model init (``record_metadata_for_reloading``).
+:mod:`~weight_bridge.vllm.internals` (:func:`~weight_bridge.vllm.internals.model.layerwise_begin`,
+:func:`~weight_bridge.vllm.internals.model.layerwise_finish`); the per-layer metadata they use is
+recorded by vLLM at model init (``record_metadata_for_reloading``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The layout and its proof, recorded while a bridged engine loads its checkpoint.
 
 The plugin wraps vLLM's default model loader with the three wrappers here (through
-:func:`~weight_bridge.vllm.internals.patch_default_loader`); each is inert unless the engine is
-bridged (:func:`~weight_bridge.vllm.options.bridge_options`: started with
+:func:`~weight_bridge.vllm.internals.patches.patch_default_loader`); each is inert unless the
+engine is bridged (:func:`~weight_bridge.vllm.options.bridge_options`: started with
 ``weight_transfer_config={"backend": "weight_bridge"}``). For a bridged engine:
 
 1. While the default loader streams the checkpoint into the model, the name, shape and dtype
