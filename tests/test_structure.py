@@ -3,19 +3,23 @@
 * No import cycles among the modules of ``weight_bridge/`` and ``callbacks/``: each layer
   imports only the ones below it (imports inside functions count; a package's ``__init__``
   re-exporting its own modules does not).
-* No file of ``weight_bridge/`` or ``callbacks/`` over 400 lines, no function over 60.
+* No file of ``weight_bridge/`` or ``callbacks/`` over 600 lines, no function over 60. A file
+  over 400 lines is a warning the review reads, not a failure: a module is split by concept,
+  never to pass a count.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("weight_bridge", "callbacks")
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 600
+REVIEW_FILE_LINES = 400  # a warning: is this still one concept?
 MAX_FUNCTION_LINES = 60
 
 
@@ -113,8 +117,13 @@ def test_files_and_functions_stay_small(package: str) -> None:
     long_files, long_functions = [], []
     for path in sorted((ROOT / package).rglob("*.py")):
         text = path.read_text()
-        if text.count("\n") > MAX_FILE_LINES:
-            long_files.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        lines = text.count("\n")
+        if lines > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        elif lines > REVIEW_FILE_LINES:
+            warnings.warn(
+                f"{path.relative_to(ROOT)}: {lines} lines: still one concept?", stacklevel=1
+            )
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
