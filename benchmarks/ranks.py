@@ -18,9 +18,8 @@ TARGET_FACTOR = 2.5  # live without the re-pack, at most this many copies
 TARGET_VS_ANCHOR = 1.25  # live, at most this many times TRL's load_weights plus the same refresh
 _COPIES: list = []  # (live parameter, its preallocated copy): the worker is in this process
 
-def _preallocate(worker: Any) -> int:
+def _preallocate(worker: Any) -> None:
     _COPIES[:] = [(p, p.detach().clone()) for p in worker.model_runner.get_model().parameters()]
-    return len(_COPIES)
 
 def _copy_all(worker: Any) -> float:
     return harness.timed(lambda: [copy.copy_(source) for source, copy in _COPIES])
@@ -64,8 +63,7 @@ def job(model_a: str, model_b: str, workdir: str, reps: int) -> dict[str, Any]:
         store.append(rpc(_store_settled)[0])  # its host store caught up, in the background
         started, report = time.perf_counter(), engine.push_tensors(b, version=f"live-{i}")
         times["live"].append(time.perf_counter() - started)
-        for key in parts:
-            parts[key].append(float(getattr(report, key)))
+        [parts[key].append(float(getattr(report, key))) for key in parts]  # the report's parts
         rpc(_store_settled)  # nothing of it runs during the other ways' times
         times["copy"].append(rpc(_copy_all)[0])
         path = work / f"rank{rank}-{i}.safetensors"
@@ -86,8 +84,7 @@ def job(model_a: str, model_b: str, workdir: str, reps: int) -> dict[str, Any]:
             rpc(_load_weights, args=(b, name == "load_weights_refresh"))
         outputs[name] = greedy(engine)
     engine.close()
-    cold = RanksEngine(Path(model_b), **kwargs)
-    reference = greedy(cold)
+    reference = greedy(cold := RanksEngine(Path(model_b), **kwargs))
     cold.close()
     dist.barrier()
     return {"rank": rank, "median_s": {k: statistics.median(v) for k, v in times.items()},
@@ -142,30 +139,33 @@ def failed(result: dict[str, Any]) -> bool:
 def render(result: dict[str, Any]) -> str:
     """The section's tables; the re-pack target's factor as the run stated it."""
     m, repack, mib = result["median_s"], result["repack_s"], 2**20
+    check = max(r["live_parts_s"]["preflight_s"] for r in result["ranks"])
     factor = result["target"].split("<= ")[1].split("x")[0].removesuffix(".0")
     met = "met" if result["target_met"] else "missed"
     t, right = result["targets"]["live_vs_load_weights_refresh"], result["correct"]
-    rows = [
+    rows = [  # what, seconds, what follows its ratio to one copy
         ["one memory copy of the engine's bytes (each rank's parameters, `copy_` inside the "
-         "engine)", m["copy"], "1.00x"],
-        ["this mode: `push_tensors` from the live tensors", m["live"],
-         f"{m['live'] / m['copy']:.2f}x"],
-        ["of which the CPU re-pack of linears for oneDNN (the report's `refresh_s`)", repack,
-         f"{repack / m['copy']:.2f}x"],
-        ["this mode without the re-pack", m["live"] - repack,
-         f"{result['live_without_repack_over_copy']:.2f}x (target {factor}x: {met})"],
+         "engine)", m["copy"], ""],
+        ["this mode: `push_tensors` from the live tensors", m["live"], ""],
+        ["of which validation before any write (the report's `preflight_s`: NaN/Inf and range, "
+         "each rank reading the part of each tensor it writes)", check, ""],
+        ["of which the CPU re-pack of linears for oneDNN (the report's `refresh_s`)", repack, ""],
+        ["this mode without the re-pack", m["live"] - repack, f" (target {factor}x: {met})"],
+        [f"target: this mode without the re-pack at most {factor}x one copy",
+         float(factor) * m["copy"], f" ({met})"],
         ["after it, off the push: the host store (its rollback source) catching up in the "
-         "background", result["store_refresh_s"], f"{result['store_refresh_s'] / m['copy']:.2f}x"],
+         "background", result["store_refresh_s"], ""],
         ["today's file path: `save_checkpoint` to `/dev/shm`, then a push of the file", m["file"],
-         f"{m['file'] / m['copy']:.2f}x ({m['file'] / m['live']:.2f}x this mode)"],
+         f" ({m['file'] / m['live']:.2f}x this mode)"],
         ["TRL's way: `model.load_weights([(name, tensor)])` per parameter, same engine",
-         m["load_weights"], f"{m['load_weights'] / m['copy']:.2f}x"],
+         m["load_weights"], ""],
         ["TRL's way followed by the same refresh of derived state (the CPU re-pack)",
-         m["load_weights_refresh"], f"{m['load_weights_refresh'] / m['copy']:.2f}x (this mode "
-         f"{t['value']:.2f}x it, target {t['limit']}x: {'met' if t['met'] else 'missed'}; "
-         f"equals a cold start: {'yes' if right['load_weights_refresh'] else 'no'})"]]
+         m["load_weights_refresh"], f" (this mode {t['value']:.2f}x it, target {t['limit']}x: "
+         f"{'met' if t['met'] else 'missed'}; equals a cold start: "
+         f"{'yes' if right['load_weights_refresh'] else 'no'})"]]
     fp = result["footprint_per_rank"]
-    lines = table(["per push", "s", "/ one copy"], [[w, f"{s:.3f}", r] for w, s, r in rows])
+    lines = table(["per push", "s", "/ one copy"],
+                  [[w, f"{s:.3f}", f"{s / m['copy']:.2f}x{r}"] for w, s, r in rows])
     lines += ["", line(["", "processes", "extra resident memory"]), "|---" * 3 + "|"]
     for what, f in (("this mode (TP=2 over the ranks)", fp["ranks"]),
                     ("the default mode (a colocated engine per rank: vLLM's multi-process engine, "

@@ -11,9 +11,11 @@ the first are partial; LoRA merged by the callback). After each
 sync each rank records its engine's greedy tokens and logprobs; rank 0 saves the trainer's full
 weights as a model directory. At the end of training, two faults on the same engine:
 
-* ``refused``: rank 1 pushes a tensor holding NaN, rank 0 good tensors: both refuse, nothing
-  written, the label unchanged; the same for a tensor of the wrong shape on rank 1
-  (``wrong_shape``) and a partial push on a stale base on rank 1 (``stale_base``);
+* ``refused``: rank 1 pushes a tensor holding NaN where it writes, rank 0 good tensors: both
+  refuse, nothing written, the label unchanged; the same for a tensor of the wrong shape on
+  rank 1 (``wrong_shape``) and a partial push on a stale base on rank 1 (``stale_base``);
+* ``wrong_produced``: rank 1 publishes a tensor that produces a row where it declares a
+  matrix: refused by name mid-write, both rolled back, the weights bit for bit as before;
 * ``after_commit``: rank 1's refresh of derived state raises (FAULT INJECTION:
   :mod:`weight_bridge.testing.faults`, a fault no real push can be made to hit on demand) after
   rank 0 committed: both roll back (rank 1 from its writer's pre-images, rank 0 from its undo
@@ -80,11 +82,13 @@ def main() -> None:
         arm_fault,
         greedy,
         model_dir_with,
+        weights_digest,
     )
     from transformers import AutoModelForCausalLM
 
     from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge import EngineUndefinedError  # noqa: F401 (an error a rank may raise)
+    from weight_bridge.checkpoint.live import LiveTensor
     from weight_bridge.testing.parity import collect
     from weight_bridge.vllm.clients.ranks import RanksEngine
 
@@ -183,10 +187,10 @@ def main() -> None:
             good = pushed_state(pl_module, full)  # FSDP2: its DTensors, gathered as written
             bad = dict(good)
             name = "model.layers.0.mlp.down_proj.weight"
-            if rank == 1:  # in the rows this rank holds (its local shard under FSDP2)
-                bad[name] = bad[name].clone()
+            if rank == 1:  # in what this rank writes (its last column: TP=2 splits down_proj's
+                bad[name] = bad[name].clone()  # columns) and holds (its local rows under FSDP2)
                 local = bad[name].to_local() if hasattr(bad[name], "to_local") else bad[name]
-                local.view(-1)[3] = float("nan")
+                local.view(-1)[-1] = float("nan")
             report["refused"] = _attempt(lambda: engine.push_tensors(bad, version="bad"))
             report["after_refusal"] = (engine.version, greedy(engine)) == before
             # the other refusals a rank may meet alone: a tensor of a shape the engine does not
@@ -200,6 +204,17 @@ def main() -> None:
             push = lambda: engine.push_tensors(part, version="bad", base_version=base)  # noqa: E731
             report["stale_base"] = _attempt(push)
             report["after_other_refusals"] = (engine.version, greedy(engine)) == before
+            # rank 1 alone: a live tensor that produces a row where it declares the matrix (the
+            # write broadcast it into every row): refused by name mid-write, rolled back on both
+            digest = engine.llm.collective_rpc(weights_digest)[0]
+            produced = [LiveTensor.of(n, t) for n, t in good.items()]
+            if rank == 1:
+                t = good[FAULT_PARAM]
+                row = LiveTensor(FAULT_PARAM, tuple(t.shape), t.dtype, [t], lambda s: s[0][:1])
+                produced[list(good).index(FAULT_PARAM)] = row
+            report["wrong_produced"] = _attempt(lambda: engine.push_tensors(produced, "bad"))
+            same = engine.llm.collective_rpc(weights_digest)[0] == digest
+            report["after_wrong_produced"] = same and (engine.version, greedy(engine)) == before
             if rank == 1:
                 fault.touch()
             changed = {n: t + 0.01 for n, t in good.items()}
@@ -228,6 +243,7 @@ def main() -> None:
             report["meta"] = _attempt(lambda: engine.push_tensors(meta, version="bad"))
             report["after_meta"] = (engine.version, greedy(engine)) == before
             report["matrix"] = _matrix(engine, rank, fault, good, changed, before[0])
+            report["store_after_layerwise"] = _store_after_layerwise(engine, rank, out, good)
             # submit generates on the rank's own thread (another thread fails in vLLM's CPU
             # attention: the OpenMP thread count cpu_threads_bind set is that thread's)
             greedy_params = {"max_tokens": 12, "temperature": 0.0, "logprobs": 3}
@@ -286,10 +302,15 @@ def main() -> None:
 
 
 def _matrix(engine, rank: int, fault: Path, good: dict, changed: dict, label: str) -> dict:
-    """The fault matrix on rank 1 alone (FAULT INJECTION, :mod:`weight_bridge.testing.faults`):
-    every point the code has, every kind, a complete push from memory each. Each case ends on
-    both ranks with the old weights under the old label, the new under the new, or undefined
-    (nothing generated); never a rank waiting (the job's own deadline). Rank 0 repairs each."""
+    """The fault matrix on one rank at a time (FAULT INJECTION, :mod:`weight_bridge.testing.
+    faults`): every point the code has (the gather of a sharded tensor and the host store's
+    copy in the background among them), every kind, a complete push from memory each; the
+    kinds of a point strike rank 0 and rank 1 in turn, so every point strikes both. Each case
+    ends on both ranks with the old weights under the old label, the new under the new, or
+    undefined (nothing generated); never a rank waiting (the job's own deadline). A struck
+    copy into the store is followed by a push whose write fails: it must restore the bits the
+    engine holds, not the store's. Rank 0 repairs each."""
+    import torch.distributed as dist
     from fault_matrix import after_failure
     from helpers import weights_digest
 
@@ -303,26 +324,79 @@ def _matrix(engine, rank: int, fault: Path, good: dict, changed: dict, label: st
             got = None
         return got, engine.llm.collective_rpc(weights_digest)[0]
 
+    def arm(*faults: tuple) -> bool:
+        mine = [f for f in faults if f[2] == rank]  # each rank's process reads its own file
+        if mine:
+            arm_file(fault, *mine)
+        dist.barrier()  # armed before either rank reaches a point
+        return bool(mine)
+
     engine.push_tensors(changed, version="m")
     landed = state()
     engine.push_tensors(good, version=label)
     was = state()
     bad: list[str] = []
+    fired: set[str] = set()  # the points that struck this rank (one never reached proves nothing)
     cases = 0
-    for point, kind in itertools.product(fault_points(), KINDS):
-        if rank == 1:
-            first = [("prefix_reset", "refusal", None)] if after_failure(point) else []
-            arm_file(fault, *first, (point, kind, None))
+    for (i, point), (j, kind) in itertools.product(enumerate(fault_points()), enumerate(KINDS)):
+        struck = (i + j) % 2
+        first = [("prefix_reset", "refusal", struck)] if after_failure(point) else []
+        armed = arm(*first, (point, kind, struck))
         result = _attempt(lambda: engine.push_tensors(changed, version="m"))
+        if armed and point == "store_refresh":  # the copy runs in the background once it landed
+            _gone(fault, timeout_s=10.0)
+        if armed and not fault.exists():
+            fired.add(point)
         fault.unlink(missing_ok=True)
         now = state()
         cases += 1
         failed = result["error"] is not None
         ok = (now == was and failed) or (now == landed and not failed)
         if not (ok or (now[0] is None and failed)):
-            bad.append(f"{point} {kind}: {result} -> {now[0]}")
+            bad.append(f"{point} {kind} on rank {struck}: {result} -> {now[0]}")
+        if point == "store_refresh" and now == landed:  # the next write fails on the other rank
+            arm(("loader", kind, 1 - struck))
+            result = _attempt(lambda: engine.push_tensors(good, version=label))
+            fault.unlink(missing_ok=True)
+            if result["error"] is None or state() != landed:
+                bad.append(f"{point} {kind} on rank {struck}, then a failed write: {result}")
         engine.push_tensors(good, version=label)  # on every rank alike: back on the old weights
-    return {"cases": cases, "bad": bad, "points": len(fault_points())}
+    return {"cases": cases, "bad": bad, "points": len(fault_points()), "fired": sorted(fired)}
+
+
+def _store_after_layerwise(engine, rank: int, out: Path, good: dict) -> bool:
+    """A push from memory, a file pushed by vLLM's layerwise reload (a writer that never uses
+    the host store), then a push from memory whose write fails on rank 1 (FAULT INJECTION):
+    both ranks end on the file's bits under its label, never the store's older ones."""
+    import shutil
+
+    import torch.distributed as dist
+    from helpers import FAULT_PARAM, arm_fault, weights_digest
+
+    engine.push_tensors(good, version="s1")
+    engine.reload_mode = "layerwise"
+    file = Path(engine.checkpoint_root) / f"layerwise-rank{rank}.safetensors"
+    shutil.copyfile(out / "ref-0" / "model.safetensors", file)  # where the engine may read
+    engine.push(file, version="s2")
+    engine.reload_mode = "direct"
+    landed = engine.version, engine.llm.collective_rpc(weights_digest)[0]
+    if rank == 1:
+        engine.llm.collective_rpc(arm_fault, args=(FAULT_PARAM, "raise"))
+    dist.barrier()
+    failed = _attempt(lambda: engine.push_tensors({n: t * 1.5 for n, t in good.items()}, "s3"))
+    now = engine.version, engine.llm.collective_rpc(weights_digest)[0]
+    engine.push_tensors(good, version=landed[0])  # as the other checks leave it: good's bits
+    file.unlink()  # served no more; the files a sync saves are counted after this
+    return failed["error"] is not None and now == landed and landed[0] == "s2"
+
+
+def _gone(path: Path, timeout_s: float) -> None:
+    """Until ``path`` is gone (a fault fired), at most ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _attempt(push) -> dict:

@@ -4,9 +4,11 @@ launcher, pushed from the live tensors (``tests/ranks_sync_check.py``).
 
 After every sync (a complete one, then partial ones: the embeddings are frozen) each rank's
 engine must equal a cold TP=2 engine on the trainer's full weights; both ranks generate the same
-tokens; a refusal on one rank (a NaN in its tensor, a tensor of the wrong shape, a stale base)
-is a typed refusal on both, nothing written; a failure after rank 0 committed (rank 1's refresh
-raises, FAULT INJECTION) rolls both back: the label and the tokens as before, no rank undefined.
+tokens; a refusal on one rank (a NaN in what it writes, a tensor of the wrong shape, a stale
+base) is a typed refusal on both, nothing written; a tensor that produces another shape than it
+declares is refused by name mid-write and rolled back on both; a failure after rank 0 committed
+(rank 1's refresh raises, FAULT INJECTION) rolls both back: the label and the tokens as before,
+no rank undefined.
 Under DDP and FSDP2 on one "node" (TP=2; the two jobs at the same time), and as two "nodes" of
 one process each (one engine per node, TP=1) with PEFT LoRA (merged by the callback; the
 reference merged by PEFT).
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TESTS, assert_differs, assert_parity
+from helpers import FAULT_PARAM, TESTS, assert_differs, assert_parity
 
 pytestmark = [pytest.mark.slow, pytest.mark.every_vllm]  # both vLLMs (0.34: issue 58)
 
@@ -152,13 +154,23 @@ def check(ranks: list[dict], extra: tuple) -> None:
         wrong = rank["wrong_shape"]  # rank 1's tensor alone is wrong: both refuse, naming it
         assert wrong["error"] == "DirectReloadError" and "nothing was written" in wrong["message"]
         assert "model.layers.0.mlp.down_proj.weight" in wrong["message"], wrong
+        produced = rank["wrong_produced"]  # rank 1 alone: a row produced for a declared matrix
+        assert produced["error"] == "DirectReloadError", produced
+        assert FAULT_PARAM in produced["message"], produced
+        assert "produced" in produced["message"], produced  # its error, or the one it caused
+        assert rank["after_wrong_produced"], "a refused produced tensor changed the engine"
         meta = rank["meta"]  # rank 1 alone hands a tensor on the meta device: refused by name
         assert meta["error"] == "CheckpointError", meta
         assert "meta device" in meta["message"], meta
         assert rank["after_meta"], "a refused meta tensor changed the engine"
         assert_parity(rank["submitted"], rank["generated"])  # submit: on the rank's thread
-        matrix = rank["matrix"]  # every fault point, every kind, on rank 1 alone: one outcome
+        matrix = rank["matrix"]  # every fault point, every kind, on each rank: one outcome
         assert matrix["cases"] == matrix["points"] * 3 and not matrix["bad"], matrix
+        reached = {"prepare:enter", "commit:enter", "writer:direct", "loader", "store_refresh"}
+        if "--files" in extra:  # FSDP2: pushed from the DTensors, gathered as the loader asks
+            reached |= {"gather:enter", "gather:return"}
+        assert reached <= set(matrix["fired"]), matrix["fired"]  # struck on this rank too
+        assert rank["store_after_layerwise"]  # the file's bits under its label, not the store's
         stale = rank["stale_base"]  # rank 1 alone names a base the engine does not serve
         assert stale["error"] == "BaseVersionError", stale
         assert "nothing was written" in stale["message"], stale

@@ -63,7 +63,7 @@ _ROWS = [
      "the `forget_prefixes(...)` call in `_forget_prefixes_on_every_rank`",
      "test_engine.py -k test_prefix_cache_is_reset_by_a_push", "test_serve.py -k prefix"),
     ("nan", "the NaN/Inf guard", "direct/validate.py",
-     "problems.update(find_nonfinite(items, targets))", "pass",
+     "problems.update(find_nonfinite(items, targets, written))", "pass",
      "the `find_nonfinite(...)` call in `validate_checkpoint`", "test_direct.py -k nan",
      "test_reliability.py -k nan"),
     ("readback", "read-back after the write", "direct/readback.py",

@@ -11,12 +11,15 @@ A name is only meaningful in the process that published it, and only while the p
 
 Nothing here holds the model twice. Each checkpoint tensor is a :class:`LiveTensor`: its name,
 shape and dtype (what validation and planning read), the parts this rank holds (a DTensor's
-local shard: what the finiteness check reads, each rank its own, the ranks' answers agreed by
-the update), and how to produce the full tensor. The write pulls them one at a time
+local shard), and how to produce the full tensor. The finiteness check reads, on each rank,
+what that rank writes or holds of it (:meth:`LiveTensor.written_parts`: the elements the
+engine's loader takes of a plain tensor, where the write map knows them; else its parts), and
+the update agrees on every rank's answer. The write pulls them one at a time
 (:meth:`LiveCheckpoint.stream`): a sharded tensor is gathered (:mod:`.dtensor`) only when the
-engine's loader asks for it, cast to the engine's dtype, written, and dropped. A rank's extra
-memory during a push is then about two full tensors (the one being written and the next being
-gathered), never the model.
+engine's loader asks for it, cast to the engine's dtype, checked against its declaration (a
+tensor that produces another shape, dtype or device is refused by name: it would be broadcast
+or read wrongly), written, and dropped. A rank's extra memory during a push is then about two
+full tensors (the one being written and the next being gathered), never the model.
 
 A gather is a collective: every rank must take part in each one, or the others wait. So a
 sharded stream agrees before every gather that every rank is ready (the local part of a gather,
@@ -35,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,10 +72,15 @@ class LiveTensor:
     sources: Sequence[torch.Tensor]
     merge: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
     parts: list[torch.Tensor] = field(init=False)
+    sharded: list[bool] = field(init=False, repr=False)  # which sources are DTensors
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
-        self.parts = [s.to_local() if is_dtensor(s) else s for s in self.sources]  # type: ignore[attr-defined]
+        self.sharded = [is_dtensor(s) for s in self.sources]
+        self.parts = [
+            s.to_local() if d else s  # type: ignore[attr-defined]
+            for s, d in zip(self.sources, self.sharded, strict=True)
+        ]
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> LiveTensor:
@@ -81,10 +90,46 @@ class LiveTensor:
     @property
     def gathered(self) -> bool:
         """Whether producing it is a collective (a source is sharded across ranks)."""
-        return any(is_dtensor(s) for s in self.sources)
+        return any(self.sharded)
 
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def written_parts(self, copies: Sequence[Any]) -> list[torch.Tensor] | None:
+        """The elements of it this rank writes, as views of its one source: ``copies`` are
+        the copies the engine's loader takes of the produced tensor (a tensor-parallel narrow, a
+        slice of a fused tensor; each with ``src_offset``, ``src_stride``, ``shape`` and
+        ``extent`` in the tensor's flat elements: the write map's segments). Only where the
+        produced tensor is its source as it is (one plain, contiguous source of the declared
+        shape, no merge; a cast keeps every element's place); else None: every part is read."""
+        if self.merge is not None or len(self.sources) != 1 or not copies:
+            return None
+        source = self.sources[0]
+        if self.sharded[0] or tuple(source.shape) != self.shape or not source.is_contiguous():
+            return None
+        numel, base = source.numel(), source.storage_offset()
+        if any(c.src_offset < 0 or c.src_offset + c.extent > numel for c in copies):
+            return None
+        return [source.as_strided(c.shape, c.src_stride, base + c.src_offset) for c in copies]
+
+    def produced_problem(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor``, produced for it, is not what it declares (shape, dtype, the device
+        its parts are on), or None. A write takes a tensor by what it declares: one of another
+        shape is broadcast (a row into every row) or read past, and the read-back compares it
+        the same way, so it would be accepted."""
+        problems = []
+        with torch._C.DisableTorchFunction():  # reads of metadata: no mode needs to see them
+            shape, dtype, device = tuple(tensor.shape), tensor.dtype, tensor.device
+            where = self.parts[0].device if self.parts else device
+        if shape != self.shape:
+            problems.append(f"shape {list(shape)} (declared {list(self.shape)})")
+        if dtype != self.dtype:
+            problems.append(f"dtype {dtype} (declared {self.dtype})")
+        if not _same_device(device, where):
+            problems.append(f"a tensor on {device} (its parts are on {where})")
+        if not problems:
+            return None
+        return "produced " + ", ".join(problems) + ": a tensor must produce what it declares"
 
     def element_size(self) -> int:
         return self.dtype.itemsize
@@ -94,7 +139,8 @@ class LiveTensor:
         fail on this rank alone. The returned call communicates and gives the full tensor."""
         world = torch.distributed.get_world_size() if self.gathered else 1
         gathers = [
-            ShardGather(s, range(world)).prepare() if is_dtensor(s) else s for s in self.sources
+            ShardGather(s, range(world)).prepare() if d else s
+            for s, d in zip(self.sources, self.sharded, strict=True)
         ]
 
         def run() -> torch.Tensor:
@@ -123,6 +169,7 @@ class LiveCheckpoint:
     metadata: dict[str, str]
     tee: Callable[[str, torch.Tensor], None] | None = None
     _ended: bool = False
+    _wrong: int = 0  # 1 + the index of the tensor this rank refused as produced (0: none)
 
     files = ()  # no shard files: PushFailure names no file
 
@@ -139,7 +186,7 @@ class LiveCheckpoint:
         """The full tensors, produced one at a time as the write asks (see the module): every
         rank takes part in each gather of a sharded checkpoint, or every rank stops."""
         gathered = self.gathered
-        for item in self.items:
+        for index, item in enumerate(self.items):
             run, error = None, None
             try:
                 run = item.prepare()
@@ -151,6 +198,10 @@ class LiveCheckpoint:
                 raise error
             assert run is not None
             tensor = run()
+            wrong = item.produced_problem(tensor)
+            if wrong is not None:  # mid-write: the writer restores, the update rolls back
+                self._wrong = index + 1  # the others hear which, at their next agreement
+                raise CheckpointError(self.path, wrong, item.name)
             if self.tee is not None:
                 self.tee(item.name, tensor)
             yield item.name, tensor
@@ -164,14 +215,18 @@ class LiveCheckpoint:
         answers the agreement the others wait in (they stop at the same tensor)."""
         if self.gathered and not self._ended:
             self._ended = True
-            _all_ready(False)
+            _all_ready(False, self._wrong)
 
     def _agree(self, error: BaseException | None, name: str) -> None:
-        if _all_ready(error is None):
+        ready, wrong = _all_ready(error is None)
+        if ready:
             return
         self._ended = True
         if error is not None:
             raise error
+        if wrong:  # every rank names the tensor, whichever rank's error the update reports
+            why = "another rank refused it as produced (not what it declares): every rank stops"
+            raise CheckpointError(self.path, why, self.items[wrong - 1].name)
         raise CheckpointError(
             self.path, "another rank's write stopped: every rank stops at this tensor", name
         )
@@ -200,20 +255,25 @@ class LiveCheckpoint:
                         "is on the meta device: it holds no values (not materialised)",
                         item.name,
                     )
-                here = part.device
-                if here.type != device.type or (here.index or 0) != (device.index or 0):
-                    why = f"is on {here}, the engine holds its weights on {device}"
+                if not _same_device(part.device, device):
+                    why = f"is on {part.device}, the engine holds its weights on {device}"
                     raise CheckpointError(self.path, why, item.name)
 
 
-def _all_ready(ready: bool) -> bool:
-    """Whether every rank of the trainer's world is ready (one all-reduce of a flag)."""
+def _same_device(here: torch.device, there: torch.device) -> bool:
+    """Whether two devices are one (``cuda`` is ``cuda:0``)."""
+    return here.type == there.type and (here.index or 0) == (there.index or 0)
+
+
+def _all_ready(ready: bool, wrong: int = 0) -> tuple[bool, int]:
+    """Whether every rank of the trainer's world is ready, and which tensor a rank refused as
+    produced (``wrong``: 1 + its index, 0 for none; the largest): one all-reduce."""
     import torch.distributed as dist
 
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([0 if ready else 1], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) == 0
+    flags = torch.tensor([0 if ready else 1, wrong], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return int(flags[0]) == 0, int(flags[1])
 
 
 Published = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[LiveTensor]

@@ -41,7 +41,7 @@ from .report import ReloadReport
 from .snapshot import addresses, addresses_of, named_tensors
 from .state import bridge_state, note_written
 from .undo import HostStore, UndoLog
-from .validate import validate_checkpoint
+from .validate import learned_copies, validate_checkpoint
 from .write_map import WriteMapLearner
 
 WRITING = "a direct reload started writing and did not finish"
@@ -340,8 +340,9 @@ def prepare_direct_reload(
     started = time.perf_counter()
     state = bridge_state(model)
     items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    validate_checkpoint(require_layout(model), items, check_finite, partial)
-    now = addresses(model)
+    now = addresses(model)  # what this rank writes of each tensor pushed from memory, if known:
+    written = learned_copies(state.write_map, now)  # the check reads that part (validate.py)
+    validate_checkpoint(require_layout(model), items, check_finite, partial, written)
     plan = plan_direct_reload(model, reprocessable if reprocessor is not None else frozenset(), now)
     if plan.problems:
         still = f"; the model is still undefined: {state.undefined}" if state.undefined else ""

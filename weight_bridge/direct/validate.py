@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -10,6 +12,7 @@ from ..checkpoint.live import LiveTensor
 from ..layout import CheckpointLayout, TensorSpec
 from .errors import DirectReloadError
 from .parallel import run_split
+from .write_map import WriteMap
 
 
 def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -48,18 +51,44 @@ def preflight(
     return problems
 
 
-def _nonfinite(t: torch.Tensor | LiveTensor, target: torch.dtype | None) -> str | None:
-    """Why the floating tensor ``t`` cannot be written into ``target``, or None. A tensor
-    pushed from memory is checked in the parts this rank holds (a DTensor's local shard: the
-    other ranks check theirs, and the update agrees on every rank's answer)."""
-    if isinstance(t, LiveTensor):
-        found = (_nonfinite(part, target) for part in t.parts)
-        return next((why for why in found if why is not None), None)
+# checkpoint name -> the copies this rank's loader takes of it (the write map's segments)
+Written = Mapping[str, Sequence[Any]]
+
+
+def learned_copies(write_map: WriteMap | None, addresses: object) -> Written | None:
+    """The copies the loader takes of each checkpoint tensor, as the last complete write on
+    these storages (``addresses``: the model's now) showed them; None where not known. A name
+    the map cannot patch (its loader copied something computed from it) has none."""
+    if write_map is None or write_map.addresses != addresses:
+        return None
+    return write_map.segments
+
+
+def _read(t: torch.Tensor | LiveTensor, copies: Sequence[Any] | None) -> list[torch.Tensor]:
+    """What the check reads of ``t`` on this rank. A tensor pushed from memory: the elements
+    this rank writes, where ``copies`` say which (:meth:`LiveTensor.written_parts`), else the
+    parts it holds (a DTensor's local shard, a whole plain tensor). Each rank checks its own and
+    the update agrees on every rank's answer, so what any rank writes is checked once, not the
+    whole tensor on every rank."""
+    if not isinstance(t, LiveTensor):
+        return [t]
+    written = t.written_parts(copies) if copies else None
+    return written if written is not None else t.parts
+
+
+def _nonfinite(parts: list[torch.Tensor], target: torch.dtype | None) -> str | None:
+    """Why the floating tensor of ``parts`` cannot be written into ``target``, or None."""
+    found = (_nonfinite_part(part, target) for part in parts)
+    return next((why for why in found if why is not None), None)
+
+
+def _nonfinite_part(t: torch.Tensor, target: torch.dtype | None) -> str | None:
+    """Why the floating tensor ``t`` cannot be written into ``target``, or None."""
     if not t.is_floating_point() or t.numel() == 0:
         return None
     if t.element_size() == 1:
         t = t.float()  # float8 kernels lack sum/isinf; one byte per element is cheap to widen
-    if not torch.isfinite(t.sum()):
+    if not math.isfinite(float(t.sum())):  # one pass; NaN and Inf propagate through it
         nan = int(torch.isnan(t).sum())
         inf = int(torch.isinf(t).sum())
         if nan or inf:
@@ -71,14 +100,10 @@ def _nonfinite(t: torch.Tensor | LiveTensor, target: torch.dtype | None) -> str 
     return None
 
 
-def _nbytes(t: torch.Tensor | LiveTensor) -> int:
-    parts = t.parts if isinstance(t, LiveTensor) else [t]
-    return sum(p.numel() * p.element_size() for p in parts)
-
-
 def find_nonfinite(
     weights: Iterable[tuple[str, torch.Tensor]],
     targets: Mapping[str, torch.dtype] | None = None,
+    written: Written | None = None,
 ) -> dict[str, str]:
     """Names of floating tensors holding NaN or Inf, or values the engine's dtype cannot hold.
 
@@ -87,16 +112,22 @@ def find_nonfinite(
     5-20x slower); only a non-finite sum (NaN/Inf, or an overflow of a large half-precision
     tensor) pays for the exact element-wise check. ``targets`` (name -> the dtype the tensor is
     written into) adds a range check where the cast narrows, e.g. float64 -> float32, since a
-    finite value beyond the target's range would become Inf in the engine. The tensors are
-    split across the push's threads (:mod:`.parallel`).
+    finite value beyond the target's range would become Inf in the engine. ``written``
+    (checkpoint name -> the copies this rank's loader takes of it: the write map learned on
+    the storages written now) narrows a tensor pushed from memory to what this rank writes of
+    it (:func:`_read`). The tensors are split across the push's threads (:mod:`.parallel`).
     """
-    items = list(weights)
+    copies = written or {}
+    items = [(name, _read(t, copies.get(name))) for name, t in weights]
     wanted = targets or {}
 
-    def check(item: tuple[str, torch.Tensor]) -> str | None:
+    def check(item: tuple[str, list[torch.Tensor]]) -> str | None:
         return _nonfinite(item[1], wanted.get(item[0]))
 
-    found = run_split(items, lambda item: _nbytes(item[1]), check)
+    def cost(item: tuple[str, list[torch.Tensor]]) -> int:
+        return sum(p.numel() * p.element_size() for p in item[1])
+
+    found = run_split(items, cost, check)
     bad: dict[str, str] = {}
     for (name, _), why in zip(items, found, strict=True):
         if isinstance(why, BaseException):
@@ -111,12 +142,13 @@ def validate_checkpoint(
     items: list[tuple[str, torch.Tensor]],
     check_finite: bool = True,
     partial: bool = False,
+    written: Written | None = None,
 ) -> None:
     """Refuse a whole checkpoint that does not fit ``layout``, before anything is written.
 
     Names, shapes and dtypes against the checkpoint recorded at load, then (``check_finite``)
     NaN/Inf and out-of-range values; a ``partial`` checkpoint may leave names out. Every reload
-    path (direct or an engine's own) calls this first.
+    path (direct or an engine's own) calls this first. ``written``: see :func:`find_nonfinite`.
     """
     specs: dict[str, TensorSpec] = {}
     problems: dict[str, str] = {}
@@ -127,6 +159,6 @@ def validate_checkpoint(
     problems.update(preflight(layout, specs, partial))
     if check_finite and not problems:
         targets = {name: spec.dtype for name, spec in layout.checkpoint.items()}
-        problems.update(find_nonfinite(items, targets))
+        problems.update(find_nonfinite(items, targets, written))
     if problems:
         raise DirectReloadError("checkpoint rejected (nothing was written)", problems)
