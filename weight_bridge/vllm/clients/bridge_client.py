@@ -47,6 +47,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from ...checkpoint.live import is_live
 from ..generation import Generation
+from ..options import OptionError
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
 
@@ -84,8 +85,9 @@ class EngineClient(Protocol):
 
 
 def check_inflight(inflight: str | None) -> None:
+    """Refuse an unknown in-flight mode by name (before any engine starts, where it can)."""
     if inflight is not None and inflight not in _PAUSE:
-        raise ValueError(f"inflight must be one of {INFLIGHT_MODES} or None, not {inflight!r}")
+        raise OptionError(f"inflight must be one of {INFLIGHT_MODES} or None, not {inflight!r}")
 
 
 def run_blocking(coroutine: Coroutine[Any, Any, Any]) -> Any:
