@@ -541,17 +541,20 @@ def test_recompute_continues_every_sequence_with_the_new_policy(
     checkpoint generates from the prompt plus the tokens before the update."""
     served = request.getfixturevalue(family)
     client, a, b = served["client"], served["a"], served["b"]
-    client.push(a, version="old")
     prompts = _inflight_prompts()
-    streams = Streams(client, prompts)
-    streams.wait_for(4)
-    report = client.push(b, version="new", inflight="recompute")
-    out = streams.join()
-    assert report.paused_s is not None and report.inflight == "recompute"
-    outputs = [
-        (out[i][0], [(s["version"], s["start"], s["end"]) for s in out[i][1]])
-        for i in range(len(prompts))
-    ]
+    for _ in range(3):  # on a loaded machine the generations may end before the push pauses
+        client.push(a, version="old")
+        streams = Streams(client, prompts)
+        streams.wait_for(4)
+        report = client.push(b, version="new", inflight="recompute")
+        out = streams.join()
+        assert report.paused_s is not None and report.inflight == "recompute"
+        outputs = [
+            (out[i][0], [(s["version"], s["start"], s["end"]) for s in out[i][1]])
+            for i in range(len(prompts))
+        ]
+        if any(len(spans) > 1 for _, spans in outputs):
+            break  # the push landed mid-generation: what this test is about
     assert_recompute_continues(prompts, outputs, b, stock_cold, LONG)
 
 
