@@ -21,7 +21,7 @@ import torch
 from .derived import refresh_derived_state
 from .errors import DirectReloadError
 from .positions import Positions
-from .state import bridge_state
+from .state import bridge_state, note_written
 
 
 def host_copy(view: torch.Tensor) -> torch.Tensor:
@@ -104,13 +104,17 @@ class UndoLog:
         self.entries.append((storage, where, pre))
 
     def undo(self, model: torch.nn.Module) -> None:
-        """Restore every pre-image (newest first), re-derive, and put the fingerprints back."""
-        for storage, where, pre in reversed(self.entries):
-            if where is None:
-                storage.copy_(pre)
-                continue
-            for start, end, at in where.chunks(storage.device):
-                storage[at] = pre[start:end]
+        """Restore every pre-image (newest first), re-derive, and put the fingerprints back.
+        A write like any other: copies of the weights dated before are out of date."""
+        try:
+            for storage, where, pre in reversed(self.entries):
+                if where is None:
+                    storage.copy_(pre)
+                    continue
+                for start, end, at in where.chunks(storage.device):
+                    storage[at] = pre[start:end]
+        finally:
+            note_written(model)
         state = bridge_state(model)
         refresh_derived_state(model, self.modules)
         state.fingerprints.update(self.fingerprints)
