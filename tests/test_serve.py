@@ -532,6 +532,14 @@ def _inflight_prompts() -> list[list[int]]:
     return [[1, 20, 21, 22], [1, 5, 9, 30, 31], [1, 100, 101]]
 
 
+def _hold(client: HTTPClient) -> None:
+    """Stop the streams where they are with vLLM's own ``/pause`` (``keep``, caches kept), so
+    that the push lands mid-generation on any machine: on a loaded one (CI, three tries in a
+    row) a push's first calls took longer than the streams' remaining 92 tokens. The push's
+    own pause (clearing the caches, or not) and its resume then do what they always do."""
+    client.call("pause?mode=keep&clear_cache=false")
+
+
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_recompute_continues_every_sequence_with_the_new_policy(
     family, request, stock_cold
@@ -542,19 +550,17 @@ def test_recompute_continues_every_sequence_with_the_new_policy(
     served = request.getfixturevalue(family)
     client, a, b = served["client"], served["a"], served["b"]
     prompts = _inflight_prompts()
-    for _ in range(3):  # on a loaded machine the generations may end before the push pauses
-        client.push(a, version="old")
-        streams = Streams(client, prompts)
-        streams.wait_for(4)
-        report = client.push(b, version="new", inflight="recompute")
-        out = streams.join()
-        assert report.paused_s is not None and report.inflight == "recompute"
-        outputs = [
-            (out[i][0], [(s["version"], s["start"], s["end"]) for s in out[i][1]])
-            for i in range(len(prompts))
-        ]
-        if any(len(spans) > 1 for _, spans in outputs):
-            break  # the push landed mid-generation: what this test is about
+    client.push(a, version="old")
+    streams = Streams(client, prompts)
+    streams.wait_for(4)
+    _hold(client)
+    report = client.push(b, version="new", inflight="recompute")
+    out = streams.join()
+    assert report.paused_s is not None and report.inflight == "recompute"
+    outputs = [
+        (out[i][0], [(s["version"], s["start"], s["end"]) for s in out[i][1]])
+        for i in range(len(prompts))
+    ]
     assert_recompute_continues(prompts, outputs, b, stock_cold, LONG)
 
 
@@ -565,6 +571,7 @@ def test_keep_and_drain_and_a_refused_push_in_flight(dense, stock_cold) -> None:
     client.push(a, version="k0")
     streams = Streams(client, prompts)
     streams.wait_for(4)
+    _hold(client)
     client.push(b, version="k1", inflight="keep")
     for tokens, spans in streams.join().values():
         assert [s["version"] for s in spans] == ["k0", "k1"] and spans[-1]["end"] == len(tokens)
