@@ -26,7 +26,7 @@ CASES = {"ram_fp32_lr1e-4": ("ram", "float32", 1e-4), "ram_bf16_lr1e-4": ("ram",
 VARIANTS = {"default": "auto", "complete": "off", "delta": "on"}
 ORDER = ("default", "complete", "delta", "complete", "default")  # neither gains from its place
 TARGET_VS_COMPLETE, TARGET_X_TWO_COPIES = 1.1, 4.7  # the default's, on the RAM cases
-FSDP_FACTOR, FSDP_FIXED = 1.2, 64 * 2**20  # issue 22: the FSDP writer's peak extra memory
+FSDP_FACTOR, FSDP_FIXED = 1.2, 64 * 2**20  # the FSDP writer's peak extra memory
 
 class DirSampler:
     """Peak bytes held by the files of a directory (allocated blocks), sampled in a thread."""

@@ -11,19 +11,20 @@ transport *how* the tensors travel and what is left on disk. It is handed to the
   disk); every rank pushes its path; old files are pruned (never what the engine serves), a
   failed sync's file removed.
 * :class:`LiveTransport` (``EngineSpec(mode="ranks")``: vLLM inside the trainer's ranks): every
-  rank publishes its own tensors (:class:`~weight_bridge.checkpoint.live.LiveTensor`: not
-  copied; a DTensor gathered only when the engine's loader asks for it, one at a time) and
-  pushes them by name. No file, unless the user asks (``files.dirpath``): then each sync also
-  saves a complete checkpoint there, from the same gathers (what the push carries as the
-  engine's loader takes it; what a partial push leaves out, after it), the newest kept.
+  rank pushes its own tensors, the object itself
+  (:class:`~weight_bridge.checkpoint.live.LiveCheckpoint` of
+  :class:`~weight_bridge.checkpoint.live.LiveTensor` s: not copied; a DTensor gathered only
+  when the engine's loader asks for it, one at a time). No file, unless the user asks
+  (``files.dirpath``): then each sync also saves a complete checkpoint there, from the same
+  gathers (:class:`_FileCopy`, the source wrapped: what the push carries as the engine's loader
+  takes it; what a partial push leaves out, after it), the newest kept.
 """
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from weight_bridge.checkpoint import CheckpointFiles, CheckpointWriter, DeltaState, Turn, Written
-from weight_bridge.checkpoint.live import published
+from weight_bridge.checkpoint.live import LiveCheckpoint
 
 from .collective import Collective
 from .gather import Gatherer, GatherPlan
@@ -46,7 +47,7 @@ def _no_engine() -> None:
 @dataclass
 class SyncStep:
     """One sync as a transport sees it: the trainer's objects, the step's file (a live push
-    keeps its name for the copy the user asked for), and the ranks' agreement."""
+    keeps it for the copy the user asked for), and the ranks' agreement."""
 
     trainer: Any
     pl_module: Any
@@ -147,32 +148,32 @@ class FileTransport(Transport):
 
 
 @dataclass
-class _FileCopy:
-    """The complete file a live sync also saves: its writer (None: not this rank's), the
-    entries the push does not carry, and the first error writing it met."""
+class _FileCopy(LiveCheckpoint):
+    """The tensors a live sync pushes, wrapped: each one the push produces is also written to
+    the complete file the user asked for (its writer: None, not this rank's), then the entries
+    the push does not carry; the first error writing it met stops the copy, not the push (it
+    fails the sync once the push ended)."""
 
-    writer: CheckpointWriter | None
-    rest: list[SyncEntry]
-    sharded: bool
+    writer: CheckpointWriter | None = None
+    rest: list[SyncEntry] = field(default_factory=list)
+    sharded: bool = False
     error: BaseException | None = None
 
-    def tee(self, name: str, tensor: torch.Tensor) -> None:
-        """Each tensor the push produces, written too (an error stops the copy, not the push:
-        it fails the sync once the push ended)."""
-        if self.writer is None or self.error is not None:
-            return
-        try:
-            self.writer.write(name, tensor, cast=True)
-        except Exception as exc:
-            self.error = exc
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().stream():
+            if self.writer is not None and self.error is None:
+                try:
+                    self.writer.write(name, tensor, cast=True)
+                except Exception as exc:
+                    self.error = exc
+            yield name, tensor
 
 
 class LiveTransport(Transport):
-    """Live tensors published in every rank, pushed by name (see the module)."""
+    """Every rank's live tensors, pushed as they are (see the module)."""
 
     def __init__(self, gatherer: Gatherer, files: CheckpointFiles, deltas: DeltaState) -> None:
         super().__init__(gatherer, files, deltas)
-        self._published = contextlib.ExitStack()  # the tensors, until the push ended
         self._copy: _FileCopy | None = None
 
     @staticmethod
@@ -180,25 +181,23 @@ class LiveTransport(Transport):
         return in_ranks_schedule(schedule)
 
     def write(self, sync: SyncStep, turn: Turn) -> Written:
-        return sync.collective.run("save", partial(self._publish, sync, turn))
+        return sync.collective.run("save", partial(self._source, sync, turn))
 
-    def _publish(self, sync: SyncStep, turn: Turn) -> Written:
+    def _source(self, sync: SyncStep, turn: Turn) -> Written:
         gatherer = self.gatherer
         plan = gatherer.plan(sync.trainer, sync.pl_module, turn.kind == "partial", True)
         if plan.sharded:  # each gather is a collective: every rank streams the same tensors
             sync.collective.same("push (the checkpoint's tensors)", plan.digest())
         items = [gatherer.live_tensor(e) for e in plan.entries]
-        tee = None
+        source = LiveCheckpoint(items, sync.metadata(plan, turn))
         if self.files.dirpath is not None:
-            self._copy = self._open_copy(sync, plan)
-            tee = self._copy.tee
-        name = self._published.enter_context(published(items, sync.metadata(plan, turn), tee))
+            source = self._copy = self._open_copy(sync, plan, source)
         nbytes = sum(t.numel() * t.element_size() for t in items)
-        return Written(name, nbytes, plan.partial)
+        return Written(source.path, nbytes, plan.partial, source=source)
 
-    def _open_copy(self, sync: SyncStep, plan: GatherPlan) -> _FileCopy:
-        """The complete file's writer, its header ordered as its tensors come: what the push
-        streams, then what a partial push leaves out."""
+    def _open_copy(self, sync: SyncStep, plan: GatherPlan, source: LiveCheckpoint) -> _FileCopy:
+        """``source`` wrapped with the complete file's writer, its header ordered as its tensors
+        come: what the push streams, then what a partial push leaves out."""
         complete = plan
         if plan.partial:
             complete = self.gatherer.plan(sync.trainer, sync.pl_module, False, True)
@@ -211,7 +210,9 @@ class LiveTransport(Transport):
             meta["source_dtype"] = complete.source_dtype
             options = self.gatherer.writer_options()
             writer = CheckpointWriter(sync.path, header.specs(), meta, **options)
-        return _FileCopy(writer, rest, complete.sharded)
+        return _FileCopy(
+            source.items, source.metadata, writer=writer, rest=rest, sharded=complete.sharded
+        )
 
     def pushed(self, sync: SyncStep) -> str | None:
         copy = self._copy
@@ -240,7 +241,6 @@ class LiveTransport(Transport):
         """Nothing: a live push leaves no file."""
 
     def end(self) -> None:
-        self._published.close()
         copy, self._copy = self._copy, None
         if copy is not None and copy.writer is not None:
             copy.writer.abort()  # the sync failed before its copy was finished

@@ -1,7 +1,7 @@
 """The fault matrix of an update, in its own process: every fault point the code has
-(:func:`weight_bridge.testing.faults.fault_points`: each phase of the transaction on entry and
+(:func:`faults.fault_points` (``tests/faults.py``): each phase of the transaction on entry and
 on return, each writer of the registry as it starts, the loader mid-write, the refresh) times
-every kind of exception (:data:`~weight_bridge.testing.faults.KINDS`) times the pushes named,
+every kind of exception (:data:`faults.KINDS`) times the pushes named,
 on one engine (FAULT INJECTION through the fault plugin: nothing healthy raises there)::
 
     python tests/fault_matrix.py MODEL_A MODEL_B TMPDIR [--tp 2] [--rank R] [--pushes a,b]
@@ -85,9 +85,8 @@ def main() -> None:
     tmp = Path(args.tmp)
     fault_file = str(tmp / "fault.json")
     os.environ["WEIGHT_BRIDGE_TEST_FAULT_FILE"] = fault_file
+    from faults import FAULTS, KINDS, arm_file, fault_points, install
     from helpers import ENGINE_KWARGS, weights_digest
-
-    from weight_bridge.testing.faults import FAULTS, KINDS, arm_file, fault_points, install
 
     install(fault_file)  # this process (an in-process engine); the plugin: every other
     from weight_bridge import ColocatedEngine, EngineUndefinedError

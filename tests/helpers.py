@@ -29,6 +29,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines read checkpoints only under their checkpoint root: the tests' files all live in the
 # system's temporary directory (pytest's tmp_path, tempfile); tests of the root set their own.
 os.environ.setdefault("WEIGHT_BRIDGE_CHECKPOINT_ROOT", tempfile.gettempdir())
+# Every process the tests start (a script, a `vllm serve` server, an engine core, a
+# tensor-parallel worker, a trainer's rank) imports the tests' own modules by name: the fault
+# plugin ``faults:register`` (``faults.py``) above all. Python puts ``tests/`` on ``sys.path``
+# only for the process that runs a file in it; the environment carries it to all the others.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [_TESTS_DIR, os.environ.get("PYTHONPATH")])
+    )
 
 from weight_bridge.checkpoint import (  # noqa: E402
     BASE_VERSION_KEY,

@@ -17,7 +17,7 @@ weights as a model directory. At the end of training, two faults on the same eng
 * ``wrong_produced``: rank 1 publishes a tensor that produces a row where it declares a
   matrix: refused by name mid-write, both rolled back, the weights bit for bit as before;
 * ``after_commit``: rank 1's refresh of derived state raises (FAULT INJECTION:
-  :mod:`weight_bridge.testing.faults`, a fault no real push can be made to hit on demand) after
+  ``tests/faults.py``, a fault no real push can be made to hit on demand) after
   rank 0 committed: both roll back (rank 1 from its writer's pre-images, rank 0 from its undo
   log), the label unchanged; the same for a partial push (``partial_after_commit``), and for
   rank 1's loader raising mid-write (``fault_raise``), writing a wrong value that its read-back
@@ -67,7 +67,7 @@ def main() -> None:
     out = Path(args.out)
     rank = int(os.environ["RANK"])
     fault = out / f"fault-rank{rank}"
-    from weight_bridge.testing import faults
+    import faults
 
     os.environ[faults.FAULT_FILE_ENV] = str(fault)
     faults.register()  # this process is the engine's: its refresh raises while the file exists
@@ -302,9 +302,9 @@ def main() -> None:
 
 
 def _matrix(engine, rank: int, fault: Path, good: dict, changed: dict, label: str) -> dict:
-    """The fault matrix on one rank at a time (FAULT INJECTION, :mod:`weight_bridge.testing.
-    faults`): every point the code has (the gather of a sharded tensor and the host store's
-    copy in the background among them), every kind, a complete push from memory each; the
+    """The fault matrix on one rank at a time (FAULT INJECTION, ``tests/faults.py``): every
+    point the code has (the gather of a sharded tensor and the host store's copy in the
+    background among them), every kind, a complete push from memory each; the
     kinds of a point strike rank 0 and rank 1 in turn, so every point strikes both. Each case
     ends on both ranks with the old weights under the old label, the new under the new, or
     undefined (nothing generated); never a rank waiting (the job's own deadline). A struck
@@ -312,10 +312,10 @@ def _matrix(engine, rank: int, fault: Path, good: dict, changed: dict, label: st
     engine holds, not the store's. Rank 0 repairs each."""
     import torch.distributed as dist
     from fault_matrix import after_failure
+    from faults import KINDS, arm_file, fault_points
     from helpers import weights_digest
 
     from weight_bridge import EngineUndefinedError
-    from weight_bridge.testing.faults import KINDS, arm_file, fault_points
 
     def state() -> tuple:
         try:

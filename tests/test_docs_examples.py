@@ -38,9 +38,9 @@ _SPANS = r"\[\(None, 0, \d+\)(, \('1', \d+, 120\))?\]"  # from None (initial), t
 PRINTS: dict[str, list[str]] = {
     # [0, 1, 2, 3]: a push at start, then each step
     'print([record["step"] for record in sync.history])': [r"\[0, 1, 2, 3\]"],
-    # [(0, 'live:1'), ...]: pushed from memory at start, then each step
+    # [(0, 'tensors in memory, version 0'), ...]: pushed from memory at start, then each step
     'print([(r["step"], r["checkpoint"]) for r in sync.history])': [
-        r"\[\(0, 'live:1'\), \(1, 'live:2'\), \(2, 'live:3'\)\]"
+        r"\[" + ", ".join(rf"\({i}, 'tensors in memory, version {i}'\)" for i in range(3)) + r"\]"
     ],
     # direct | 15 weights written directly, ...
     'print(report.mode, "|", report.reason)': [r"direct \| 15 weights written directly, .*"],

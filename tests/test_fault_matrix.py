@@ -1,5 +1,5 @@
 """Whatever raises, one outcome: the fault matrix of an update (``tests/fault_matrix.py``:
-every fault point the code has, from :func:`weight_bridge.testing.faults.fault_points`, times
+every fault point the code has, from :func:`faults.fault_points`, times
 each kind of exception, times each push) in the in-process engine and on rank 1 of the
 tensor-parallel multi-process engine, and a checkpoint header that would only fail to parse
 after the write, refused before it (FAULT INJECTION through the fault plugin)."""
@@ -7,9 +7,8 @@ after the write, refused before it (FAULT INJECTION through the fault plugin).""
 from __future__ import annotations
 
 import pytest
+from faults import KINDS, fault_points
 from helpers import run_script
-
-from weight_bridge.testing.faults import KINDS, fault_points
 
 # points where no byte has been written yet: the push must be refused, the engine on A, defined
 UNWRITTEN = ("prepare:", "abandon:", "commit:enter", "writer:")

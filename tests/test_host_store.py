@@ -20,20 +20,19 @@ import pytest
 import torch
 from helpers import A, B, cold_start, load_by_name, snapshot_bytes
 
-from weight_bridge.checkpoint.live import LiveTensor, open_live, published
+from weight_bridge.checkpoint.live import LiveCheckpoint, LiveTensor
 from weight_bridge.direct import DirectReloadError, direct_reload, prepare_direct_reload
 from weight_bridge.direct.state import undefined_reason
 from weight_bridge.direct.undo import HostStore
 
 
 def _push(model, tensors, store, load=None):
-    """A push from memory as the worker makes it: published, described, streamed."""
-    with published(tensors) as name:
-        live = open_live(name)
-        prepared = prepare_direct_reload(
-            model, list(live.tensors()), pre_images=store, stream=live.stream
-        )
-        return prepared.run(load)
+    """A push from memory as the worker makes it: described, then streamed."""
+    live = LiveCheckpoint.of(tensors)
+    prepared = prepare_direct_reload(
+        model, list(live.tensors()), pre_images=store, stream=live.stream
+    )
+    return prepared.run(load)
 
 
 def test_the_store_is_filled_once_then_caught_up_in_the_background() -> None:

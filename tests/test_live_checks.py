@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import A, cold_start, snapshot_bytes
 
-from weight_bridge.checkpoint.live import LiveTensor, open_live, published
+from weight_bridge.checkpoint.live import LiveCheckpoint, LiveTensor
 from weight_bridge.direct import (
     DirectReloadError,
     direct_reload,
@@ -30,13 +30,12 @@ from weight_bridge.layout import TensorSpec
 
 
 def _push(model, tensors, store=None):
-    """A push from memory as the worker makes it: published, described, streamed."""
-    with published(tensors) as name:
-        live = open_live(name)
-        prepared = prepare_direct_reload(
-            model, list(live.tensors()), pre_images=store or False, stream=live.stream
-        )
-        return prepared.run()
+    """A push from memory as the worker makes it: described, then streamed."""
+    live = LiveCheckpoint.of(tensors)
+    prepared = prepare_direct_reload(
+        model, list(live.tensors()), pre_images=store or False, stream=live.stream
+    )
+    return prepared.run()
 
 
 @pytest.mark.parametrize(
@@ -183,3 +182,17 @@ def test_what_the_write_map_cannot_narrow_is_read_whole(how: str) -> None:
         _push(model, items)
     assert set(err.value.problems) == {"rows"} and "NaN" in err.value.problems["rows"]
     assert snapshot_bytes(model) == before
+
+
+def test_a_client_of_an_engine_in_another_process_refuses_tensors_in_memory_unstarted() -> None:
+    """Tensors in memory cross to the worker as the object itself: a client whose engine runs
+    in another process (HTTP here) refuses them by name before it starts or pauses anything."""
+    from weight_bridge.checkpoint import CheckpointError
+    from weight_bridge.vllm.clients.bridge_client import run_blocking
+    from weight_bridge.vllm.clients.http import HTTPClient
+
+    client = HTTPClient("http://127.0.0.1:9")  # nothing listens: a call would fail otherwise
+    live = LiveCheckpoint.of(A, {"version": "3"})
+    for push in (client.push, lambda c: run_blocking(client.push_async(c))):
+        with pytest.raises(CheckpointError, match="tensors in memory, version 3: HTTPClient's"):
+            push(live)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import FAULT_FILE_ENV, FAULTS
 from helpers import (
     LABEL_PROMPTS,
     LABEL_TOKENS,
@@ -51,7 +52,6 @@ from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.direct.errors import BaseVersionError
 from weight_bridge.testing import parity
-from weight_bridge.testing.faults import FAULT_FILE_ENV, FAULTS
 from weight_bridge.vllm.clients.served import VLLMServer
 from weight_bridge.vllm.errors import EngineUndefinedError, UpdateInProgressError
 from weight_bridge.vllm.options import BridgeOptions
@@ -143,7 +143,7 @@ def _start(
 def _served(api_models, family: str, api_key: str | None = None):
     """A server on ``family``'s A, under the shared root (which also takes the tests' files);
     its pushes fail after writing while the file ``fault`` exists (FAULT INJECTION:
-    :mod:`weight_bridge.testing.faults`)."""
+    ``tests/faults.py``)."""
     root, models = api_models
     a, b = models[family]
     fault = root.parent / f"fault-{family}"
@@ -412,7 +412,7 @@ def test_an_undefined_server_answers_every_request_at_once_with_the_reason(
     dense, stock_cold
 ) -> None:
     """Issue 47.7: after a push fails past its first write with rollback off (FAULT INJECTION,
-    :mod:`weight_bridge.testing.faults`: a refresh that raises; nothing can be sent into a
+    ``tests/faults.py``: a refresh that raises; nothing can be sent into a
     served worker), each generate request is answered at once with 503 and the reason, not
     vLLM's bare 500: over raw HTTP, through the ``openai`` package and ``HTTPClient``
     (:class:`EngineUndefinedError`); a complete push repairs the engine."""
@@ -825,7 +825,7 @@ def test_the_engine_holds_the_trainers_bits_after_every_kind_of_push(dense, tmp_
     """Issue 50.3, through the bridge's fingerprints (vLLM 0.32 has no ``/weight_checker``; on
     0.34 its checksums hash live parameters a trainer cannot compute): after a complete, a
     partial and a delta push, and after a failed push rolled back (FAULT INJECTION:
-    :mod:`weight_bridge.testing.faults`), the engine holds exactly the trainer's tensors
+    ``tests/faults.py``), the engine holds exactly the trainer's tensors
     (``weight_mismatches`` is empty); after a deliberately wrong push (one tensor not the
     trainer's) the check names that tensor and no other."""
     from weight_bridge.vllm.clients.checks import weight_mismatches

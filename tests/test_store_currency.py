@@ -26,7 +26,7 @@ from helpers import (
     weights_digest,
 )
 
-from weight_bridge.checkpoint.live import published
+from weight_bridge.checkpoint.live import LiveCheckpoint
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.vllm.internals.vllm_direct import vllm_direct_missing
 
@@ -54,8 +54,7 @@ def _push_c(engine, writer: str, ta: dict, tb: dict, tmp) -> None:
         dense = set(names) if writer == "delta+loader" else None
         engine.push(delta_checkpoint(tb, target, "B", "C", tmp / "C.safetensors", dense=dense))
     else:
-        with published(ta) as name:
-            engine.push(name, version="C")
+        engine.push(LiveCheckpoint.of(ta), version="C")
     engine.reload_mode = "direct"
 
 
@@ -69,8 +68,8 @@ def test_a_failed_push_from_memory_restores_what_any_writer_left(models, tmp_pat
     ta, tb = tensors_of(a), tensors_of(models["llama_B"])
     engine.reload_mode = "direct"
     engine.push(a / "model.safetensors", version="A")  # every case starts from A, a file
-    with published(tb) as name:  # the store is filled with A, then caught up with B
-        engine.push(name, version="B")
+    # the store is filled with A, then caught up with B
+    engine.push(LiveCheckpoint.of(tb), version="B")
     _push_c(engine, writer, ta, tb, tmp_path)
     assert engine.version == "C" and engine.undefined is None
     served_c, digest_c = greedy(engine), engine.llm.collective_rpc(weights_digest)
@@ -78,8 +77,8 @@ def test_a_failed_push_from_memory_restores_what_any_writer_left(models, tmp_pat
     engine.llm.collective_rpc(arm_write_fault)
     d = {n: t * 1.5 for n, t in tb.items()}
     assert FAULT_PARAM in d
-    with published(d) as name, pytest.raises(DirectReloadError, match="version 'C'"):
-        engine.push(name, version="D")
+    with pytest.raises(DirectReloadError, match="version 'C'"):
+        engine.push(LiveCheckpoint.of(d), version="D")
     assert engine.version == "C" and engine.undefined is None
     assert engine.llm.collective_rpc(weights_digest) == digest_c, "not C's bits under C's label"
     assert_parity(greedy(engine), served_c)

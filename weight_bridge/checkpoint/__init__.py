@@ -13,8 +13,8 @@ hash), :mod:`.header` (one file's header parsed and mapped), :mod:`.read` (shard
 filesystem calls), :mod:`.mapping` (the writer's maps of its files, kept across syncs),
 :mod:`.retention` (where a sync's files go, their names, which may be deleted:
 :class:`CheckpointFiles`, :func:`step_file`), :mod:`.sender` (one sync, the same for the
-callback and vLLM's trainer API: :class:`Sender`), :mod:`.live` (tensors published in this
-process, pushed by name into an engine in the trainer's own process: no file).
+callback and vLLM's trainer API: :class:`Sender`), :mod:`.live` (tensors in this process,
+pushed as they are into an engine in the trainer's own process: no file).
 Tests that inject faults patch the module that looks the name up
 (``weight_bridge.checkpoint.write`` for the writer).
 """

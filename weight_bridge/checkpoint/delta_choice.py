@@ -1,32 +1,24 @@
-"""``delta="auto"``: send deltas where they are measured cheaper, full syncs where they are not.
+"""``delta="auto"``: send deltas where they prove cheaper, full syncs where they do not.
 
-A delta saves *bytes*, not necessarily *time*: to find what changed, the writer casts and
-compares every value with its reference copy, so a delta reads the whole model whatever it
-sends, then the engine applies it (scatters, pre-images for the undo log, read-back and
-fingerprints) and re-derives what post-load processing derived. Where the bytes move through
-host memory only, a complete sync is two memory passes and the diff alone costs about as much
-(``make bench``: the diff with nothing changed takes 0.83x-0.92x of a complete bf16 sync's
-save + write), so a delta cannot win there, and at RL learning rates far above 1e-6 nearly every
-value changes and a delta costs many times a full sync (``bench/results.json``, section
-``default``). Where bytes cost more than reading them (a file on a disk or a network
-filesystem, an accelerator's tensors crossing PCIe) the delta's few bytes can win.
+A delta saves *bytes*, not necessarily *time*: to find what changed the writer reads and compares
+every value with its reference copy, and the engine applies it and re-derives what post-load
+processing derived. Where the bytes move through host memory only, that diff alone costs about as
+much as a complete sync, and at RL learning rates nearly every value changes
+(``docs/benchmarks.md``); where bytes cost more than reading them (a disk or network filesystem,
+an accelerator's tensors crossing PCIe) the delta's few bytes can win. So :class:`DeltaChoice`
+decides from:
 
-So :class:`DeltaChoice` decides from two things:
+* **where the bytes go** (:func:`host_memory_transport`): files in a tmpfs and no accelerator on
+  the machine: full syncs, no reference copy kept, nothing probed;
+* otherwise **what the run measures**: each sync's save + push (rank zero's clock), a *full*
+  sync against a *delta*. After a full sync is measured, a keyframe and one delta probe it and
+  the cheaper kind is kept; a delta that is not cheaper sends the run back to full syncs for 2,
+  4, ... up to :data:`RECHECK_MAX` syncs before the next probe (a learning-rate schedule is
+  noticed at a bounded cost), and any delta that costs more than the last full sync ends the
+  deltas.
 
-* **where the bytes go** (:func:`host_memory_transport`): the files in a tmpfs and no
-  accelerator on the machine (the trainer's tensors and the engine's weights are then in host
-  memory too): full syncs, no reference copy kept, nothing probed;
-* otherwise, **what the run measures**: each sync's cost (the sender's save + push, rank zero's
-  clock), a *full* sync (complete or partial, without refreshing a reference copy) against a
-  *delta*. After a full sync is measured, a keyframe that keeps the reference copy and then one
-  delta probe it; the cheaper kind is kept. A delta that is not cheaper sends the run back to
-  full syncs for 2, 4, ... up to :data:`RECHECK_MAX` syncs before the next probe (what changes
-  over a run, such as the learning rate's schedule, is noticed, at a bounded cost); every delta
-  sent is measured too, and one that costs more than the last full sync ends the deltas.
-
-A run's first sync (in the trainer's dtype, before the engine reported its own, and paying
-first-touch costs) is not measured. Every rank must pick the same kind, so every rank feeds the
-choice rank zero's times.
+A run's first sync (in the trainer's dtype, paying first-touch costs) is not measured. Every rank
+feeds the choice rank zero's times, so every rank picks the same kind.
 """
 
 from __future__ import annotations

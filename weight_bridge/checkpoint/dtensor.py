@@ -1,11 +1,11 @@
 """One sharded (DTensor) parameter gathered, in full, onto the ranks that write.
 
 ``DTensor.full_tensor()`` gathers onto every rank, and on gloo through a list of shards that is
-then concatenated: two full copies at its peak (measured: 96 MiB for a 48 MiB tensor). For the
-layout FSDP2 gives on a one-dimensional mesh over all ranks (``Shard(0)``, rows split as
-:func:`torch.chunk` splits them), the writers instead receive each rank's rows straight into
-their place in one preallocated tensor (point-to-point, no staging copy), and the other ranks
-only send: one full copy, on the writers only. Any other layout (tensor parallelism, a 2-D
+then concatenated: two full copies at its peak. For the layout FSDP2 gives on a
+one-dimensional mesh over all ranks (``Shard(0)``, rows split as :func:`torch.chunk` splits
+them), the writers instead receive each rank's rows straight into their place in one
+preallocated tensor (point-to-point, no staging copy), and the other ranks only send: one full
+copy, on the writers only. Any other layout (tensor parallelism, a 2-D
 mesh, ``Shard(1)``, ``Partial``) falls back to ``full_tensor()``.
 
 A gather is taken in two parts so that a local failure cannot strand the other ranks in a

@@ -2,12 +2,12 @@
 process (vLLM's external launcher, no engine-core process) is pushed from.
 
 Why: when vLLM runs in the trainer's ranks, its workers share the trainer's memory, so writing
-a file and mapping it back is two memory passes the push does not need. The trainer publishes
-its tensors (the live parameters, no copy) under a name; the push names it like a path
-(``live:<n>``), so every step of an update (validate, plan, write, read back, the label, the
-rollback) stays the one the file path takes; the worker opens the name here instead of a file.
-A name is only meaningful in the process that published it, and only while the publishing
-``with`` block runs (the push): nothing outlives it.
+a file and mapping it back is two memory passes the push does not need. The trainer hands the
+push a :class:`LiveCheckpoint` (its live parameters, no copy) where a file push hands a path;
+the object itself travels in ``update_info`` to the worker (only an engine in this process can
+take it: a client of another process refuses it), so every step of an update (validate, plan,
+write, read back, the label, the rollback) stays the one a file takes. Nothing outlives the
+push: the object is the caller's, referenced only while the update runs.
 
 Nothing here holds the model twice. Each checkpoint tensor is a :class:`LiveTensor`: its name,
 shape and dtype (what validation and planning read), the parts this rank holds (a DTensor's
@@ -30,32 +30,15 @@ transaction calls at the end of every commit): every rank stops at the same tens
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import math
-import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .dtensor import ShardGather, is_dtensor
 from .errors import CheckpointError
-
-LIVE_PREFIX = "live:"
-_published: dict[str, LiveCheckpoint] = {}
-_numbers = itertools.count(1)
-_lock = threading.Lock()
-
-
-def is_live(checkpoint: object) -> bool:
-    """Whether ``checkpoint`` (a string or a path) names published tensors, not a file."""
-    if not isinstance(checkpoint, (str, os.PathLike)):
-        return False
-    return str(os.fspath(checkpoint)).startswith(LIVE_PREFIX)
 
 
 @dataclass
@@ -84,7 +67,7 @@ class LiveTensor:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> LiveTensor:
-        """A tensor (or a DTensor) as published: the full one in ``dtype`` (default: its own)."""
+        """A tensor (or a DTensor) as it is pushed: the full one in ``dtype`` (default: its own)."""
         return cls(name, tuple(tensor.shape), dtype or tensor.dtype, [tensor])
 
     @property
@@ -154,24 +137,36 @@ class LiveTensor:
         return run
 
 
+Published = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[LiveTensor]
+
+
 @dataclass
 class LiveCheckpoint:
-    """Tensors published in this process, read like a :class:`~.read.CheckpointReader` (the
-    same ``metadata``, ``tensors()`` and ``close()``, what an update's worker reads): its
-    tensors are :class:`LiveTensor` descriptions, and :meth:`stream` produces them for the
-    write, one at a time. It holds no file (``files`` is empty): there is nothing to hold,
-    hash or re-read, and a rollback takes what it wrote back from the pre-images the writer
-    kept. ``tee``: called with each tensor as it is produced (the files a user asked for,
-    written from the same gather)."""
+    """Tensors in this process, read like a :class:`~.read.CheckpointReader` (a
+    :class:`~.read.CheckpointSource`: ``metadata``, ``tensors()``, ``close()``): its tensors
+    are :class:`LiveTensor` descriptions, and :meth:`stream` produces them for the write, one
+    at a time. It reads no file (``files`` is empty): there is nothing to hold, hash or
+    re-read, and a rollback takes what it wrote back from the pre-images the writer kept."""
 
-    path: str
     items: list[LiveTensor]
-    metadata: dict[str, str]
-    tee: Callable[[str, torch.Tensor], None] | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
     _ended: bool = False
     _wrong: int = 0  # 1 + the index of the tensor this rank refused as produced (0: none)
 
     files = ()  # no shard files: PushFailure names no file
+
+    @classmethod
+    def of(cls, tensors: Published, metadata: Mapping[str, str] | None = None) -> LiveCheckpoint:
+        """``tensors`` (names -> tensors or DTensors, or :class:`LiveTensor` s; not copied)."""
+        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        items = [t if isinstance(t, LiveTensor) else LiveTensor.of(*t) for t in pairs]
+        return cls(items, dict(metadata or {}))
+
+    @property
+    def path(self) -> str:
+        """Its name in messages, the served chain and reports (for people: nothing reads it)."""
+        version = self.metadata.get("version")
+        return "tensors in memory" + (f", version {version}" if version is not None else "")
 
     @property
     def gathered(self) -> bool:
@@ -202,8 +197,6 @@ class LiveCheckpoint:
             if wrong is not None:  # mid-write: the writer restores, the update rolls back
                 self._wrong = index + 1  # the others hear which, at their next agreement
                 raise CheckpointError(self.path, wrong, item.name)
-            if self.tee is not None:
-                self.tee(item.name, tensor)
             yield item.name, tensor
             del tensor, run
         if gathered:
@@ -231,17 +224,8 @@ class LiveCheckpoint:
             self.path, "another rank's write stopped: every rank stops at this tensor", name
         )
 
-    def file_of(self, name: str) -> Path | None:
-        return None
-
-    def take_held(self) -> list:
-        return []
-
-    def verify_hash(self) -> None:
-        """Nothing travelled through a file: there is no content hash to check."""
-
     def close(self) -> None:
-        """The tensors are the publisher's: nothing to release."""
+        """The tensors are the caller's: nothing to release."""
 
     def check_on(self, device: torch.device) -> None:
         """Every part materialised on ``device`` (where the engine holds its weights): one on
@@ -274,42 +258,3 @@ def _all_ready(ready: bool, wrong: int = 0) -> tuple[bool, int]:
     flags = torch.tensor([0 if ready else 1, wrong], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return int(flags[0]) == 0, int(flags[1])
-
-
-Published = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[LiveTensor]
-
-
-@contextlib.contextmanager
-def published(
-    tensors: Published,
-    metadata: Mapping[str, str] | None = None,
-    tee: Callable[[str, torch.Tensor], None] | None = None,
-) -> Iterator[str]:
-    """Publish ``tensors`` (names -> tensors or DTensors, or :class:`LiveTensor` s; not copied)
-    for the block: yields the name a push gives as its checkpoint; it is gone when the block
-    ends."""
-    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-    items = [t if isinstance(t, LiveTensor) else LiveTensor.of(*t) for t in pairs]
-    with _lock:
-        name = f"{LIVE_PREFIX}{next(_numbers)}"
-        _published[name] = LiveCheckpoint(name, items, dict(metadata or {}), tee)
-    try:
-        yield name
-    finally:
-        with _lock:
-            _published.pop(name, None)
-
-
-def open_live(name: str | os.PathLike) -> LiveCheckpoint:
-    """The tensors published as ``name`` in this process; a name that is not (another
-    process's, or one whose push ended) is refused by name."""
-    name = str(os.fspath(name))
-    with _lock:
-        live = _published.get(name)
-    if live is None:
-        raise CheckpointError(
-            name,
-            "no tensors are published under this name in the engine's process (live pushes "
-            "work only into an engine inside the trainer's process, during the push)",
-        )
-    return live

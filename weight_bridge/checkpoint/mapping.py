@@ -1,18 +1,16 @@
 """Writable memory maps of transport files, kept by the writer from one sync to the next.
 
 Why: writing a checkpoint into tmpfs with ``write()`` copies it on one thread, and writing it
-through a *new* shared mapping pays a page fault per 4 KiB page on first touch (for 540 MiB,
-more than the copy itself). A transport file is recycled (see
-:func:`~weight_bridge.checkpoint.space.open_temp`): the same inode, so the same pages, is
-written again two syncs later. Its mapping from the last time still holds every page, so the
-next write is one multi-threaded ``copy_`` into the file's pages, at the speed of a memory copy.
+through a *new* shared mapping pays a page fault per page on first touch (``docs/sync.md``). A
+transport file is recycled (:func:`~weight_bridge.checkpoint.space.open_temp`): the same inode,
+so the same pages, is written again two syncs later, and its kept mapping still holds every page,
+so the write is one multi-threaded ``copy_`` at the speed of a memory copy.
 
-A map is kept per file (device, inode) while the file exists: a file that was deleted (its link
-count is 0) is unmapped at the next :meth:`~TransportMaps.view` or
-:meth:`~TransportMaps.drop_unlinked` (the trainer calls it right after pruning), so a kept map
-never holds RAM that no file shows.
-A map is only made for a file whose whole size was reserved (``fallocate``): a write through a
-mapping cannot report a full filesystem except by killing the process (SIGBUS).
+A map is kept per file (device, inode) while the file exists: a deleted file's map is dropped at
+the next :meth:`~TransportMaps.view` or :meth:`~TransportMaps.drop_unlinked` (the trainer calls it
+right after pruning), so a kept map never holds RAM that no file shows. A map is only made for a
+file whose whole size was reserved (``fallocate``): a write through a mapping cannot report a
+full filesystem except by killing the process (SIGBUS).
 """
 
 from __future__ import annotations

@@ -99,23 +99,21 @@ def resolve_checkpoint_files(checkpoint: str | os.PathLike) -> list[Path]:
 
 
 class CheckpointSource(Protocol):
-    """What an update reads, a file or tensors published in memory (:class:`CheckpointReader`,
-    :class:`~.live.LiveCheckpoint`): its name, header fields, files (none in memory), tensors
-    (a live one's are descriptions, produced by its ``stream``), and what it holds."""
+    """What an update reads: a file (:class:`CheckpointReader`) or tensors in memory
+    (:class:`~.live.LiveCheckpoint`). Its name (for messages and the served chain), header
+    fields, ``files`` (none in memory: the files a message names), tensors (in memory,
+    descriptions its ``stream`` produces) and ``close``. What only a file can do (hold,
+    hash, re-read) the update asks of a :class:`CheckpointReader`."""
 
-    path: Any
     files: Any
+
+    @property
+    def path(self) -> Any: ...
 
     @property
     def metadata(self) -> dict[str, str]: ...
 
     def tensors(self) -> Iterator[tuple[str, Any]]: ...
-
-    def file_of(self, name: str) -> Path | None: ...
-
-    def take_held(self) -> list: ...
-
-    def verify_hash(self) -> None: ...
 
     def close(self) -> None: ...
 

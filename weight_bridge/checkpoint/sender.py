@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from .delta_sink import Sink
 from .delta_state import DeltaState
 from .format import BASE_VERSION_KEY
-from .live import is_live
+from .live import LiveCheckpoint
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,14 @@ class Turn:
 class Written(NamedTuple):
     """What the writer reports of a sync's file, the same on every rank (``agree``): where to
     push it from, its bytes, whether it leaves out what cannot change (``partial``), and the
-    fraction of a delta's elements that changed."""
+    fraction of a delta's elements that changed. ``source``: tensors in memory pushed instead
+    of a file (``path`` is then their name), this rank's own."""
 
     path: str
     nbytes: int
     partial: bool
     changed: float | None = None
+    source: LiveCheckpoint | None = None
 
 
 @dataclass
@@ -115,21 +117,21 @@ class Sender:
         path: Path,
         turn: Turn,
         write: Callable[[Turn], Written],
-        push: Callable[[Path], Any],
+        push: Callable[[Any], Any],
         agree: Callable[[Any], Any] = _same,
         measured: bool = True,
     ) -> Sent:
         """One sync of ``turn`` (:meth:`turn`): ``write`` streams the file and reports it,
-        ``push`` pushes its path (the engine's report, or None), ``agree`` makes the writer's
-        numbers every rank's. ``measured``: the sync's cost counts for ``delta="auto"`` (a send
-        of named tensors is no full sync). A failure makes the next sync a keyframe, removes
-        the written file (unless the engine serves it) and is raised."""
+        ``push`` pushes its path or its ``source`` (the engine's report, or None), ``agree``
+        makes the writer's numbers every rank's. ``measured``: the sync's cost counts for
+        ``delta="auto"`` (a send of named tensors is no full sync). A failure makes the next
+        sync a keyframe, removes the written file (unless the engine serves it) and is raised."""
         times = [time.perf_counter()]
         written: Written | None = None
         try:
             written = write(turn)
             times.append(time.perf_counter())
-            report = push(Path(written.path))
+            report = push(Path(written.path) if written.source is None else written.source)
             times.append(time.perf_counter())
         except BaseException:
             self.failed(path if written is not None else None)  # an aborted write left none
@@ -141,7 +143,7 @@ class Sender:
         clock.pushed(partial_file, delta, written.nbytes, turn.based, seconds if measured else None)
         kind = "delta" if delta else "partial" if partial_file else "complete"
         self.deltas.pushed(kind, dtypes)
-        if kind == "complete" and not is_live(written.path):  # pushed from memory: no file
+        if kind == "complete" and written.source is None:  # pushed from memory: no file
             self.last_checkpoint = str(path)
         if self.retire is not None:
             self.retire(Path(written.path), getattr(report, "served", None) or ())

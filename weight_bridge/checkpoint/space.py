@@ -143,7 +143,7 @@ def reserve(fd: int, offset: int, length: int) -> bool:
 def _stored(fd: int, size: int) -> bool:
     """Whether the first ``size`` bytes of the file are all stored, no hole among them: a
     recycled file overwritten in place needs no new space (and reserving it again would walk
-    every page: 20 ms for 500 MiB on tmpfs). The file position is left where it was."""
+    every page). The file position is left where it was."""
     try:
         if os.fstat(fd).st_size < size:
             return False

@@ -109,7 +109,7 @@ def find_nonfinite(
 
     A sum in the tensor's own dtype is one vectorised pass with no allocation (NaN and Inf
     propagate through it; it runs at memory bandwidth, where a float64 sum or ``isfinite`` is
-    5-20x slower); only a non-finite sum (NaN/Inf, or an overflow of a large half-precision
+    several times slower); only a non-finite sum (NaN/Inf, or an overflow of a large half-precision
     tensor) pays for the exact element-wise check. ``targets`` (name -> the dtype the tensor is
     written into) adds a range check where the cast narrows, e.g. float64 -> float32, since a
     finite value beyond the target's range would become Inf in the engine. ``written``

@@ -1,4 +1,5 @@
 """Fixtures shared by tests, examples and benchmarks; never imported by the product itself.
+(What only the tests use, fault injection included, lives in ``tests/``.)
 
 * :mod:`.models`: seeded tiny Hugging Face-format models (Llama, Qwen2, and the architecture
   matrix of dense and mixture-of-experts families), and perturbed copies ("the next policy").
@@ -10,7 +11,6 @@
   ``ColocatedEngine(..., plugins=[TEST_ARCHITECTURES])``.
 * :mod:`.deltas`: delta checkpoints as a trainer writes them; what applying one costs in memory
   (resident memory here, ``torch.cuda.max_memory_allocated`` in the GPU check).
-* :mod:`.faults`: a fault injected into a ``vllm serve`` process's pushes while a file exists.
 
 Needs the ``dev`` extra (``transformers``, ``tokenizers``).
 """

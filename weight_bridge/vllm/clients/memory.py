@@ -1,28 +1,23 @@
 """Colocated memory defaults: leave room for the trainer that shares the machine with the engine.
 
-vLLM sizes its KV cache for a machine it has to itself. On the CPU backend (vLLM 0.32) an engine
-started without ``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes`` reserves
-``gpu_memory_utilization`` (default 0.92) of the node's RAM for itself and fills it with KV cache
-(``CPUWorker.determine_available_memory``): about 21 GB of a 24 GB machine. On CUDA the same
-default takes 92 % of the GPU. A colocated trainer then has nothing left.
+vLLM sizes its KV cache for a machine it has to itself: by default it reserves
+``gpu_memory_utilization`` (0.92) of the GPU, or on the CPU backend of the node's RAM
+(``CPUWorker.determine_available_memory``), and fills it with KV cache, leaving a colocated
+trainer nothing. :func:`colocated_llm_kwargs` turns the user's ``vllm.LLM`` keywords into
+colocated ones:
 
-:func:`colocated_llm_kwargs` turns the user's ``vllm.LLM`` keywords into colocated ones:
+* ``kv_cache_gb`` (the one knob, :class:`~weight_bridge.ColocatedEngine`'s parameter): the KV
+  cache per worker in GiB, on every backend, as vLLM's ``kv_cache_memory_bytes`` (the exact KV
+  size on both the CPU and the CUDA worker);
+* CPU, nothing chosen (no ``kv_cache_gb``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
+  nor ``VLLM_CPU_KVCACHE_SPACE``): :data:`CPU_DEFAULT_KV_CACHE_GB` GiB;
+* CUDA, no ``gpu_memory_utilization``: :data:`CUDA_COLOCATED_UTILIZATION`, as colocated RL
+  frameworks do;
+* explicit settings always win and are left exactly as given (vLLM's CPU platform applies
+  ``VLLM_CPU_KVCACHE_SPACE`` over any keyword: a warning says so when both are set).
 
-* ``kv_cache_gb`` (the one knob, :class:`~weight_bridge.ColocatedEngine`'s parameter): the
-  KV cache per worker in GiB, on every backend; it becomes vLLM's ``kv_cache_memory_bytes``,
-  which both the CPU and the CUDA worker honour as the exact KV size.
-* CPU, nothing chosen (no ``kv_cache_gb``, ``kv_cache_memory_bytes``,
-  ``gpu_memory_utilization``, nor ``VLLM_CPU_KVCACHE_SPACE`` in the environment):
-  ``kv_cache_memory_bytes`` = :data:`CPU_DEFAULT_KV_CACHE_GB` GiB.
-* CUDA, no ``gpu_memory_utilization`` given: :data:`CUDA_COLOCATED_UTILIZATION` (0.3) instead of
-  vLLM's 0.92, as colocated RL frameworks do.
-* Explicit settings always win: ``kv_cache_memory_bytes``, ``gpu_memory_utilization`` and
-  ``VLLM_CPU_KVCACHE_SPACE`` are left exactly as given. (vLLM's CPU platform applies
-  ``VLLM_CPU_KVCACHE_SPACE`` last, over any keyword: a warning says so when both are set.)
-
-A :class:`KVCacheTooSmallWarning` is issued when the KV cache chosen cannot hold
-``max_num_seqs x max_model_len`` tokens: vLLM still starts (it needs only one sequence of
-``max_model_len``) but queues or preempts requests beyond what fits.
+A :class:`KVCacheTooSmallWarning` says when the KV cache cannot hold ``max_num_seqs x
+max_model_len`` tokens: vLLM still starts but queues or preempts requests beyond what fits.
 """
 
 from __future__ import annotations

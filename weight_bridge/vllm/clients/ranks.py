@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...checkpoint import BASE_VERSION_KEY
-from ...checkpoint.live import Published, published
+from ...checkpoint.live import LiveCheckpoint, Published
 from ..generation import Generation
 from ..report import PushReport
 from .colocated import ColocatedEngine
@@ -107,5 +107,4 @@ class RanksEngine(ColocatedEngine):
         metadata = {"version": str(version)}
         if base_version is not None:
             metadata[BASE_VERSION_KEY] = str(base_version)
-        with published(tensors, metadata) as name:
-            return self.push(name, version=version)
+        return self.push(LiveCheckpoint.of(tensors, metadata), version=version)

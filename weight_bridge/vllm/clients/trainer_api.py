@@ -1,54 +1,34 @@
 """The trainer side of the ``weight_bridge`` backend, for code written against vLLM's trainer API.
 
 vLLM's ``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)`` builds a
-trainer engine on every trainer rank; ``send_weights()`` then drives one update. With the
-bridge's backend, sending means: stream the source's tensors into a safetensors checkpoint
-(each gathered, written at its offset and freed, so a sharded trainer never holds the whole
-model: :class:`~weight_bridge.checkpoint.write.CheckpointWriter`), then send its path with the
-same four calls as every other backend::
+trainer engine on every trainer rank and ``send_weights()`` drives one update (example and
+options: ``docs/api.md``). With this backend a send streams the source's tensors into a
+safetensors checkpoint (each gathered, written and freed, so a sharded trainer never holds the
+whole model: :class:`~weight_bridge.checkpoint.write.CheckpointWriter`) under ``directory``,
+which must lie under the engine's checkpoint root, then sends its path with the same calls as
+every other backend. Every rank iterates the source (its gathers are collective); only rank 0
+writes and calls the engine.
 
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_bridge.vllm.clients.trainer_api import WeightBridgeTrainerInitInfo
+Contract:
 
-    sender = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeTrainerInitInfo(directory="/ckpts", rank=0),
-        client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"),
-        source=ModuleSource(model),
-    )
-    sender.send_weights(version="10")
-
-``directory`` must lie under the engine's checkpoint root (the engine reads nothing else). Every
-rank iterates the source (a ``DTensor`` is gathered collectively); only the sender (rank 0)
-writes and calls the engine. ``send_weights(names=...)`` sends a *partial* checkpoint holding
-only those tensors, on top of ``base_version`` (default: the version sent last).
-
-The source is read through :mod:`~weight_bridge.vllm.internals.sources` (vLLM 0.32's and 0.33+'s
-APIs). A partial checkpoint is only ever sent on purpose (``names``): before anything is
-gathered or written, a tensor rank 0 would not get whole is refused by name with
-:class:`IncompleteSourceError`, on every rank alike.
-
-Sending is the one push routine every client of the bridge runs
-(:meth:`~weight_bridge.vllm.clients.bridge_client.BridgeClient.push_async`), on the bridge client
-that reaches the engine vLLM's client talks to (:func:`bridge_client_of`): the same push as
-everywhere, with no pause by default (``inflight`` of the init info), the same typed errors and
-the same :class:`~weight_bridge.vllm.report.PushReport` (``last_report``).
-
-The files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
-writes ``step-{n:08d}.safetensors``, counting on from the last step file ``directory`` holds (a
-long-lived engine's chain may still carry it), and after each send
-:func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k`` besides every
-one the engine serves (``PushReport.served``). With no ``version`` the engine labels the weights
-by the file name (:func:`~weight_bridge.checkpoint.version_of`), the base of the next partial send.
-
-**Deltas** follow the callback's keyframe policy (:mod:`~weight_bridge.checkpoint.keyframes`,
-:mod:`~weight_bridge.checkpoint.delta_state`; why a send was one or not: ``last_choice``), a clock
-of sends instead of steps; a partial send (``names=``) is a plain partial file and makes the next
-complete send a keyframe. The reference copy lives on the sender (rank 0) only, in host memory,
-one copy of every sent tensor in the engine's dtype; the other ranks hold nothing but still
-iterate the source (its gathers are collective). :meth:`~WeightBridgeTrainer.shutdown` frees it;
-it is never saved, so a restarted trainer starts with a keyframe.
+* a send is the one push routine of every client
+  (:meth:`~weight_bridge.vllm.clients.bridge_client.BridgeClient.push_async`) on the bridge
+  client that reaches vLLM's client (:func:`bridge_client_of`): no pause by default, the same
+  typed errors and :class:`~weight_bridge.vllm.report.PushReport` (``last_report``);
+* a partial checkpoint is sent only on purpose (``names=``, on ``base_version``): a tensor rank 0
+  would not get whole is refused by name with :class:`IncompleteSourceError` on every rank,
+  before anything is gathered or written (the source read through
+  :mod:`~weight_bridge.vllm.internals.sources`);
+* files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
+  writes ``step-{n:08d}.safetensors``, counting on from the last step file in ``directory``, and
+  :func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k`` besides every
+  one the engine serves; with no ``version`` the engine labels the weights by the file name
+  (:func:`~weight_bridge.checkpoint.version_of`);
+* deltas follow the callback's keyframe policy (:mod:`~weight_bridge.checkpoint.keyframes`,
+  :mod:`~weight_bridge.checkpoint.delta_state`; why: ``last_choice``) on a clock of sends; a
+  partial send makes the next complete one a keyframe. The reference copy lives in rank 0's host
+  memory only, is freed by :meth:`~WeightBridgeTrainer.shutdown` and never saved, so a restarted
+  trainer starts with a keyframe.
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ def failing_while_undefined(step: Any) -> Any:
     undefined, one step finishes every request the scheduler holds with vLLM's ``error``
     finish reason and :func:`undefined_message` as its ``stop_reason``, and runs no model.
 
-    The scheduler is left unpaused so that the core's loop steps at all; before, it was
-    paused, each step returned nothing while the requests stayed, ``vllm.LLM.generate`` stepped
-    again at once (a spin at full CPU, forever), and ``AsyncLLM`` and ``vllm serve`` waited
-    forever. A request that arrives later ends at the next step the same way."""
+    The scheduler is left unpaused so that the core's loop steps at all: paused, each step
+    would return nothing while the requests stay, ``vllm.LLM.generate`` would spin at full CPU
+    and ``AsyncLLM`` and ``vllm serve`` would wait, forever. A request that arrives later ends at
+    the next step the same way."""
 
     def wrapped(self, *args, **kwargs):
         undefined = core_state(self).undefined  # only ever set on a bridged core

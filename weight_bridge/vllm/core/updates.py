@@ -1,62 +1,50 @@
 """The engine-core side of a bridged update: agreement across ranks, errors, the prefix cache.
 
 vLLM's ``LLM``, ``AsyncLLM`` and HTTP routes all reach the workers through the engine core's
-``collective_rpc``. For an engine running the ``weight_bridge`` backend, the plugin wraps it
-(with :func:`bridged_collective_rpc`, in the engine-core process) so that one
-``update_weights`` is a transaction over every rank, run in one place (:func:`_update`), through
-the phases of :class:`~weight_bridge.vllm.outcome.Phase`, each answered by every rank:
+``collective_rpc``; for a bridged engine the plugin wraps it (:func:`bridged_collective_rpc`, in
+the engine-core process) so that one ``update_weights`` is a transaction over every rank, run in
+one place (:func:`_update`) through the phases of :class:`~weight_bridge.vllm.outcome.Phase`,
+each answered by every rank. What it guarantees:
 
-1. each rank *prepares* (``PREPARE``, sent by the core itself so that the answer comes back on
-   the call: vLLM's worker ``update_weights`` discards what its backend returns): the whole
-   checkpoint checked, every weight planned, nothing written; the version the engine serves
-   (kept here, by vLLM) is passed along, for a partial checkpoint's base;
-2. only if every rank prepared does every rank *commit*; if any rank then failed past its first
+1. every rank *prepares* first (``PREPARE``, sent by the core itself, since vLLM's worker
+   ``update_weights`` discards what its backend returns): the whole checkpoint checked, every
+   weight planned, nothing written; the version served is passed along as a partial's base;
+2. every rank *commits* only if every rank prepared; if any rank then failed past its first
    write, every rank that wrote *rolls back* to the version served;
-3. the push's outcome (:class:`~weight_bridge.vllm.outcome.PushOutcome`: every rank's final
-   result, the label stamped, why a rank is undefined) is built here, once, and kept for the
-   engine-core utility ``weight_bridge_results``; a refusal or failure is raised from
-   ``update_weights`` as the error :func:`~weight_bridge.vllm.outcome.typed_error` makes of it
-   (the caller's side rebuilds it from the outcome across vLLM's process boundary), logged on
-   one line without a traceback; a success's outcome is what the call returns (vLLM's own
-   entry points discard it: :func:`~weight_bridge.vllm.server.typed_errors.update_outcome`
-   fetches it). The workers' session is closed, so the next ``start_weight_update`` works, and
-   a ``finish_weight_update`` for the failed update is refused, so vLLM stamps no version that
-   was not written;
-4. after a successful update no request that arrives later reuses KV computed by the old
-   weights (:func:`~weight_bridge.vllm.internals.engine_core.forget_prefixes`; vLLM's own
-   update leaves the prefix cache as it was);
-5. **the weights and their label change together**: the engine core stamps the new weight
-   version (the request's ``version``, else the checkpoint's ``version`` metadata, else its
-   file name) in the same call that commits the write, so no engine step runs the new weights
-   under the old label or the old weights under the new one, whether or not generation was
-   paused (vLLM itself writes at ``update_weights`` and stamps at ``finish_weight_update``,
-   generating in between). A ``finish_weight_update(weight_version=V)`` with another ``V``
-   relabels from then on (the same weights under a second name);
-6. **one update at a time**: a ``start_weight_update`` while another update is active is
-   refused with :class:`UpdateConflictError` (an
-   :class:`~weight_bridge.vllm.errors.UpdateInProgressError` that ``vllm serve`` answers with ``409
-   Conflict``) before it reaches a worker, naming since when and for which version; an update that
-   makes no call for ``update_timeout_s`` (its trainer died) is abandoned by the next start, and
-   vLLM's own ``finish_weight_update`` ends it at once;
-7. while the update runs, the engine core waits for the workers asleep, not spinning (a push's
-   reply is one message at its end), so the workers' push helpers can use the CPU vLLM
+3. the outcome (:class:`~weight_bridge.vllm.outcome.PushOutcome`) is built here once and kept for
+   the utility ``weight_bridge_results``; a refusal or failure is raised from ``update_weights``
+   as :func:`~weight_bridge.vllm.outcome.typed_error` makes it (logged on one line), a success's
+   outcome is returned (vLLM discards it:
+   :func:`~weight_bridge.vllm.server.typed_errors.update_outcome` fetches it). After a failure
+   the workers' session is closed and its ``finish_weight_update`` refused, so vLLM stamps no
+   version that was not written;
+4. after a successful update no later request reuses KV computed by the old weights
+   (:func:`~weight_bridge.vllm.internals.engine_core.forget_prefixes`; vLLM's own update keeps
+   the prefix cache);
+5. **the weights and their label change together**: the new version (the request's ``version``,
+   else the checkpoint's metadata, else its file name) is stamped in the call that commits the
+   write, so no engine step runs new weights under the old label or the reverse (vLLM writes at
+   ``update_weights`` and stamps at ``finish_weight_update``, generating in between). A
+   ``finish_weight_update(weight_version=V)`` with another ``V`` relabels from then on;
+6. **one update at a time**: a ``start_weight_update`` while another is active is refused with
+   :class:`UpdateConflictError` (a :class:`~weight_bridge.vllm.errors.UpdateInProgressError`,
+   ``409`` from ``vllm serve``) before it reaches a worker, naming since when and which version;
+   an update silent for ``update_timeout_s`` (its trainer died) is abandoned by the next start,
+   and ``finish_weight_update`` ends one at once;
+7. the core waits for the workers asleep, not spinning, so their push helpers get the CPU vLLM
    reserves for it;
-8. if a rank is left *undefined* (the rollback failed too, or rollback is off), the engine
-   schedules nothing and ends every request at once with the reason until a complete update
-   succeeds (:mod:`.undefined`), so no caller waits.
+8. while a rank is *undefined* (rollback failed or is off) the engine schedules nothing and ends
+   every request with the reason until a complete update succeeds (:mod:`.undefined`).
 
 The same wrapper routes :data:`~weight_bridge.vllm.options.BACKEND_RPC` to the workers'
-read-only actions (:mod:`~weight_bridge.vllm.worker.queries`).
-
-Workers never raise, whatever a phase raised
+read-only actions (:mod:`~weight_bridge.vllm.worker.queries`). Workers never raise
 (:meth:`~weight_bridge.vllm.worker.transaction.PushTransaction.run`): vLLM's multi-process
-executor raises at the first failed rank without collecting the others' replies (left queued
-for the next call). In the trainer's ranks (vLLM's external launcher) each rank's core hears
-every core's answers (:func:`~weight_bridge.vllm.internals.engine_core.across_engine_ranks`,
-within the trainer's process-group timeout): the same decisions on every rank; a worker call
-that raised anyway is that rank's answer (:func:`_phase`), and a step of the core's own that
-raised rolls every writer back (:func:`_core_failed`), so no rank waits for another and no label
-is stamped on bits it does not name.
+executor raises at the first failed rank and leaves the others' replies queued. In the trainer's
+ranks each rank's core hears every core's answers
+(:func:`~weight_bridge.vllm.internals.engine_core.across_engine_ranks`), so every rank decides
+alike; a worker call that raised anyway is that rank's answer (:func:`_phase`), and a failed step
+of the core's own rolls every writer back (:func:`_core_failed`): no rank waits for another and no
+label is stamped on bits it does not name.
 """
 
 from __future__ import annotations

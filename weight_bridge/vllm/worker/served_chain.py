@@ -40,6 +40,7 @@ class ServedCheckpoint:
     # what the weights served up to this link are, by content (checkpoint.delta.lineage_of;
     # None: not fingerprinted, so nothing can be proven to apply on top of it)
     lineage: str | None = None
+    in_memory: bool = False  # pushed from memory: no file, the host store rolls it back
     patches: frozenset[str] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:

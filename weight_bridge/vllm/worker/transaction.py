@@ -47,7 +47,7 @@ import torch
 
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
 from ...checkpoint.delta import BASE_LINEAGE_KEY, header_fingerprints, is_delta
-from ...checkpoint.live import LiveCheckpoint, is_live, open_live
+from ...checkpoint.live import LiveCheckpoint
 from ...checkpoint.read import CheckpointSource
 from ...checkpoint.trust import trusted_checkpoint
 from ...direct import DirectReloadError, ReloadReport
@@ -169,12 +169,12 @@ class PushTransaction:
             if isinstance(update_info, UpdateRequest)
             else UpdateRequest.from_dict(dict(update_info))
         )
-        result = self.result
-        result.checkpoint = request.checkpoint
-        reader = self._opened = self._open(request.checkpoint)
+        result, source = self.result, request.checkpoint
+        result.checkpoint = source.path if isinstance(source, LiveCheckpoint) else source
+        reader = self._opened = self._open(source)
         path = result.checkpoint = str(reader.path)
         verify = _choose(request.verify_hash, self.options.verify_hash)
-        if verify:
+        if verify and isinstance(reader, CheckpointReader):  # in memory: no file, no hash
             reader.verify_hash()
         metadata = reader.metadata
         base = metadata.get(BASE_VERSION_KEY)
@@ -199,14 +199,13 @@ class PushTransaction:
         self._opened = None
         return self._finished(result)
 
-    def _open(self, checkpoint: str) -> CheckpointSource:
-        """The checkpoint to prepare: tensors the trainer published in this process
+    def _open(self, checkpoint: str | LiveCheckpoint) -> CheckpointSource:
+        """The checkpoint to prepare: tensors the trainer holds in this process
         (:mod:`weight_bridge.checkpoint.live`), each materialised on the engine's device, or a
         file under the checkpoint root, held from now (what is served is exactly this)."""
-        if is_live(checkpoint):
-            live = open_live(checkpoint)
-            live.check_on(_device_of(self.model))
-            return live
+        if isinstance(checkpoint, LiveCheckpoint):
+            checkpoint.check_on(_device_of(self.model))
+            return checkpoint
         path = trusted_checkpoint(checkpoint, self.options.checkpoint_root)
         return CheckpointReader(path, hold=True)
 
@@ -232,7 +231,7 @@ class PushTransaction:
     ) -> WriteJob:
         """What the writer is prepared from; ``stream``: the tensors of a push from memory."""
         # no file to re-read what it replaces: the writer keeps the pre-images (the host store)
-        from_memory = is_live(path) or any(is_live(n.path) for n in self.served)
+        from_memory = stream is not None or any(link.in_memory for link in self.served)
         store = self.store if self.options.rollback and from_memory else None
         args = (path, metadata, items, finite, partial, self._vllm_reload, store, stream)
         return WriteJob(self.model, self.model_config, self.options, *args)
@@ -280,8 +279,9 @@ class PushTransaction:
         in case another rank failed. Links every tensor of which the new one holds too go."""
         undo = pending.writer.undo_log
         names = frozenset(n for n, _ in pending.items)
-        held = pending.reader.take_held()
-        link = ServedCheckpoint(pending.path, None, held, names, undo, pending.lineage)
+        reader, live = pending.reader, isinstance(pending.reader, LiveCheckpoint)
+        held = reader.take_held() if isinstance(reader, CheckpointReader) else []
+        link = ServedCheckpoint(pending.path, None, held, names, undo, pending.lineage, live)
         chain = [*self.served, link] if pending.partial else [link]
         served, _ = compact(chain)  # what is dropped stays held in _before until settle
         # nothing above can fail half-way through what follows: the chain changes at once

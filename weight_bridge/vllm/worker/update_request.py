@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ...checkpoint.live import LiveCheckpoint
 from ...checkpoint.read import CheckpointSource
 from ...direct.writer import Writer
 
@@ -15,16 +16,17 @@ class UpdateRequest:
     """``update_weights({"update_info": {...}})`` for the ``weight_bridge`` backend.
 
     ``checkpoint``: a safetensors file or a directory of shards, under the engine's checkpoint
-    root (a relative path is taken relative to it). ``verify_hash`` / ``check_finite``: override
-    the engine's options for this update. ``version``: the weight version the engine stamps on
-    every output token computed with these weights, from the engine step that first runs them on
-    (the engine core stamps it in the same call that writes them; default: the checkpoint's
-    ``version`` metadata, else its file name). ``served_version``: the version the engine
-    serves, filled in by the engine core (vLLM keeps it there); a partial checkpoint's
-    ``base_version`` must equal it.
+    root (a relative path is taken relative to it), or, from a client in the engine's own
+    process, a :class:`~weight_bridge.checkpoint.live.LiveCheckpoint` (the object itself).
+    ``verify_hash`` / ``check_finite``: override the engine's options for this update.
+    ``version``: the weight version the engine stamps on every output token computed with these
+    weights, from the engine step that first runs them on (the engine core stamps it in the same
+    call that writes them; default: the checkpoint's ``version`` metadata, else its file name).
+    ``served_version``: the version the engine serves, filled in by the engine core (vLLM keeps
+    it there); a partial checkpoint's ``base_version`` must equal it.
     """
 
-    checkpoint: str
+    checkpoint: str | LiveCheckpoint
     verify_hash: bool | None = None
     check_finite: bool | None = None
     version: str | None = None

@@ -2,7 +2,7 @@
 multi-process or tensor-parallel engine, an engine in a trainer's ranks), and the fault points
 of an update, generated from the code.
 
-Started with ``WEIGHT_BRIDGE_PLUGINS=weight_bridge.testing.faults:register`` and
+Started with ``WEIGHT_BRIDGE_PLUGINS=faults:register`` (:data:`FAULTS`) and
 ``WEIGHT_BRIDGE_TEST_FAULT_FILE=PATH`` (or :func:`install` in the test's own process), every
 process of the engine wraps each fault point once; a wrapper raises while ``PATH`` arms it:
 
@@ -15,6 +15,10 @@ process of the engine wraps each fault point once; a wrapper raises while ``PATH
   (the file goes with the last), so a second fault can strike the recovery from the first.
 
 Nothing else changes; an unarmed wrapper costs one ``os.path.exists``.
+
+A module of the tests, not of the product (nothing in ``weight_bridge`` imports it): the engine
+processes import it as the top-level module ``faults`` because the tests put ``tests/`` on the
+``PYTHONPATH`` every process they start inherits (``helpers.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 FAULT_FILE_ENV = "WEIGHT_BRIDGE_TEST_FAULT_FILE"
-FAULTS = "weight_bridge.testing.faults:register"
+FAULTS = "faults:register"  # the plugin spec (tests/ is on every engine process's path)
 ENDS = ("enter", "return")  # a phase's fault raises as it is entered, or as it returns
 
 
 def _kinds() -> dict[str, Callable[[str], BaseException]]:
-    from ..direct import DirectReloadError
+    from weight_bridge.direct import DirectReloadError
 
     return {"refusal": DirectReloadError, "ValueError": ValueError, "MemoryError": MemoryError}
 
@@ -50,8 +54,8 @@ def fault_points() -> list[str]:
     refresh of derived state after the write, the gather of a sharded tensor pushed from
     memory as it starts (its local part) and as it returns (after the communication, on this
     rank alone), and the host store's copy in the background after an update landed."""
-    from ..vllm.outcome import Phase
-    from ..vllm.worker.writers import WRITERS
+    from weight_bridge.vllm.outcome import Phase
+    from weight_bridge.vllm.worker.writers import WRITERS
 
     phases = [f"{phase.value}:{end}" for phase in Phase for end in ENDS]
     writers = [f"writer:{mode}" for mode in WRITERS]
@@ -85,13 +89,13 @@ def register() -> None:
 
 def install(path: str | os.PathLike) -> None:
     """Wrap every fault point in this process, armed by the file at ``path``."""
-    from ..checkpoint.dtensor import ShardGather
-    from ..direct import delta, session, undo
-    from ..direct.readback import ReadBack
-    from ..vllm.core import updates
-    from ..vllm.outcome import Phase
-    from ..vllm.worker import writers
-    from ..vllm.worker.transaction import PushTransaction
+    from weight_bridge.checkpoint.dtensor import ShardGather
+    from weight_bridge.direct import delta, session, undo
+    from weight_bridge.direct.readback import ReadBack
+    from weight_bridge.vllm.core import updates
+    from weight_bridge.vllm.outcome import Phase
+    from weight_bridge.vllm.worker import writers
+    from weight_bridge.vllm.worker.transaction import PushTransaction
 
     path = os.fspath(path)
     if getattr(PushTransaction, "fault_file", None) == path:
@@ -152,7 +156,7 @@ def _specs(path: str) -> list[dict] | None:
 
 
 def _rank() -> int:
-    from ..vllm.worker.backend import worker_rank
+    from weight_bridge.vllm.worker.backend import worker_rank
 
     return worker_rank()
 
