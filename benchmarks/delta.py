@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from weight_bridge.checkpoint import save_checkpoint
-from weight_bridge.checkpoint.reference import Reference
+from weight_bridge.delta.reference import Reference
 from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
 from . import harness
@@ -22,7 +22,7 @@ from .sync import measured_sync, report_fields
 
 # fmt: off
 ENGINE_DTYPE, SAMPLES = "bfloat16", 4  # greedy outputs per engine against a cold start
-SIZES, LRS, BYTES_LR = ("100m", "smollm2"), (1e-6, 1e-5), 1e-6  # the bytes target's lr
+BYTES_LR = 1e-6  # the bytes target's lr
 TARGETS: dict[str, tuple[str, Any, str]] = {
     "bytes": ("<=", 0.10, "largest delta file / median complete bf16 file, at lr 1e-6"),
     "save_apply": ("<=", 0.25, "delta sync's save + apply (push minus CPU re-pack) / complete "

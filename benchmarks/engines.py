@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
-from weight_bridge.checkpoint.delta import read_delta
+from weight_bridge.delta.format import read_delta
 from weight_bridge.direct.delta import modules_to_refresh
 from weight_bridge.direct.derived import refresh_derived_state
 from weight_bridge.direct.snapshot import addresses

@@ -28,7 +28,7 @@ import torch
 from weight_bridge.checkpoint import CheckpointReader, save_checkpoint
 from weight_bridge.testing import parity
 from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
-from weight_bridge.testing.procfs import proc_status_fields
+from weight_bridge.testing.procfs import descendants, proc_status_fields
 from weight_bridge.testing.real_model import real_model_dir
 
 # fmt: off
@@ -219,17 +219,6 @@ def versions() -> dict[str, str]:
     with contextlib.suppress(Exception):
         out["vllm"] = importlib.import_module("vllm").__version__
     return out
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if stat := _proc(f"/proc/{pid}/stat"):
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(pid))
-    out, todo = [], [root]
-    while todo:
-        out += (found := children.get(todo.pop(), []))
-        todo += found
-    return sorted(out)
 
 def proc_name(pid: int) -> str:
     return _proc(f"/proc/{pid}/comm") or "?"

@@ -6,7 +6,7 @@ names and dtype), :class:`CanaryCheck` (an end-to-end check of each push). What 
 engine it is given is :class:`weight_bridge.EngineClient`.
 """
 
-from weight_bridge.checkpoint import CheckpointFiles
+from weight_bridge.sync import CheckpointFiles
 
 from .canary import CanaryCheck
 from .engine import EngineSpec

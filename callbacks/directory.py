@@ -1,7 +1,7 @@
 """The sync's directory, the same on every rank: rank zero places it by the file policy
-(:func:`weight_bridge.checkpoint.retention.place`), every rank gets it by broadcast, and a RAM
+(:func:`weight_bridge.sync.retention.place`), every rank gets it by broadcast, and a RAM
 default that does not fit is a warning naming why. Every rank holds a RAM directory as one of
-its owners (:func:`weight_bridge.checkpoint.run_dirs.claim`) until the run ends, so the next
+its owners (:func:`weight_bridge.sync.run_dirs.claim`) until the run ends, so the next
 run removes it only if this one was killed."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.checkpoint import CheckpointFiles
-from weight_bridge.checkpoint.retention import make_dir, place
-from weight_bridge.checkpoint.run_dirs import claim
+from weight_bridge.sync import CheckpointFiles
+from weight_bridge.sync.retention import make_dir, place
+from weight_bridge.sync.run_dirs import claim
 
 
 def open_dir(

@@ -33,20 +33,12 @@ from typing import Any
 
 import torch
 
-from weight_bridge.checkpoint import (
-    SPARE,
-    EngineDtypes,
-    OpenSink,
-    SavedCheckpoint,
-    Sink,
-    TransportMaps,
-    create_reserved,
-    discard,
-    estimate_bytes,
-    prune,
-)
+from weight_bridge.checkpoint import SavedCheckpoint, TransportMaps, create_reserved
 from weight_bridge.checkpoint.dtensor import ShardGather, is_dtensor
 from weight_bridge.checkpoint.live import LiveTensor
+from weight_bridge.delta.keyframes import EngineDtypes
+from weight_bridge.delta.sink import OpenSink, Sink
+from weight_bridge.sync import SPARE, discard, estimate_bytes, prune
 
 from .changed import sync_state
 from .collective import Collective
@@ -57,7 +49,7 @@ from .names import CheckpointNames, SyncEntry
 class GatherPlan:
     """The checkpoint to write, from metadata; ``sharded``: every rank takes part;
     ``tracked``: the names a delta may later touch (None: every entry), for the reference copy
-    a keyframe refreshes (:mod:`weight_bridge.checkpoint.reference`)."""
+    a keyframe refreshes (:mod:`weight_bridge.delta.reference`)."""
 
     entries: list[SyncEntry]
     partial: bool
@@ -107,7 +99,7 @@ class Gatherer:
     def use_ram(self, directory: Path | None, owner: int | None = None) -> None:
         """Write into the RAM transport in ``directory`` (None: not in RAM, or no more): its
         spare file, and the maps of its files, kept from one sync to the next; ``owner``: the
-        descriptor that holds the run's directory (:func:`~weight_bridge.checkpoint.run_dirs.
+        descriptor that holds the run's directory (:func:`~weight_bridge.sync.run_dirs.
         claim`), closed when the transport is left."""
         if self.maps is not None:
             self.maps.close()
@@ -209,7 +201,7 @@ class Gatherer:
         open_sink: OpenSink,
     ) -> SavedCheckpoint | None:
         """Write ``plan`` to ``path`` (None: this rank does not write) through the sink
-        ``open_sink`` makes (the sync's kind: :class:`~weight_bridge.checkpoint.Turn`). Sharded
+        ``open_sink`` makes (the sync's kind: :class:`~weight_bridge.sync.Turn`). Sharded
         plans need every rank here; a failure anywhere raises ``StepFailed`` on every rank at
         the same tensor."""
         if plan.sharded:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_bridge.checkpoint.keyframes import castable_dtype
+from weight_bridge.delta.keyframes import castable_dtype
 
 from .changed import Item, SyncState
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weight_bridge.checkpoint.sender import Sent
+from weight_bridge.sync.sender import Sent
 
 
 def sync_record(step: int, sent: Sent, gap: float | None) -> dict[str, Any]:
     """One history entry, from the sender's record of the sync
-    (:class:`~weight_bridge.checkpoint.sender.Sent`). ``delta``: the file held only what changed
+    (:class:`~weight_bridge.sync.sender.Sent`). ``delta``: the file held only what changed
     since the last push; ``changed``: the fraction of its tensors' elements that did (None for a
     keyframe); ``choice``: why it is a delta or not, with the costs measured so far
-    (:meth:`~weight_bridge.checkpoint.delta_choice.DeltaChoice.describe`); ``push_s``: the push
+    (:meth:`~weight_bridge.delta.choice.DeltaChoice.describe`); ``push_s``: the push
     and, when on, the canary."""
     report = sent.report
     delta = sent.kind == "delta"

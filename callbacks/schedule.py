@@ -7,7 +7,7 @@ is (:meth:`SyncClock.kind`), and tells it how each sync ended. Every rank keeps 
 feeds it only what every rank agreed on (the outcome of each step, rank zero's byte counts), so
 every rank picks the same kind: sharded trainers must all plan the same checkpoint. The keyframe
 policy itself (which kind, the delta options) is the library's, shared with
-``WeightBridgeTrainer``: :mod:`weight_bridge.checkpoint.keyframes`; the clock adds the steps.
+``WeightBridgeTrainer``: :mod:`weight_bridge.delta.keyframes`; the clock adds the steps.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from weight_bridge.checkpoint.keyframes import KeyframeClock, delta_mode
+from weight_bridge.delta.keyframes import KeyframeClock, delta_mode
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,12 @@ class Schedule:
     ``delta``: whether a sync may be an exact *delta* (only the values that changed since the
     last push, bit for bit in the engine's dtype). ``"auto"`` (the default): with an engine that
     can apply one, where deltas are measured cheaper than full syncs
-    (:mod:`weight_bridge.checkpoint.delta_choice`; each sync's record says why: ``choice``).
+    (:mod:`weight_bridge.delta.choice`; each sync's record says why: ``choice``).
     ``"on"``: deltas between keyframes (an engine that cannot refuses by name); ``"off"`` (or
     ``False``): never, for whatever reads each sync's file as the full weights. Deltas rest on
     *keyframes* (complete or partial syncs that refresh the trainer's reference copy), which
     also bound the engine's served chain: when they come is
-    :mod:`weight_bridge.checkpoint.keyframes`'s policy. The complete keyframes are the run's
+    :mod:`weight_bridge.delta.keyframes`'s policy. The complete keyframes are the run's
     loadable checkpoints (``VLLMWeightSync.last_checkpoint`` names the newest). With
     ``skip_frozen`` a delta covers only what training can change, like a partial sync.
     """
@@ -70,7 +70,7 @@ class Schedule:
 
 class SyncClock(KeyframeClock):
     """A :class:`Schedule` over one run: which steps to sync, and what kind each sync is (the
-    keyframe policy: :class:`~weight_bridge.checkpoint.keyframes.KeyframeClock`).
+    keyframe policy: :class:`~weight_bridge.delta.keyframes.KeyframeClock`).
 
     ``last_pushed_step`` is the step of the last successful sync (restored on resume).
     """

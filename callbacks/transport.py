@@ -1,7 +1,7 @@
 """How a sync's tensors reach the engine: a transport, chosen once from the engine.
 
 Shaped like Lightning's ``CheckpointIO`` beside ``ModelCheckpoint``: the callback's schedule
-says *when*, the sender (:class:`~weight_bridge.checkpoint.Sender`) *what kind* of sync, the
+says *when*, the sender (:class:`~weight_bridge.sync.Sender`) *what kind* of sync, the
 transport *how* the tensors travel and what is left on disk. It is handed to the sender once
 (``retire``, ``discard``), and the callback calls the same steps whatever it is: ``write``
 (the sender's), ``pushed`` (every rank, after a push landed), ``end`` (after every sync).
@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
-from weight_bridge.checkpoint import CheckpointFiles, CheckpointWriter, DeltaState, Turn, Written
+from weight_bridge.checkpoint import CheckpointWriter
 from weight_bridge.checkpoint.live import LiveCheckpoint
+from weight_bridge.delta.state import DeltaState
+from weight_bridge.sync import CheckpointFiles, Turn, Written
 
 from .collective import Collective
 from .gather import Gatherer, GatherPlan

@@ -10,7 +10,7 @@ The callback only wires the parts together: :class:`~callbacks.schedule.SyncCloc
 (and whether a sync is complete, partial or a delta), :class:`~callbacks.gather.Gatherer` what
 is sent and how each tensor reaches the writer (DTensors of sharded trainers one at a time),
 the transport (:mod:`callbacks.transport`, chosen once from the engine) how the tensors travel,
-:class:`~weight_bridge.checkpoint.delta_state.DeltaState` what the engine reported and the
+:class:`~weight_bridge.delta.state.DeltaState` what the engine reported and the
 writer's reference copy, :class:`~callbacks.collective.Collective` makes each step fail on every
 rank or none, and the engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`)
 is pushed.
@@ -30,7 +30,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from weight_bridge.checkpoint import CheckpointFiles, DeltaState, Sender, release, step_file
+from weight_bridge.delta.state import DeltaState
+from weight_bridge.sync import CheckpointFiles, Sender, release, step_file
 from weight_bridge.vllm import EngineClient
 
 from .canary import CanaryCheck
@@ -71,12 +72,12 @@ class VLLMWeightSync(Callback):
     Either way :meth:`setup` exposes the engine as ``pl_module.vllm_engine``, so a rollout in
     ``training_step`` reads ``self.vllm_engine.generate(prompts, sampling)``, any engine mode; each
     ``Generation``'s ``policy_version`` is the step pushed, a string. Every sync runs through the
-    one sender (:class:`~weight_bridge.checkpoint.Sender`, shared with vLLM's trainer API): the
+    one sender (:class:`~weight_bridge.sync.Sender`, shared with vLLM's trainer API): the
     ranks plan the checkpoint from metadata, the writer (global rank zero, or each node's local
     rank zero with ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every
     rank with an engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather
     one tensor at a time, every rank taking part. With deltas (``schedule.delta``) a sync between
-    keyframes writes only the values that changed (:mod:`weight_bridge.checkpoint.delta_state`).
+    keyframes writes only the values that changed (:mod:`weight_bridge.delta.state`).
     Only ``fit`` builds an engine and pushes. Metrics (to the trainer's loggers):
     ``weight_sync/{save_s,push_s,bytes,version,delta}`` (and ``changed_fraction`` for a delta);
     ``history`` holds the last ``history_limit`` syncs (:func:`~callbacks.records.sync_record`).
@@ -258,7 +259,7 @@ class VLLMWeightSync(Callback):
     # -- one sync ----------------------------------------------------------------------------
 
     def _sync(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        """One sync through the sender (:class:`~weight_bridge.checkpoint.Sender`): save (every
+        """One sync through the sender (:class:`~weight_bridge.sync.Sender`): save (every
         rank plans; the writers write), push (every rank with an engine), check.
 
         Each step is tried locally and agreed on by every rank (:class:`Collective`), so one

@@ -158,7 +158,7 @@ def _mismatches(model: str, name: str, kwargs: dict) -> dict:
 def _changed_positions(path: str, name: str) -> list[int]:
     """The checkpoint positions of ``name`` the delta at ``path`` writes."""
     from weight_bridge.checkpoint import CheckpointReader
-    from weight_bridge.checkpoint.delta import read_delta
+    from weight_bridge.delta.format import read_delta
 
     with CheckpointReader(path) as reader:
         delta = read_delta(path, reader.metadata, dict(reader.tensors()))

@@ -41,7 +41,7 @@ def _pushes(a: Path, b: Path, tmp: Path, wanted: list[str]) -> dict:
     )
 
     from weight_bridge.checkpoint import BASE_VERSION_KEY
-    from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY
+    from weight_bridge.delta.format import FINGERPRINTS_KEY
 
     ta, tb = tensors_of(a), tensors_of(b)
     keyframe = keyframe_checkpoint(ta, "A", tmp / "keyframe-A.safetensors")

@@ -306,7 +306,7 @@ def keyframe_checkpoint(tensors: dict, version: str, path: Path) -> Path:
     fingerprint in its header (the base of the deltas after it)."""
     import json
 
-    from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY
+    from weight_bridge.delta.format import FINGERPRINTS_KEY
     from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
     prints = {n: format_fingerprint(exact_fingerprint(t)) for n, t in tensors.items()}

@@ -41,8 +41,8 @@ from callbacks import (
 from callbacks.canary import CanaryError
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
 from weight_bridge.checkpoint.format import HASH_KEY
-from weight_bridge.checkpoint.retention import prune
 from weight_bridge.exact import exact_fingerprint, format_fingerprint
+from weight_bridge.sync.retention import prune
 
 
 class Recorder(PushWatcher):

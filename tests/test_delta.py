@@ -15,7 +15,7 @@ from helpers import delta_checkpoint, set_storage
 
 import weight_bridge.direct.delta_writes as writes_mod
 from weight_bridge.checkpoint import CheckpointError, CheckpointReader
-from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY, part_name, read_delta
+from weight_bridge.delta.format import FINGERPRINTS_KEY, part_name, read_delta
 from weight_bridge.direct import DirectReloadError, direct_reload, record_checkpoint_layout
 from weight_bridge.direct.delta import prepare_delta
 from weight_bridge.direct.state import bridge_state

@@ -23,25 +23,26 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-import weight_bridge.checkpoint.reference as reference_mod
+import weight_bridge.delta.reference as reference_mod
 from callbacks import CheckpointFiles, CheckpointNames, EngineSpec, Schedule, VLLMWeightSync
 from callbacks.collective import Collective
 from callbacks.gather import Gatherer
 from callbacks.names import ENGINE
 from callbacks.schedule import SyncClock
-from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, Sender
-from weight_bridge.checkpoint.delta import (
+from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
+from weight_bridge.delta.choice import DeltaChoice
+from weight_bridge.delta.format import (
     DELTA_KEY,
     FINGERPRINTS_KEY,
     is_delta,
     read_delta,
     sparse_bytes,
 )
-from weight_bridge.checkpoint.delta_choice import DeltaChoice
-from weight_bridge.checkpoint.delta_state import DeltaState
-from weight_bridge.checkpoint.keyframes import DELTA_EVERY_K
-from weight_bridge.checkpoint.reference import Reference
+from weight_bridge.delta.keyframes import DELTA_EVERY_K
+from weight_bridge.delta.reference import Reference
+from weight_bridge.delta.state import DeltaState
 from weight_bridge.exact import bits_of, exact_fingerprint, format_fingerprint
+from weight_bridge.sync import Sender
 
 BF16 = "bfloat16"
 
@@ -524,7 +525,7 @@ def test_two_trainers_stamping_the_same_labels_never_cross(models, shared_engine
     own chain a trainer's deltas apply."""
     from transformers import AutoModelForCausalLM
 
-    from weight_bridge.checkpoint.delta import BASE_LINEAGE_KEY
+    from weight_bridge.delta.format import BASE_LINEAGE_KEY
     from weight_bridge.direct.errors import BaseVersionError
 
     engine = shared_engine("llama_A", dtype=BF16)

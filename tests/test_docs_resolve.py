@@ -662,7 +662,7 @@ def test_the_checks_catch_a_stale_name_of_each_kind() -> None:
         "weight_bridge.ColocatedEngine",  # lazily exported: its TYPE_CHECKING import
         "~weight_bridge.vllm.clients.bridge_client.BridgeClient.push_async",
         ".undo.HostStore",
-        "..checkpoint.sender.Sent",
+        "..sync.sender.Sent",
         "DirectReloadError.args",  # a builtin base's member
         "re.sub",
     ):

@@ -257,7 +257,7 @@ def test_callback_pushes_real_model_checkpoints_from_a_trainer(
 
     from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader, save_checkpoint
-    from weight_bridge.checkpoint.delta import split_name
+    from weight_bridge.delta.format import split_name
     from weight_bridge.exact import exact_fingerprint, format_fingerprint
 
     close_engine()  # one in-process engine at a time in this process

@@ -48,7 +48,7 @@ from weight_bridge.checkpoint import (
     CheckpointReader,
     save_checkpoint,
 )
-from weight_bridge.checkpoint.delta import FINGERPRINTS_KEY
+from weight_bridge.delta.format import FINGERPRINTS_KEY
 from weight_bridge.direct import DirectReloadError
 from weight_bridge.direct.errors import BaseVersionError
 from weight_bridge.testing import parity

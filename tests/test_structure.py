@@ -3,6 +3,8 @@
 * No import cycles among the modules of ``weight_bridge/`` and ``callbacks/``: each layer
   imports only the ones below it (imports inside functions count; a package's ``__init__``
   re-exporting its own modules does not).
+* The engine side (what runs in vLLM's processes) reaches no trainer-side module, following
+  what Python runs on import; the callback imports only the trainer side.
 * No file of ``weight_bridge/`` or ``callbacks/`` over 600 lines, no function over 60. A file
   over 400 lines is a warning the review reads, not a failure: a module is split by concept,
   never to pass a count.
@@ -34,10 +36,13 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+def _imports(name: str, path: Path, known: set[str], fronts: bool = False) -> set[str]:
+    """The modules of ``known`` that ``name`` imports; ``fronts``: what runs when it is
+    imported (a package's ``__init__`` re-exporting its own modules counts; a name imported for
+    the type checker only does not)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(ast.parse(path.read_text()), typing_only=not fronts):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -53,9 +58,27 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
-    if path.name == "__init__.py":  # re-exports of its own modules are not a design loop
+    if path.name == "__init__.py" and not fronts:  # re-exports are no design loop
         found = {t for t in found if not t.startswith(name + ".")}
     return found
+
+
+def _nodes(tree: ast.AST, typing_only: bool) -> list[ast.AST]:
+    """Every node of ``tree``; without ``typing_only``, not those of an ``if TYPE_CHECKING:``
+    block (names for the type checker, never imported at run time)."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if (
+            not typing_only
+            and isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+        ):
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+    return out
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -234,3 +257,54 @@ def test_the_callbacks_use_only_the_trainer_side_of_the_library() -> None:
                 continue
             wrong += [f"{path.name}: {m}" for m in modules if m.startswith(NOT_TRAINER_SIDE)]
     assert wrong == []
+
+
+# The trainer side of a sync: what runs only in the trainer (the callback, the sync policy, the
+# delta policy). The engine's own code (``ENGINE_SIDE``) reaches none of it, however indirectly.
+TRAINER_SIDE = ("callbacks", "weight_bridge.sync")
+TRAINER_DELTA_POLICY = tuple(
+    f"weight_bridge.delta.{m}" for m in ("choice", "keyframes", "reference", "sink", "state")
+)
+ENGINE_SIDE = (
+    "weight_bridge.direct",
+    "weight_bridge.vllm.worker",
+    "weight_bridge.vllm.core",
+    "weight_bridge.vllm.server",
+    "weight_bridge.vllm.plugin",
+)
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _package_fronts(name: str, modules: set[str]) -> set[str]:
+    """The packages whose ``__init__`` runs when ``name`` is imported."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))} & modules
+
+
+def test_the_engine_side_reaches_no_trainer_side_module() -> None:
+    """What runs in vLLM's processes imports nothing of the trainer's sync: following every
+    import (a package's ``__init__`` included, as Python runs it), no engine-side module reaches
+    the callback, :mod:`weight_bridge.sync` or the delta policy (the delta *format* it reads)."""
+    modules = _modules()
+    known = set(modules)
+    graph = {
+        name: _imports(name, path, known, fronts=True) | _package_fronts(name, known)
+        for name, path in modules.items()
+    }
+    wrong = {
+        (name, reached)
+        for name in modules
+        if name.startswith(ENGINE_SIDE)
+        for reached in _reached(graph, name)
+        if reached.startswith(TRAINER_SIDE + TRAINER_DELTA_POLICY)
+    }
+    assert sorted(wrong) == []

@@ -20,8 +20,8 @@ import pytest
 import torch
 from helpers import ENGINE_KWARGS, TinyLM, trainer
 
-import weight_bridge.checkpoint.retention as retention
 import weight_bridge.checkpoint.space as space
+import weight_bridge.sync.retention as retention
 from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 from weight_bridge.checkpoint import (
     CheckpointReader,
@@ -31,8 +31,8 @@ from weight_bridge.checkpoint import (
 )
 from weight_bridge.checkpoint.format import HASH_KEY
 from weight_bridge.checkpoint.mapping import TransportMaps
-from weight_bridge.checkpoint.retention import estimate_bytes, place
 from weight_bridge.checkpoint.write import CHUNK_BYTES
+from weight_bridge.sync.retention import estimate_bytes, place
 
 EVERY_STEP = Schedule(every_n_train_steps=1)
 

@@ -46,7 +46,7 @@ from helpers import (
 
 from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
 from weight_bridge.checkpoint import CheckpointReader
-from weight_bridge.checkpoint.keyframes import DELTA_EVERY_K
+from weight_bridge.delta.keyframes import DELTA_EVERY_K
 from weight_bridge.direct import DirectReloadError
 
 SHM = Path("/dev/shm")

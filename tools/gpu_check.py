@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 def delta_memory(device: str) -> int:
     """A dense and a sparse delta applied on ``device``: peak memory against its bound."""
     from weight_bridge.checkpoint import CheckpointReader
-    from weight_bridge.checkpoint.delta import read_delta
+    from weight_bridge.delta.format import read_delta
     from weight_bridge.testing.deltas import applied_memory, delta_checkpoint, wide_pair
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-check-delta-"))
@@ -169,8 +169,6 @@ def delta_memory(device: str) -> int:
 
 def ranks_memory(args: argparse.Namespace) -> int:
     """A push from device memory into an engine in this rank: peak device memory, its bound."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
@@ -179,6 +177,7 @@ def ranks_memory(args: argparse.Namespace) -> int:
     from weight_bridge.testing.models import build_tiny_model, perturb_checkpoint
     from weight_bridge.testing.parity import PROMPTS, greedy
     from weight_bridge.vllm.clients.ranks import RanksEngine
+    from weight_bridge.vllm.clients.served import free_port
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-check-ranks-"))
     a = build_tiny_model(root / "A", arch=args.arch, size=args.size, seed=0)
@@ -186,11 +185,8 @@ def ranks_memory(args: argparse.Namespace) -> int:
     kwargs = dict(dtype=args.dtype, max_model_len=256, seed=0, gpu_memory_utilization=0.3)
     with ColocatedEngine(b, **kwargs) as cold_b:
         want = greedy(cold_b, PROMPTS[:3], max_tokens=16, logprobs=3)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1)
     engine = RanksEngine(a, **kwargs)
     try:

@@ -40,7 +40,6 @@ cache directory; a fresh ``TORCHINDUCTOR_CACHE_DIR`` rules it out.
 from __future__ import annotations
 
 import argparse
-import glob
 import math
 import os
 import sys
@@ -171,27 +170,12 @@ def keep_the_bridge_out(environ: MutableMapping[str, str] | None = None) -> list
     return sorted(bridge)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            text = Path(stat).read_text()
-        except OSError:
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def loaded_vllm_libraries() -> list[str]:
     """vLLM's compiled libraries (``_C*.so``) mapped by this process or any descendant."""
+    from weight_bridge.testing.procfs import descendants
+
     found: set[str] = set()
-    for pid in [os.getpid(), *_descendants(os.getpid())]:
+    for pid in [os.getpid(), *descendants(os.getpid())]:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:

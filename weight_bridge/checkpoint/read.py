@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..delta.format import Delta, is_delta, read_delta
 from ..layout import TensorSpec
-from .delta import Delta, is_delta, read_delta
 from .errors import CheckpointError
 from .format import HASH_KEY, INDEX_NAME, MAX_INDEX_BYTES, content_hash
 from .header import SafetensorsFile, open_file
@@ -232,7 +232,7 @@ class CheckpointReader:
 
     @property
     def is_delta(self) -> bool:
-        """Whether this checkpoint is a delta (:mod:`.delta`)."""
+        """Whether this checkpoint is a delta (:mod:`weight_bridge.delta.format`)."""
         return is_delta(self.metadata)
 
     def delta(self) -> Delta:

@@ -1,5 +1,6 @@
 """Filesystem calls of the writer: its temporary file (new, or a recycled one), removing those of
-dead writers, reserving a file's space up front, making a rename durable."""
+dead writers, reserving a file's space up front, making a rename durable; whether a path is in RAM
+(:func:`is_tmpfs`)."""
 
 from __future__ import annotations
 
@@ -179,3 +180,22 @@ def fsync_dir(directory: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def is_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs (its longest mount point's type): files there are host
+    memory."""
+    try:
+        resolved = path.resolve()
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    best, kind = -1, ""
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = Path(parts[1].replace("\\040", " "))
+        if (resolved == point or point in resolved.parents) and len(str(point)) > best:
+            best, kind = len(str(point)), parts[2]
+    return kind == "tmpfs"

@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import torch
 
-from ..checkpoint.delta import Delta
+from ..delta.format import Delta
 from ..exact import exact_fingerprint, fingerprint_change
 from ..layout import TensorSpec
 from .delta_writes import Copy, Patch, cost, patch_of, write_patch
@@ -307,7 +307,7 @@ def _specs(delta: Delta) -> dict[str, TensorSpec]:
 def prepare_delta(
     model: torch.nn.Module, delta: Delta, *, check_finite: bool = True, readback: str = "sampled"
 ) -> Writer:
-    """Check ``delta`` (decoded by :func:`~weight_bridge.checkpoint.delta.read_delta`; its
+    """Check ``delta`` (decoded by :func:`~weight_bridge.delta.format.read_delta`; its
     base version is the caller's to check) and map it onto live storage; nothing is written.
     A refusal raises :class:`DirectReloadError` naming each tensor. The writer: the scatters,
     then a direct reload of what they cannot patch (:class:`~.writer.Writers`)."""

@@ -3,8 +3,8 @@
 Why: a sparse tensor's changed elements land on live positions that a delta's scatters, its
 read-back and its undo log all need, from preparation until the next update. As int64 that is
 8 bytes per changed element, twice what the file carries for it and more than the undo log's
-bound; so sorted positions are kept in the file's own encoding (:mod:`weight_bridge.checkpoint.
-delta`: 2 bytes each, counted in blocks of 65536) and are only ever decoded a chunk at a time
+bound; so sorted positions are kept in the file's own encoding (:mod:`weight_bridge.delta.format`:
+2 bytes each, counted in blocks of 65536) and are only ever decoded a chunk at a time
 (:data:`CHUNK`), built a chunk at a time too. Unsorted ones (a segment solved coordinate by
 coordinate) stay a plain tensor, in 4 bytes where they fit.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.delta import BLOCK, decode_indices
+from ..delta.format import BLOCK, decode_indices
 
 CHUNK = 1 << 18  # positions handled at a time: int64 temporaries of 2 MiB
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import save_checkpoint
-from ..checkpoint.delta import changed_indices, delta_metadata, stored_parts
+from ..delta.format import changed_indices, delta_metadata, stored_parts
 from ..exact import bits_of, exact_fingerprint
 
 ROWS, COLS = 4096, 8192  # one 64 MiB bf16 tensor
@@ -99,7 +99,7 @@ def applied_memory(
 ) -> AppliedMemory:
     """An engine-like :class:`Wide` on ``a`` on ``device`` (``held``: its columns, for a
     shard), then ``delta`` (decoded by
-    :func:`~weight_bridge.checkpoint.delta.read_delta`) prepared and applied, measured: on CUDA
+    :func:`~weight_bridge.delta.format.read_delta`) prepared and applied, measured: on CUDA
     ``torch.cuda.max_memory_allocated`` over what was allocated before; elsewhere this
     process's resident high-water mark over what was resident before (``/proc``, reset
     first), the delta file's pages read in before (they are the transport's, not the

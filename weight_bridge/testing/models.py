@@ -159,7 +159,6 @@ def build_tiny_model(
     size: str | ModelSize = "1m",
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
-    dtype: torch.dtype = torch.float32,
     architecture_name: str | None = None,
 ) -> Path:
     """Write a seeded tiny model directory at ``path`` and return it.
@@ -170,7 +169,7 @@ def build_tiny_model(
     """
     shape = SIZES[size] if isinstance(size, str) else size
     config = hf_config(arch, shape, tie_word_embeddings, architecture_name)
-    path = _save_seeded(config, Path(path), seed, dtype, shape.vocab_size)
+    path = _save_seeded(config, Path(path), seed, torch.float32, shape.vocab_size)
     if architecture_name is not None:
         cfg = json.loads((path / "config.json").read_text())
         cfg["architectures"] = [architecture_name]

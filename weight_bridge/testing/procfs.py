@@ -1,7 +1,8 @@
-"""Reading ``/proc/<pid>/status`` (Linux only), for the soak and the benchmarks' memory probes."""
+"""Reading ``/proc`` (Linux only), for the soak, the benchmarks' memory probes and the tools."""
 
 from __future__ import annotations
 
+import glob
 from collections.abc import Collection
 
 
@@ -18,3 +19,20 @@ def proc_status_fields(pid: int | str, keys: Collection[str]) -> dict[str, int]:
             if key in keys:
                 out[key] = int(rest.split()[0])
     return out
+
+
+def descendants(root: int) -> list[int]:
+    """The pids of every descendant of process ``root``, sorted."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    out, todo = [], [root]
+    while todo:
+        out += (found := children.get(todo.pop(), []))
+        todo += found
+    return sorted(out)

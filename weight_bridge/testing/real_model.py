@@ -122,17 +122,17 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def real_model_dir(path: str | os.PathLike | None = None, rebuild: bool = False) -> Path:
+def real_model_dir(path: str | os.PathLike | None = None) -> Path:
     """The HF-format directory of SmolLM2-135M-Instruct, built first if missing or stale.
 
     ``path`` defaults to :func:`default_dir`. The first build loads and dequantizes the GGUF;
     later calls only read the stamp.
     """
     target = Path(path).expanduser() if path is not None else default_dir()
-    if not rebuild and _is_current(target):
+    if _is_current(target):
         return target
     with _locked(target):
-        if not rebuild and _is_current(target):  # built by another process meanwhile
+        if _is_current(target):  # built by another process meanwhile
             return target
         missing = _missing_libraries()
         if missing:
@@ -191,20 +191,15 @@ def _build(out: Path) -> None:
     (out / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
 
 
-def chat_prompts(
-    model_dir: str | os.PathLike, questions: Sequence[str], system: str | None = None
-) -> list[str]:
+def chat_prompts(model_dir: str | os.PathLike, questions: Sequence[str]) -> list[str]:
     """Each question as a single user turn in the model's own chat template, ready to
-    generate the assistant's answer (``add_generation_prompt``). ``system`` replaces the
-    template's default system message when given."""
+    generate the assistant's answer (``add_generation_prompt``)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     out: list[str] = []
     for q in questions:
         messages = [{"role": "user", "content": q}]
-        if system is not None:
-            messages.insert(0, {"role": "system", "content": system})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         out.append(str(text))
     return out

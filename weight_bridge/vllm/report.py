@@ -20,7 +20,7 @@ class PushReport(ReloadReport):
     modules in ``reprocessed``) or ``layerwise``; ``reason`` says which weights went which way.
     ``partial``: the checkpoint held a subset of tensors, written on top of its base version;
     ``delta``: it was a delta (``changed`` elements written; see
-    :mod:`~weight_bridge.checkpoint.delta`). ``dtypes``: after a complete push, the dtype the
+    :mod:`~weight_bridge.delta.format`). ``dtypes``: after a complete push, the dtype the
     engine holds each tensor in that a delta can patch (what a trainer casts to and diffs).
     ``served``: the checkpoints the engine serves afterwards, as its workers answered (a
     complete one, then partial ones on top of it). ``inflight``: how generation in flight was

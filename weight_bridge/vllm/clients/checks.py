@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.keyframes import castable_dtype
+from ...delta.keyframes import castable_dtype
 from ...exact import exact_fingerprint, format_fingerprint
 
 

@@ -19,13 +19,13 @@ Contract:
   would not get whole is refused by name with :class:`IncompleteSourceError` on every rank,
   before anything is gathered or written (the source read through
   :mod:`~weight_bridge.vllm.internals.sources`);
-* files follow the callback's policy (:mod:`weight_bridge.checkpoint.retention`): the n-th send
+* files follow the callback's policy (:mod:`weight_bridge.sync.retention`): the n-th send
   writes ``step-{n:08d}.safetensors``, counting on from the last step file in ``directory``, and
-  :func:`~weight_bridge.checkpoint.retention.prune` keeps the newest ``keep_last_k`` besides every
+  :func:`~weight_bridge.sync.retention.prune` keeps the newest ``keep_last_k`` besides every
   one the engine serves; with no ``version`` the engine labels the weights by the file name
   (:func:`~weight_bridge.checkpoint.version_of`);
-* deltas follow the callback's keyframe policy (:mod:`~weight_bridge.checkpoint.keyframes`,
-  :mod:`~weight_bridge.checkpoint.delta_state`; why: ``last_choice``) on a clock of sends; a
+* deltas follow the callback's keyframe policy (:mod:`~weight_bridge.delta.keyframes`,
+  :mod:`~weight_bridge.delta.state`; why: ``last_choice``) on a clock of sends; a
   partial send makes the next complete one a keyframe. The reference copy lives in rank 0's host
   memory only, is freed by :meth:`~WeightBridgeTrainer.shutdown` and never saved, so a restarted
   trainer starts with a keyframe.
@@ -47,15 +47,14 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from ...checkpoint import step_file
-from ...checkpoint.delta_sink import Sink
-from ...checkpoint.delta_state import DeltaState
 from ...checkpoint.format import VERSION_KEY
-from ...checkpoint.keyframes import KeyframeClock, delta_mode
-from ...checkpoint.retention import discard, prune, unused_step
-from ...checkpoint.sender import Sender, Turn, Written
 from ...checkpoint.write import SavedCheckpoint
+from ...delta.keyframes import KeyframeClock, delta_mode
+from ...delta.sink import Sink
+from ...delta.state import DeltaState
 from ...errors import WeightBridgeError
+from ...sync.retention import discard, prune, step_file, unused_step
+from ...sync.sender import Sender, Turn, Written
 from ..internals.sources import full_tensors, sender_gaps, source_metadata
 from ..options import BACKEND
 from ..report import PushReport
@@ -120,7 +119,7 @@ class WeightBridgeTrainer(TrainerWeightTransferEngine[WeightBridgeTrainerInitInf
     ``weight_bridge`` backend. ``bridge``: the bridge client the sender pushes with (None on
     the other ranks); ``last_report``: the report of the last send; ``last_choice``: why it
     was a delta or not, with the costs measured (``delta="auto"``); ``sender``: the one sender
-    (:class:`~weight_bridge.checkpoint.sender.Sender`, the callback's too), with its delta state
+    (:class:`~weight_bridge.sync.sender.Sender`, the callback's too), with its delta state
     (what the engine reported, the keyframe clock, the reference copy; None on the other
     ranks)."""
 

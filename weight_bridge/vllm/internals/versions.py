@@ -40,11 +40,11 @@ def vllm_minor(version: str | None = None) -> tuple[int, int]:
     return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
-def check_vllm_version(version: str | None = None) -> str:
-    """``version`` (default: the installed vLLM's) if it is a tested minor version; else
+def check_vllm_version() -> str:
+    """The installed vLLM's version if it is a tested minor version; else
     :class:`UntestedVLLMError` naming the checklist and the opt-in, or, with the opt-in set, one
     warning."""
-    installed = version or installed_vllm()
+    installed = installed_vllm()
     major, minor = vllm_minor(installed)
     if f"{major}.{minor}" in TESTED_VLLM:
         return installed

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...checkpoint.delta import lineage_of, read_delta, split_name
+from ...delta.format import lineage_of, read_delta, split_name
 from ...direct import DirectReloadError
 from ...direct.delta import prepare_delta
 from ...direct.state import bridge_state
@@ -56,7 +56,7 @@ def link_fingerprints(
 ) -> None:
     """After a link was written: the served fingerprints it records (``recorded``: its
     header's, parsed at prepare:
-    :func:`~weight_bridge.checkpoint.delta.header_fingerprints`) become the base of the next
+    :func:`~weight_bridge.delta.format.header_fingerprints`) become the base of the next
     delta. A complete checkpoint replaces them all (a trainer's keyframe records every
     tensor's; a file without them leaves none known, and the first delta computes them from
     live storage); a partial one replaces those of its tensors. A delta updated its own."""
@@ -73,7 +73,7 @@ def link_fingerprints(
 
 
 def link_lineage(prints: Mapping[str, int], partial: bool, below: str | None) -> str | None:
-    """The lineage (:func:`~weight_bridge.checkpoint.delta.lineage_of`) of what the engine
+    """The lineage (:func:`~weight_bridge.delta.format.lineage_of`) of what the engine
     serves once this checkpoint (``prints``: its recorded fingerprints) is written on top of
     weights of lineage ``below``: a fingerprinted complete one starts a lineage, a
     fingerprinted one on top extends a known one; anything else leaves none (nothing can be

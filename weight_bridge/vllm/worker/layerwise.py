@@ -10,24 +10,24 @@ runs in the same ``load_weights`` pass as the direct writes.
 The vLLM internals of ``vllm.model_executor.model_loader.reload`` it relies on are driven by
 :mod:`~weight_bridge.vllm.internals` (:func:`~weight_bridge.vllm.internals.model.layerwise_begin`,
 :func:`~weight_bridge.vllm.internals.model.layerwise_finish`); the per-layer metadata they use is
-recorded by vLLM at model init (``record_metadata_for_reloading``).
+recorded by vLLM at model init (``record_metadata_for_reloading``). Which modules ``auto`` may
+hand to it (:func:`auto_reprocessable`) and what a whole-model layerwise reload would leave wrong
+(:func:`layerwise_wrong`) feed the push's plan (:func:`.writers.push_plan`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...direct import DirectReloadError, ReloadPlan, ReloadReport, plan_direct_reload
+from ...direct import DirectReloadError, ReloadReport
 from ...direct.session import refresh_derived_state
 from ...direct.state import bridge_state, clear_undefined, mark_undefined, undefined_reason
 from ...direct.undo import UndoLog
 from ..internals.model import layerwise_begin, layerwise_finish
 from ..internals.patches import cpu_linear_of
-from ..internals.vllm_direct import vllm_direct_refusal
 from .refresh import CpuLinearRepack, CpuMoePrepack, torch_linear
 
 
@@ -115,36 +115,3 @@ def layerwise_wrong(model: torch.nn.Module) -> dict[str, str]:
                 "not re-derive (start the engine with cpu_linear='torch' or 'repack')"
             )
     return wrong
-
-
-@dataclass
-class PushPlan:
-    """How a complete push in a reload mode writes: ``mode`` (``direct``, ``auto`` or
-    ``layerwise``: what the report will say), ``plan`` (the direct writes, re-processing and
-    refusals; None for vLLM's whole-model layerwise reload), ``reprocessable`` (the modules
-    vLLM's per-layer processing may take; None: no re-processing asked) and ``wrong`` (the
-    weights whole-model layerwise would leave wrong: a layerwise push is refused naming them)."""
-
-    mode: str
-    plan: ReloadPlan | None
-    reprocessable: set[str] | None = None
-    wrong: dict[str, str] | None = None
-
-
-def push_plan(model: torch.nn.Module, mode: str) -> PushPlan:
-    """The one plan of a push in ``mode``, for the push itself and for its dry run: ``direct``
-    writes what is proven; ``auto`` does the same and re-processes what vLLM's per-layer
-    processing re-creates, and falls back to whole-model layerwise only when nothing at all
-    can be written directly; ``layerwise`` is vLLM's whole-model reload (no direct targets);
-    ``vllm-direct`` is vLLM's own direct reload (0.34+), ``wrong`` holding what it refuses."""
-    if mode == "vllm-direct":
-        refusal = vllm_direct_refusal(model)
-        return PushPlan("vllm-direct", None, wrong={"<vllm-direct>": refusal} if refusal else {})
-    if mode == "direct":
-        return PushPlan("direct", plan_direct_reload(model))
-    if mode == "auto":
-        reprocessable = auto_reprocessable(model)
-        plan = plan_direct_reload(model, reprocessable)
-        if plan.targets or plan.problems:  # else nothing at all can be written directly
-            return PushPlan("auto" if plan.reprocess else "direct", plan, reprocessable)
-    return PushPlan("layerwise", None, wrong=layerwise_wrong(model))

@@ -21,7 +21,7 @@ from ...exact import exact_fingerprint, format_fingerprint
 from ..internals.model import transfer_engine, worker_model
 from ..internals.objects import config_of
 from ..options import bridge_options
-from .layerwise import push_plan
+from .writers import push_plan
 
 
 def _pushes_with(worker: Any) -> str:
@@ -34,7 +34,7 @@ def _pushes_with(worker: Any) -> str:
 
 def worker_plan(worker: Any, mode: str | None = None) -> dict:
     """A dry run of a push in ``mode`` (None: the mode the worker pushes with), from the push's
-    own plan (:func:`~weight_bridge.vllm.worker.layerwise.push_plan`): the mode it would run
+    own plan (:func:`~weight_bridge.vllm.worker.writers.push_plan`): the mode it would run
     in, per name its direct write target and refresh, the modules re-processed, the refusals
     (in ``layerwise`` mode no direct target: vLLM's reload writes every weight)."""
     model = worker_model(worker)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...checkpoint import CheckpointError, CheckpointReader
-from ...checkpoint.delta import split_name
 from ...checkpoint.held import HeldFile
+from ...delta.format import split_name
 from ...direct.errors import BaseVersionError
 from ...direct.undo import UndoLog
 
@@ -37,7 +37,7 @@ class ServedCheckpoint:
     files: list[HeldFile] = field(default_factory=list)
     names: frozenset[str] = frozenset()
     undo: UndoLog | None = None
-    # what the weights served up to this link are, by content (checkpoint.delta.lineage_of;
+    # what the weights served up to this link are, by content (delta.format.lineage_of;
     # None: not fingerprinted, so nothing can be proven to apply on top of it)
     lineage: str | None = None
     in_memory: bool = False  # pushed from memory: no file, the host store rolls it back
@@ -63,16 +63,16 @@ class ServedCheckpoint:
         self.undo = None
 
 
-def hold(path: str, version: Any = None) -> ServedCheckpoint:
+def hold(path: str) -> ServedCheckpoint:
     """A link for the checkpoint at ``path`` (a file or a directory of shards), its files held
     now; a checkpoint that cannot be opened is a link with no file (it cannot be re-read, and
     a rollback onto it refuses by name)."""
     try:
         reader = CheckpointReader(path, hold=True)
     except CheckpointError:
-        return ServedCheckpoint(path, version)
+        return ServedCheckpoint(path, None)
     try:
-        return ServedCheckpoint(path, version, reader.take_held(), frozenset(reader.specs()))
+        return ServedCheckpoint(path, None, reader.take_held(), frozenset(reader.specs()))
     finally:
         reader.close()
 

@@ -46,10 +46,10 @@ from typing import Any
 import torch
 
 from ...checkpoint import BASE_VERSION_KEY, CheckpointError, CheckpointReader
-from ...checkpoint.delta import BASE_LINEAGE_KEY, header_fingerprints, is_delta
 from ...checkpoint.live import LiveCheckpoint
 from ...checkpoint.read import CheckpointSource
 from ...checkpoint.trust import trusted_checkpoint
+from ...delta.format import BASE_LINEAGE_KEY, header_fingerprints, is_delta
 from ...direct import DirectReloadError, ReloadReport
 from ...direct.errors import BaseVersionError
 from ...direct.state import mark_undefined, note_written, undefined_reason
@@ -241,7 +241,7 @@ class PushTransaction:
         when a phase that writes is called (:func:`~.backend.call_backend` passes it)."""
         self._reload(**kwargs)
 
-    def commit(self, reload_weights: Any, forget_outputs: Any = None) -> PushResult:
+    def commit(self, reload_weights: Any, forget_outputs: Any) -> PushResult:
         """Write the prepared update (directly through the model's ``load_weights``, or with
         ``reload_weights``, the worker's vLLM layerwise reload, where that was planned), then
         ``forget_outputs()`` (the runner's caches of outputs the old weights computed);
@@ -258,8 +258,7 @@ class PushTransaction:
         self._serve(pending)
         if not pending.partial:
             result.report.dtypes = served_dtypes(self.model)
-        if forget_outputs is not None:
-            forget_outputs()
+        forget_outputs()
         pending.reader.close()
         return self._finished(result)
 

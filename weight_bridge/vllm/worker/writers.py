@@ -12,8 +12,8 @@ What the mode decides is only which one is prepared:
 * ``vllm-direct``: vLLM's own direct reload, 0.34+ (:class:`.vllm_direct.VllmDirectWrite`);
 * ``layerwise``: vLLM's whole-model reload (:class:`.layerwise.LayerwiseWrite`).
 
-Which of the last four a complete or partial push takes is :func:`.layerwise.push_plan`'s one
-decision, shared with the dry run.
+Which of the last four a complete or partial push takes is :func:`push_plan`'s one decision,
+shared with the dry run (:mod:`.queries`): the plan beside the registry it picks from.
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.delta import is_delta
-from ...direct import DirectReloadError, prepare_direct_reload
+from ...delta.format import is_delta
+from ...direct import DirectReloadError, ReloadPlan, plan_direct_reload, prepare_direct_reload
 from ...direct.record import require_layout
 from ...direct.undo import HostStore
 from ...direct.validate import validate_checkpoint
 from ...direct.writer import Writer
+from ..internals.vllm_direct import vllm_direct_refusal
 from ..options import BridgeOptions
 from .delta_links import plan_delta
-from .layerwise import LayerwiseReprocessor, LayerwiseWrite, PushPlan, push_plan
+from .layerwise import LayerwiseReprocessor, LayerwiseWrite, auto_reprocessable, layerwise_wrong
 from .vllm_direct import VllmDirectWrite
 
 
@@ -56,6 +57,39 @@ class WriteJob:
     # tensors produced one at a time as the write asks (a push from memory: ``items`` are
     # their descriptions, :class:`~weight_bridge.checkpoint.live.LiveTensor`)
     stream: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None
+
+
+@dataclass
+class PushPlan:
+    """How a complete push in a reload mode writes: ``mode`` (``direct``, ``auto`` or
+    ``layerwise``: what the report will say), ``plan`` (the direct writes, re-processing and
+    refusals; None for vLLM's whole-model layerwise reload), ``reprocessable`` (the modules
+    vLLM's per-layer processing may take; None: no re-processing asked) and ``wrong`` (the
+    weights whole-model layerwise would leave wrong: a layerwise push is refused naming them)."""
+
+    mode: str
+    plan: ReloadPlan | None
+    reprocessable: set[str] | None = None
+    wrong: dict[str, str] | None = None
+
+
+def push_plan(model: torch.nn.Module, mode: str) -> PushPlan:
+    """The one plan of a push in ``mode``, for the push itself and for its dry run: ``direct``
+    writes what is proven; ``auto`` does the same and re-processes what vLLM's per-layer
+    processing re-creates, and falls back to whole-model layerwise only when nothing at all
+    can be written directly; ``layerwise`` is vLLM's whole-model reload (no direct targets);
+    ``vllm-direct`` is vLLM's own direct reload (0.34+), ``wrong`` holding what it refuses."""
+    if mode == "vllm-direct":
+        refusal = vllm_direct_refusal(model)
+        return PushPlan("vllm-direct", None, wrong={"<vllm-direct>": refusal} if refusal else {})
+    if mode == "direct":
+        return PushPlan("direct", plan_direct_reload(model))
+    if mode == "auto":
+        reprocessable = auto_reprocessable(model)
+        plan = plan_direct_reload(model, reprocessable)
+        if plan.targets or plan.problems:  # else nothing at all can be written directly
+            return PushPlan("auto" if plan.reprocess else "direct", plan, reprocessable)
+    return PushPlan("layerwise", None, wrong=layerwise_wrong(model))
 
 
 def _delta(job: WriteJob, _: PushPlan | None) -> Writer:

@@ -2,10 +2,10 @@
 
 A delta is what a sync sends when few values changed (at RL learning rates most bf16 values do
 not move from one step to the next). Its metadata says it is a delta (:data:`DELTA_KEY`), names
-its base version (:data:`~.format.BASE_VERSION_KEY`: it applies on exactly that version, never
-another) and its own (``version``), and records for every tensor it touches the bit-exact
-fingerprint (:mod:`weight_bridge.exact`) of the **full** tensor it produces
-(:data:`FINGERPRINTS_KEY`, JSON ``{name: 16 hex digits}``).
+its base version (:data:`~weight_bridge.checkpoint.format.BASE_VERSION_KEY`: it applies on
+exactly that version, never another) and its own (``version``), and records for every tensor it
+touches the bit-exact fingerprint (:mod:`weight_bridge.exact`) of the **full** tensor it
+produces (:data:`FINGERPRINTS_KEY`, JSON ``{name: 16 hex digits}``).
 
 Each tensor is stored whichever way is smaller:
 
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.format import BASE_VERSION_KEY, VERSION_KEY
 from ..exact import bits_of, format_fingerprint
-from .errors import CheckpointError
-from .format import BASE_VERSION_KEY, VERSION_KEY
 
 DELTA_KEY = "weight_bridge.delta"  # "1": the format below
 FINGERPRINTS_KEY = "weight_bridge.fingerprints"

@@ -2,7 +2,7 @@
 
 A Lightning callback decides *when* to sync (its schedule), the sender *how*: choose the kind
 (complete, partial or a delta: the keyframe clock and what the engine reported, held by
-:class:`~.delta_state.DeltaState`), give the writer the sink of that kind, let the entry point
+:class:`DeltaState`), give the writer the sink of that kind, let the entry point
 stream its tensors into it, push the file, then settle what the sync taught: the clock, the
 engine's dtypes, the files to keep (what the engine serves is never deleted) and the loadable
 checkpoint. A failure anywhere makes the next sync a keyframe and removes the failed sync's file.
@@ -25,10 +25,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .delta_sink import Sink
-from .delta_state import DeltaState
-from .format import BASE_VERSION_KEY
-from .live import LiveCheckpoint
+from ..checkpoint.format import BASE_VERSION_KEY
+from ..checkpoint.live import LiveCheckpoint
+from ..delta.sink import Sink
+from ..delta.state import DeltaState
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Turn:
     ``"partial"`` or ``"delta"``), ``based`` (a keyframe that refreshes the reference copy deltas
     are diffed against), ``metadata`` the file's header must carry (a delta's or a partial
     file's base version), ``choice`` (why: for the record) and ``opener``, which opens the
-    sink of that kind (:meth:`~.delta_state.DeltaState.open`: a delta's, a keyframe's that
+    sink of that kind (:meth:`DeltaState.open`: a delta's, a keyframe's that
     refreshes the reference copy, or the plain writer's)."""
 
     kind: str

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.held import try_lock_exclusive
+from ..checkpoint.space import is_tmpfs
 from ..layout import storage_start
-from .held import try_lock_exclusive
 from .run_dirs import new_run_dir_name, remove_orphans
 
 _STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
@@ -148,25 +149,6 @@ def _ram_candidate(engine_root: str | None, builds_engine: bool) -> Path | None:
     if engine_root is not None and is_tmpfs(Path(engine_root)):
         return Path(engine_root)
     return None
-
-
-def is_tmpfs(path: Path) -> bool:
-    """Whether ``path`` lies on a tmpfs (its longest mount point's type): files there are host
-    memory."""
-    try:
-        resolved = path.resolve()
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return False
-    best, kind = -1, ""
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = Path(parts[1].replace("\\040", " "))
-        if (resolved == point or point in resolved.parents) and len(str(point)) > best:
-            best, kind = len(str(point)), parts[2]
-    return kind == "tmpfs"
 
 
 def held_files(keep_last_k: int, partial: bool) -> int:

@@ -2,7 +2,7 @@
 
 One job, shared by both trainer-side writers (the Lightning callback, ``WeightBridgeTrainer``):
 between the clock (:class:`~.keyframes.KeyframeClock`: *whether* the next sync is a delta) and
-the sinks (:mod:`.delta_sink`: *how* a delta is written), keep what a run learns from its engine
+the sinks (:mod:`.sink`: *how* a delta is written), keep what a run learns from its engine
 and its writes:
 
 * the dtype the engine holds each tensor in (:class:`~.keyframes.EngineDtypes`: ``report.dtypes``
@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from .delta_choice import DeltaChoice, host_memory_transport
-from .delta_sink import DeltaSink, KeyframeSink, Sink
+from ..checkpoint.write import CheckpointWriter
+from .choice import DeltaChoice, host_memory_transport
 from .keyframes import EngineDtypes, KeyframeClock
 from .reference import Reference
-from .write import CheckpointWriter
+from .sink import DeltaSink, KeyframeSink, Sink
 
 
 class DeltaState:
@@ -52,7 +52,7 @@ class DeltaState:
     def start(self, directory: Path | str) -> None:
         """A new run writing into ``directory``: nothing is known of the engine (the first
         sync is in the trainer's dtype), the reference is not trusted, and ``delta="auto"``
-        measures afresh on this transport (:func:`~.delta_choice.host_memory_transport`)."""
+        measures afresh on this transport (:func:`~.choice.host_memory_transport`)."""
         self.engine.forget()
         self.reference.invalidate()
         self.clock.choice = DeltaChoice(host_memory_transport(directory))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..exact import bits_of, exact_fingerprint, fingerprint_change
-from .delta import encode_sparse, sparse_bytes
+from .format import encode_sparse, sparse_bytes
 
 CHUNK = 1 << 22  # elements per step (a bool mask of 4 MiB, a bf16 chunk of 8 MiB)
 _MASK = (1 << 64) - 1
@@ -39,7 +39,7 @@ _MASK = (1 << 64) - 1
 class Change:
     """What a delta carries for one tensor: ``changed`` of its ``numel`` elements differ from
     the reference; ``fingerprint``: of the full new tensor. Stored ``sparse`` (the three parts of
-    :func:`~weight_bridge.checkpoint.delta.encode_sparse`) or ``dense`` (the reference's own
+    :func:`~weight_bridge.delta.format.encode_sparse`) or ``dense`` (the reference's own
     tensor, already holding the new values); both None when nothing changed."""
 
     numel: int

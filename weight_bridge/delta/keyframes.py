@@ -13,7 +13,7 @@ Nothing here knows about files, ranks or engines; each writer feeds it how each 
   sync (complete; :data:`DELTA_EVERY_K` while deltas run and it is None), once the deltas since
   the last keyframe add up past ``delta_budget`` times its bytes, and after the engine's dtypes
   changed (:meth:`KeyframeClock.rebase`); deltas in between. With ``delta="auto"`` whether
-  deltas run at all is measured (:class:`~.delta_choice.DeltaChoice`: where the bytes go, and
+  deltas run at all is measured (:class:`~.choice.DeltaChoice`: where the bytes go, and
   what each kind cost in the run).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .delta_choice import DeltaChoice
+from .choice import DeltaChoice
 
 DELTA_MODES = ("auto", "on", "off")
 DELTA_EVERY_K = 64  # a keyframe every 64 syncs while deltas run, unless full_every_k says
@@ -128,7 +128,7 @@ class KeyframeClock:
 
     def delta_on(self, engine_accepts: bool) -> bool:
         """Whether deltas run: ``delta="on"``, or ``"auto"`` with an engine that accepts them
-        where they are measured cheaper (:class:`~.delta_choice.DeltaChoice`)."""
+        where they are measured cheaper (:class:`~.choice.DeltaChoice`)."""
         if self.delta == "auto":
             return engine_accepts and self.choice.wants_deltas()
         return self.delta == "on"

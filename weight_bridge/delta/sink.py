@@ -6,7 +6,7 @@ then ``finish`` or ``abort``). Without deltas the sink is the
 :class:`~weight_bridge.checkpoint.CheckpointWriter` itself. With them:
 
 * :class:`KeyframeSink` (a complete or partial sync): the plain streamed file, whose header also
-  carries every tensor's exact fingerprint (:data:`~weight_bridge.checkpoint.delta.
+  carries every tensor's exact fingerprint (:data:`~weight_bridge.delta.format.
   FINGERPRINTS_KEY`: the engine's base fingerprints). The header is written before any tensor
   is gathered, so it holds a placeholder of the same length, filled in before the rename
   (:class:`FingerprintedWriter`). Each tracked tensor is cast into the reference copy
@@ -29,12 +29,12 @@ from typing import Any, Protocol
 
 import torch
 
+from ..checkpoint.format import BASE_VERSION_KEY, VERSION_KEY
+from ..checkpoint.header_plan import plan_header
+from ..checkpoint.write import CheckpointWriter, SavedCheckpoint
 from ..exact import format_fingerprint
-from .delta import BASE_LINEAGE_KEY, FINGERPRINTS_KEY, delta_metadata, lineage_of, part_name
-from .format import BASE_VERSION_KEY, VERSION_KEY
-from .header_plan import plan_header
+from .format import BASE_LINEAGE_KEY, FINGERPRINTS_KEY, delta_metadata, lineage_of, part_name
 from .reference import Change, Reference, cast_fingerprint
-from .write import CheckpointWriter, SavedCheckpoint
 
 
 class Sink(Protocol):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .retention import is_tmpfs
+from ..checkpoint.space import is_tmpfs
 
 RECHECK_MAX = 64  # at most this many full syncs between two probes of a delta
 

@@ -20,7 +20,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from .held import try_lock_exclusive
+from ..checkpoint.held import try_lock_exclusive
 
 OWNER = ".owner"
 _NAME = re.compile(r"^weight_bridge-(?P<pid>\d+)-[0-9a-f]{8}$")
