@@ -88,7 +88,7 @@ def main() -> None:
 
     from callbacks import CheckpointFiles, EngineSpec, Schedule, VLLMWeightSync
     from weight_bridge import EngineUndefinedError  # noqa: F401 (an error a rank may raise)
-    from weight_bridge.checkpoint.live import LiveTensor
+    from weight_bridge.checkpoint.live import LiveCheckpoint, LiveTensor
     from weight_bridge.testing.parity import collect
     from weight_bridge.vllm.clients.ranks import RanksEngine
 
@@ -236,6 +236,18 @@ def main() -> None:
                 key = f"{kind}_partial" if sent is part else kind
                 report[f"fault_{key}"] = _attempt(partial(engine.push_tensors, sent, "x", base))
                 report[f"after_fault_{key}"] = (engine.version, greedy(engine)) == before
+            # the same source object pushed again: twice failing mid-write on rank 1 alone (its
+            # loader raises), then landing. Each push's stream state is its own: under FSDP2 a
+            # stale one from the first failure would leave rank 0 waiting in a gather.
+            again = LiveCheckpoint.of(changed, {"version": "again"})
+            for attempt in (1, 2):
+                if rank == 1:
+                    engine.llm.collective_rpc(arm_fault, args=(FAULT_PARAM, "raise"))
+                report[f"reused_fault_{attempt}"] = _attempt(lambda: engine.push(again))
+            report["reused_lands"] = _attempt(lambda: engine.push(again))
+            report["after_reused"] = engine.version == "again"
+            engine.push_tensors(good, version=before[0])  # back to what the checks below expect
+            report["after_reused_back"] = (engine.version, greedy(engine)) == before
             # a tensor never materialised (on the meta device) on rank 1 alone: refused on both
             meta = dict(good)
             if rank == 1:

@@ -193,3 +193,9 @@ def check(ranks: list[dict], extra: tuple) -> None:
             assert failed["error"] == "DirectReloadError", (kind, failed)
             assert "rolled back to version '2'" in failed["message"], (kind, failed)
             assert rank[f"after_fault_{kind}"], kind
+        for attempt in (1, 2):  # one source object, pushed again after each failure
+            failed = rank[f"reused_fault_{attempt}"]
+            assert failed["error"] == "DirectReloadError", (attempt, failed)
+            assert "rolled back to version '2'" in failed["message"], (attempt, failed)
+        assert rank["reused_lands"] == {"error": None} and rank["after_reused"]
+        assert rank["after_reused_back"]

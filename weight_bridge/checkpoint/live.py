@@ -227,10 +227,14 @@ class LiveCheckpoint:
     def close(self) -> None:
         """The tensors are the caller's: nothing to release."""
 
-    def check_on(self, device: torch.device) -> None:
-        """Every part materialised on ``device`` (where the engine holds its weights): one on
-        the meta device (never materialised) or on another device is refused by name, before
-        anything is written (the finiteness check, the write and the read-back all read it)."""
+    def open_on(self, device: torch.device) -> None:
+        """A push opens this source: its stream's state is this push's (the caller's object
+        may be pushed again, a retry after a failure: a stale "ended" would leave the other
+        ranks waiting in a gather), and every part is materialised on ``device`` (where the
+        engine holds its weights): one on the meta device (never materialised) or on another
+        device is refused by name, before anything is written (the finiteness check, the
+        write and the read-back all read it)."""
+        self._ended, self._wrong = False, 0
         for item in self.items:
             for part in item.parts:
                 if part.is_meta:

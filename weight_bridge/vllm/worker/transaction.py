@@ -204,7 +204,7 @@ class PushTransaction:
         (:mod:`weight_bridge.checkpoint.live`), each materialised on the engine's device, or a
         file under the checkpoint root, held from now (what is served is exactly this)."""
         if isinstance(checkpoint, LiveCheckpoint):
-            checkpoint.check_on(_device_of(self.model))
+            checkpoint.open_on(_device_of(self.model))
             return checkpoint
         path = trusted_checkpoint(checkpoint, self.options.checkpoint_root)
         return CheckpointReader(path, hold=True)
