@@ -14,6 +14,10 @@ process of the engine wraps each fault point once; a wrapper raises while ``PATH
   ``R`` (any rank: null), each once: the process that fires one takes it off the list first
   (the file goes with the last), so a second fault can strike the recovery from the first.
 
+A file ``PATH.slow`` (:func:`slowed`) makes the engine slow instead: each scheduler step
+sleeps :data:`SLOW_STEP_S` first (a loaded machine, on purpose), so that a test that pauses
+generations once they have a few tokens reaches them before they end on any machine.
+
 Nothing else changes; an unarmed wrapper costs one ``os.path.exists``.
 
 A module of the tests, not of the product (nothing in ``weight_bridge`` imports it): the engine
@@ -27,12 +31,15 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 FAULT_FILE_ENV = "WEIGHT_BRIDGE_TEST_FAULT_FILE"
 FAULTS = "faults:register"  # the plugin spec (tests/ is on every engine process's path)
 ENDS = ("enter", "return")  # a phase's fault raises as it is entered, or as it returns
+SLOW_STEP_S = 0.05  # the sleep before each scheduler step of a slowed engine
 
 
 def _kinds() -> dict[str, Callable[[str], BaseException]]:
@@ -79,6 +86,18 @@ def _write(path: str, specs: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def slowed(path: str | os.PathLike) -> Iterator[None]:
+    """The engine armed by the fault file ``path`` sleeps :data:`SLOW_STEP_S` before each
+    scheduler step while this runs."""
+    slow = Path(f"{os.fspath(path)}.slow")
+    slow.touch()
+    try:
+        yield
+    finally:
+        slow.unlink(missing_ok=True)
+
+
 def register() -> None:
     """Install the wrappers in this process (a vLLM plugin function) when the fault file is
     named in its environment."""
@@ -89,6 +108,8 @@ def register() -> None:
 
 def install(path: str | os.PathLike) -> None:
     """Wrap every fault point in this process, armed by the file at ``path``."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
     from weight_bridge.checkpoint.dtensor import ShardGather
     from weight_bridge.direct import delta, session, undo
     from weight_bridge.direct.readback import ReadBack
@@ -119,6 +140,19 @@ def install(path: str | os.PathLike) -> None:
         setattr(ShardGather, method, _around(path, "gather", getattr(ShardGather, method), (end,)))
     copy_back = getattr(undo._copy_back, "unwrapped", undo._copy_back)
     undo._copy_back = _at(path, "store_refresh", copy_back)
+    schedule = getattr(Scheduler.schedule, "unwrapped", Scheduler.schedule)
+    Scheduler.schedule = _slow(f"{path}.slow", schedule)  # type: ignore[method-assign]
+
+
+def _slow(slow: str, schedule: Callable) -> Callable:
+    @functools.wraps(schedule)
+    def schedule_slowly(*args: Any, **kwargs: Any) -> Any:
+        if os.path.exists(slow):
+            time.sleep(SLOW_STEP_S)
+        return schedule(*args, **kwargs)
+
+    schedule_slowly.unwrapped = schedule  # type: ignore[attr-defined]
+    return schedule_slowly
 
 
 def _fire(path: str, point: str) -> None:

@@ -183,7 +183,7 @@ class CheckpointLayout:
     lists the tensors a checkpoint for this model must contain (name -> shape, dtype); for an
     engine whose loader maps checkpoint names onto fused parameters (qkv, gate_up), these are the
     checkpoint's names, captured while the engine loaded, not the parameter names. ``loaded``:
-    the parameter and buffer names the loader wrote into at load (see :meth:`must_write`).
+    the names a complete reload must write (those of ``checkpoint``; None: every name).
     """
 
     tensors: dict[str, TensorLayout]
@@ -192,9 +192,9 @@ class CheckpointLayout:
     loaded: frozenset[str] | None = None
 
     def must_write(self, name: str) -> bool:
-        """Whether a complete reload must write ``name``: the loader wrote it at load (``loaded``,
-        when recorded; parameters a checkpoint never carries, such as default scales, are
-        not), else every name."""
+        """Whether a complete reload must write ``name``: a name of the checkpoint the engine
+        loaded (``loaded``, when recorded; what a checkpoint never carries, such as default
+        scales, is not), else every name."""
         return self.loaded is None or name in self.loaded
 
     def aliases(self) -> dict[str, list[str]]:

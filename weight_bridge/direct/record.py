@@ -29,7 +29,6 @@ def record_checkpoint_layout(
     model: torch.nn.Module,
     checkpoint: Mapping[str, TensorSpec] | None = None,
     optional: frozenset[str] | set[str] = frozenset(),
-    loaded: frozenset[str] | set[str] | None = None,
 ) -> CheckpointLayout:
     """Record every parameter/buffer's layout and fingerprint on ``model``; return the record.
 
@@ -38,9 +37,9 @@ def record_checkpoint_layout(
     reload (or :func:`prove_checkpoint_layout`) compares the processed model with.
     ``checkpoint`` names the tensors a checkpoint must hold; by default the parameter and
     buffer names themselves (the case of a plain module loaded by name). ``optional`` names
-    checkpoint tensors that may be absent (e.g. non-persistent buffers). ``loaded``: the
-    parameter and buffer names the loader wrote into (default: all); a complete reload must
-    write each of them again.
+    checkpoint tensors that may be absent (e.g. non-persistent buffers). A complete reload
+    must write each name of ``checkpoint`` again, and a buffer is fingerprinted only where the
+    checkpoint carries it (a computed buffer, such as rotary tables, is not the checkpoint's).
     """
     loaded = set(checkpoint) if checkpoint is not None else None
     tensors = {}

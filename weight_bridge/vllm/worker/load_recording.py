@@ -29,10 +29,9 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ...direct import prove_checkpoint_layout, record_checkpoint_layout
-from ...direct.readback import ReadBack
 from ...direct.snapshot import snapshot_module
 from ...direct.state import bridge_state
-from ...layout import TensorSpec, fingerprint, live_tensors, storage_ptr
+from ...layout import TensorSpec, fingerprint
 from ..internals.model import layerwise_reprocesses
 from ..internals.patches import processing_watched
 from ..internals.vllm_direct import record_vllm_layout
@@ -42,7 +41,6 @@ from .cpu_threads import sleep_when_idle, use_spare_cpus
 from .refresh import take_refreshers
 
 _manifests: WeakKeyDictionary[torch.nn.Module, dict[str, TensorSpec]] = WeakKeyDictionary()
-_loaded: WeakKeyDictionary[torch.nn.Module, set[str]] = WeakKeyDictionary()
 
 
 def _sampled(t: torch.Tensor) -> Any:
@@ -90,18 +88,12 @@ def get_all_weights(original: Any) -> Any:
 
 
 def load_weights(original: Any) -> Any:
-    """``DefaultModelLoader.load_weights``, noting the parameters written into (point 1)."""
+    """``DefaultModelLoader.load_weights``, in a worker set up for the bridge's CPU work."""
 
     def load_weights(self, model, model_config):
-        if bridge_options() is None:
-            return original(self, model, model_config)
-        _set_up_cpu_worker()
-        live = list(live_tensors(model))
-        watch = ReadBack({storage_ptr(t) for _, t, _ in live}, "off")
-        with watch:
-            out = original(self, model, model_config)
-        _loaded[model] = {name for name, t, _ in live if watch.wrote_into(t)}
-        return out
+        if bridge_options() is not None:
+            _set_up_cpu_worker()
+        return original(self, model, model_config)
 
     return load_weights
 
@@ -118,7 +110,7 @@ def process_weights_after_loading(original: Any) -> Any:
                 "weight-bridge: the engine's model loader did not stream a checkpoint "
                 "(only the default safetensors loader is supported)"
             )
-        record_checkpoint_layout(model, checkpoint=manifest, loaded=_loaded.pop(model, None))
+        record_checkpoint_layout(model, checkpoint=manifest)
         record_vllm_layout(model)  # what reload_mode="vllm-direct" rides (vLLM 0.34+)
         after_own: dict[int, Any] = {}
 
