@@ -86,6 +86,8 @@ def measured_sync(memory_at: int | str | None = None, record: bool = False,
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             super().setup(trainer, pl_module, stage)
+            if record and self.transport.engine is not None:  # what the transport pushes into
+                self.transport.engine = RecordedPushes(self.transport.engine, self, keep)
             if tweak is not None:
                 tweak(self)
 
@@ -102,17 +104,24 @@ def measured_sync(memory_at: int | str | None = None, record: bool = False,
             sizes = {} if every else {"dir_peak_bytes": held.peak, "dir_after_bytes": held.held()}
             self.memory.append({"step": step, **sizes, **rss.report()})
 
-        def _push(self, path: Path, step: int) -> Any:
-            if not record:
-                return super()._push(path, step)
-            nbytes, report = os.path.getsize(path), super()._push(path, step)
-            self.pushes[step] = {"file_bytes": nbytes, **report_fields(report)}
-            if keep is not None and step > 0:  # after the push: outside its report's time
-                self.kept.append(keep / f"{len(self.kept):02d}-{Path(path).name}")
-                shutil.copyfile(path, self.kept[-1])
-            return report
-
     return MeasuredSync()
+
+class RecordedPushes:
+    """An engine whose pushes ``sync`` records (the report's times; the file kept in ``keep``)."""
+
+    def __init__(self, engine: Any, sync: Any, keep: Path | None) -> None:
+        self.engine, self.sync, self.keep = engine, sync, keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def push(self, path: Path, version: int) -> Any:
+        nbytes, report = os.path.getsize(path), self.engine.push(path, version=version)
+        self.sync.pushes[version] = {"file_bytes": nbytes, **report_fields(report)}
+        if self.keep is not None and version > 0:  # after the push: outside its report's time
+            self.sync.kept.append(self.keep / f"{len(self.sync.kept):02d}-{Path(path).name}")
+            shutil.copyfile(path, self.sync.kept[-1])
+        return report
 
 def report_fields(report: Any) -> dict[str, Any]:
     return {"push_s": report.elapsed_s, "apply_s": report.elapsed_s - report.refresh_s,

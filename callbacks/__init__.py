@@ -7,10 +7,10 @@ engine it is given is :class:`weight_bridge.EngineClient`.
 """
 
 from weight_bridge.sync import CheckpointFiles
+from weight_bridge.sync.canary import CanaryCheck
+from weight_bridge.sync.names import CheckpointNames
 
-from .canary import CanaryCheck
 from .engine import EngineSpec
-from .names import CheckpointNames
 from .schedule import Schedule
 from .weight_sync import VLLMWeightSync
 

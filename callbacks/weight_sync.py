@@ -6,14 +6,16 @@ atomic, hashed) and pushes it into an engine, which copies the bytes in place in
 storage. A checkpoint on disk is also what a cold start would load, so what the engine serves
 after a push is exactly what a fresh engine on that file would serve.
 
-The callback only wires the parts together: :class:`~callbacks.schedule.SyncClock` decides when
-(and whether a sync is complete, partial or a delta), :class:`~callbacks.gather.Gatherer` what
-is sent and how each tensor reaches the writer (DTensors of sharded trainers one at a time),
-the transport (:mod:`callbacks.transport`, chosen once from the engine) how the tensors travel,
-:class:`~weight_bridge.delta.state.DeltaState` what the engine reported and the
-writer's reference copy, :class:`~callbacks.collective.Collective` makes each step fail on every
-rank or none, and the engine (any :class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`)
-is pushed.
+The callback wires the parts together and only calls down into them:
+:class:`~callbacks.schedule.SyncClock` decides when (and whether a sync is complete, partial or
+a delta); the sync itself is :mod:`weight_bridge.sync`'s: the
+:class:`~weight_bridge.sync.gather.Gatherer` what is sent and how each tensor reaches the writer
+(DTensors of sharded trainers one at a time), the transport (:mod:`weight_bridge.sync.transport`,
+chosen once from the engine) how the tensors travel and the push into the engine (any
+:class:`~weight_bridge.vllm.clients.bridge_client.EngineClient`),
+:class:`~weight_bridge.delta.state.DeltaState` what the engine reported and the writer's
+reference copy, :class:`~weight_bridge.sync.collective.Collective` makes each step fail on every
+rank or none.
 """
 
 from __future__ import annotations
@@ -32,17 +34,17 @@ from typing_extensions import override
 
 from weight_bridge.delta.state import DeltaState
 from weight_bridge.sync import CheckpointFiles, Sender, release, step_file
+from weight_bridge.sync.canary import CanaryCheck
+from weight_bridge.sync.collective import Collective, StepFailed
+from weight_bridge.sync.gather import Gatherer
+from weight_bridge.sync.names import ENGINE, CheckpointNames
+from weight_bridge.sync.transport import SyncStep, transport_for
 from weight_bridge.vllm import EngineClient
 
-from .canary import CanaryCheck
-from .collective import Collective, StepFailed
 from .directory import open_dir
 from .engine import EngineSpec, engine_of
-from .gather import Gatherer
-from .names import ENGINE, CheckpointNames
 from .records import sync_line, sync_metrics, sync_record
-from .schedule import Schedule, SyncClock
-from .transport import SyncStep, transport_for
+from .schedule import Schedule, SyncClock, in_ranks_schedule
 
 
 class VLLMWeightSync(Callback):
@@ -61,8 +63,8 @@ class VLLMWeightSync(Callback):
             the dtype the engine holds it in, once the engine said).
         source: the LightningModule attribute holding the model (``""``: the module itself),
             or a callable ``pl_module -> state dict``.
-        canary: check every push end to end (:class:`~callbacks.canary.CanaryCheck`; ``True``:
-            with defaults); the logprob gap is logged as ``weight_sync/canary_gap``.
+        canary: check every push end to end (:class:`~weight_bridge.sync.canary.CanaryCheck`;
+            ``True``: with defaults); the logprob gap is logged as ``weight_sync/canary_gap``.
         enabled: ``False`` makes the callback a no-op: no files, no engine (a per-run switch:
             ``--trainer.callbacks.init_args.enabled=false`` with LightningCLI).
         on_error: ``"raise"``, or ``"warn"``: a failed save, push or canary becomes a warning
@@ -111,13 +113,12 @@ class VLLMWeightSync(Callback):
         self.on_error = on_error
         module_attr, getter = (source, None) if isinstance(source, str) else ("", source)
         self.gatherer = Gatherer(names, module_attr, getter, fsync=files.durable)
-        kind = transport_for(self.spec is not None and self.spec.in_ranks)
-        self.clock = SyncClock(kind.schedule(schedule))
+        in_ranks = self.spec is not None and self.spec.in_ranks
+        self.clock = SyncClock(in_ranks_schedule(schedule) if in_ranks else schedule)
         self.deltas = DeltaState(self.clock, self.gatherer.engine, names.dtype == ENGINE)
-        self.transport = transport = kind(self.gatherer, files, self.deltas)
-        self.sender = Sender(
-            self.deltas, self.gatherer.writer_options, transport.retire, transport.discard
-        )
+        self.transport = transport_for(in_ranks)(self.gatherer, files, self.deltas, self.canary)
+        self.transport.engine = self._engine
+        self.sender = Sender(self.deltas, self.transport)
         self.last_checkpoint: str | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=self.history_limit)
         self._dir: Path | None = None
@@ -186,11 +187,12 @@ class VLLMWeightSync(Callback):
             writer = self._is_writer(trainer)
             flags = trainer.strategy.all_gather(torch.tensor([int(writer)]))
             file_ranks = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
-            self.transport.setup(self._dir, self._in_ram, file_ranks, writer, self._current)
+            self.transport.setup(self._dir, self._in_ram, file_ranks, writer)
             if starts:
                 assert self.spec is not None
                 self._engine = self.spec.start(self._dir, trainer.num_devices)
                 self._owns_engine = True
+                self.transport.engine = self._engine
             # in RAM the content hash only serves an engine that verifies it (an option of its)
             asked = self.spec is not None and bool(self.spec.options.bridge.get("verify_hash"))
             verifies = asked or getattr(self._engine, "verify_hash", False) is True
@@ -213,7 +215,7 @@ class VLLMWeightSync(Callback):
     def _release(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._owns_engine and self._engine is not None:
             self._engine.close()
-            self._engine = None
+            self._engine = self.transport.engine = None
             self._owns_engine = False
             _expose(pl_module, None)
         if self._in_ram and self._dir is not None and self._is_writer(trainer):
@@ -248,10 +250,6 @@ class VLLMWeightSync(Callback):
         if self.enabled and self.clock.at_train_end(trainer.global_step):
             self._sync(trainer, pl_module, trainer.global_step)
 
-    def _current(self) -> EngineClient | None:
-        """The engine now (the transport asks: started in setup, closed at teardown)."""
-        return self._engine
-
     def _is_writer(self, trainer: pl.Trainer) -> bool:
         """The rank that writes checkpoints: global rank zero, or each node's local rank zero."""
         return trainer.local_rank == 0 if self.files.node_local else trainer.is_global_zero
@@ -270,18 +268,11 @@ class VLLMWeightSync(Callback):
         sync = SyncStep(trainer, pl_module, step_file(self._dir, step), step, collective)
         last = self.clock.last_pushed_step
         turn = self.sender.turn(None if last is None else str(last))
-        gap: list[float | None] = [None]
-
-        def push(where: Path) -> Any:
-            report = collective.run("push", lambda: self._push(where, step))
-            gap[0] = collective.run("canary", lambda: self._canary_gap(pl_module))
-            return report
-
         failed: StepFailed | None = None
         broadcast = trainer.strategy.broadcast
+        write, push = partial(self.transport.write, sync), partial(self.transport.push, sync)
         try:
             try:
-                write = partial(self.transport.write, sync)
                 sent = self.sender.send(sync.path, turn, write, push, broadcast)
                 kept = collective.run("save", partial(self.transport.pushed, sync))
             finally:
@@ -293,19 +284,9 @@ class VLLMWeightSync(Callback):
             return
         self.clock.last_pushed_step = step
         self.last_checkpoint = kept or self.sender.last_checkpoint
-        record = sync_record(step, sent, gap[0])
+        record = sync_record(step, sent, sync.gap)
         self._history.append(record)
         self._report(trainer, record, sent.report is not None)
-
-    def _push(self, path: Path, step: int) -> Any:
-        if self._engine is None:
-            return None
-        return self._engine.push(path, version=step)
-
-    def _canary_gap(self, pl_module: pl.LightningModule) -> float | None:
-        if self.canary is None or self._engine is None:
-            return None
-        return self.canary.gap(self.gatherer.model(pl_module), self._engine)
 
     def _report(self, trainer: pl.Trainer, record: dict[str, Any], pushed: bool) -> None:
         """Log metrics (writer) and one line (rank zero)."""

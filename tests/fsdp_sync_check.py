@@ -148,7 +148,7 @@ class Fault(pl.Callback):
     def _break_third_gather(self) -> None:
         # MOCK: a rank failing between two gathers of one sync; raising in the gatherer's local
         # preparation step is the only way to cause it from a test.
-        from callbacks import gather
+        from weight_bridge.sync import gather
 
         real = gather.Gatherer._prepare
         calls = []

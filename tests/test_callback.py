@@ -38,10 +38,10 @@ from callbacks import (
     Schedule,
     VLLMWeightSync,
 )
-from callbacks.canary import CanaryError
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
 from weight_bridge.checkpoint.format import HASH_KEY
 from weight_bridge.exact import exact_fingerprint, format_fingerprint
+from weight_bridge.sync.canary import CanaryError
 from weight_bridge.sync.retention import prune
 
 

@@ -25,9 +25,6 @@ from torch import nn
 
 import weight_bridge.delta.reference as reference_mod
 from callbacks import CheckpointFiles, CheckpointNames, EngineSpec, Schedule, VLLMWeightSync
-from callbacks.collective import Collective
-from callbacks.gather import Gatherer
-from callbacks.names import ENGINE
 from callbacks.schedule import SyncClock
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
 from weight_bridge.delta.choice import DeltaChoice
@@ -43,6 +40,10 @@ from weight_bridge.delta.reference import Reference
 from weight_bridge.delta.state import DeltaState
 from weight_bridge.exact import bits_of, exact_fingerprint, format_fingerprint
 from weight_bridge.sync import Sender
+from weight_bridge.sync.collective import Collective
+from weight_bridge.sync.gather import Gatherer
+from weight_bridge.sync.names import ENGINE
+from weight_bridge.sync.transport import FileTransport
 
 BF16 = "bfloat16"
 
@@ -100,7 +101,8 @@ class Syncer:
         self.gatherer = Gatherer(CheckpointNames(), "model", None, fsync=False)
         self.clock = SyncClock(schedule)
         self.deltas = DeltaState(self.clock, self.gatherer.engine)
-        self.sender = Sender(self.deltas, self.gatherer.writer_options)
+        files = FileTransport(self.gatherer, CheckpointFiles(), self.deltas)  # writes no file
+        self.sender = Sender(self.deltas, files)
         self.collective = Collective(None)  # replicated, one rank: no agreement is asked for
         self.held: dict[str, torch.Tensor] = {}
         self.version: str | None = None
@@ -237,7 +239,7 @@ def test_lora_merged_weights_are_diffed_as_merged(models, tmp_path):
     import peft
     from transformers import AutoModelForCausalLM
 
-    from callbacks.changed import materialize, sync_state
+    from weight_bridge.sync.changed import materialize, sync_state
 
     model = AutoModelForCausalLM.from_pretrained(models["qwen2_A"], dtype=torch.float32)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -356,7 +358,7 @@ def test_a_keyframe_records_every_tensors_fingerprint(tmp_path):
 
 
 def test_engine_dtype_names_and_what_cannot_be_cast() -> None:
-    from callbacks.changed import sync_state
+    from weight_bridge.sync.changed import sync_state
 
     model = Policy()
     state = sync_state(model, model.state_dict(), False)

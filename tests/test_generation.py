@@ -146,7 +146,7 @@ def test_the_canary_works_over_http(models, served, results) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from callbacks.canary import CanaryCheck, CanaryError
+    from weight_bridge.sync.canary import CanaryCheck, CanaryError
 
     results("serve")  # the server now serves B
     assert served.version == "B"

@@ -24,8 +24,8 @@ from helpers import (
 from lightning.pytorch.callbacks import Callback
 
 from callbacks import CheckpointFiles, Schedule, VLLMWeightSync
-from callbacks.changed import materialize, sync_state
 from weight_bridge.checkpoint import BASE_VERSION_KEY, CheckpointReader
+from weight_bridge.sync.changed import materialize, sync_state
 
 FROZEN = ("model.embed_tokens.", "model.layers.0.")
 

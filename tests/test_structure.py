@@ -186,7 +186,7 @@ def _exception_classes() -> dict[str, tuple[str, list[str]]]:
 FIXTURES = "weight_bridge.testing."
 # Signals raised and caught inside the packages, which no caller ever sees (each is caught
 # by name in the packages, checked below): not errors of the library.
-SIGNALS = {"callbacks.collective.StepFailed"}
+SIGNALS = {"weight_bridge.sync.collective.StepFailed"}
 
 
 def test_every_exception_derives_from_the_one_base() -> None:

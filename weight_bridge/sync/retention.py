@@ -261,6 +261,25 @@ def discard(path: Path, engine: Any) -> None:
         path.unlink(missing_ok=True)
 
 
+@dataclass
+class StepFiles:
+    """The file policy of a sender with no transport of its own (vLLM's trainer API): every
+    file written as the writer's defaults, the newest ``keep_last_k`` kept after a sync besides
+    what the engine serves, a failed sync's file removed unless ``engine`` serves it."""
+
+    keep_last_k: int
+    engine: Any = None
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def retire(self, path: Path, served: Iterable[Any]) -> None:
+        prune(path.parent, path, max(self.keep_last_k, 1), served)
+
+    def discard(self, path: Path) -> None:
+        discard(path, self.engine)
+
+
 def release(directory: Path, served: Iterable[str | os.PathLike[str]]) -> None:
     """At the end of a run: remove the directory, or, while an engine still serves from it,
     every step file but those it serves."""

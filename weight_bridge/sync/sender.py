@@ -7,10 +7,13 @@ stream its tensors into it, push the file, then settle what the sync taught: the
 engine's dtypes, the files to keep (what the engine serves is never deleted) and the loadable
 checkpoint. A failure anywhere makes the next sync a keyframe and removes the failed sync's file.
 
-What differs between the entries is handed in, not re-implemented: how tensors reach the sink
-(``write``: the callback's collective gather across ranks, or a vLLM ``WeightSource``), how the
-file reaches the engine (``push``), and how every rank agrees on the writer's numbers
-(``agree``: the callback broadcasts rank zero's; a single sender has nothing to agree on).
+What differs between the entries is handed in, not re-implemented: where the files go and which
+are kept (``files``: the callback's transport, :mod:`.transport`, or the trainer API's
+:class:`~.retention.StepFiles`), how tensors reach the sink (``write``: the transport's
+collective gather across ranks, or a vLLM ``WeightSource``), how the file reaches the engine
+(``push``), and how every rank agrees on the writer's numbers (``agree``: the callback
+broadcasts rank zero's; a single sender has nothing to agree on). All of it is this package's
+or the engine client's: the sender calls nothing of the callback's.
 ``callbacks.VLLMWeightSync`` and ``WeightBridgeTrainer.send_weights`` both run
 :meth:`Sender.send`, so the same training run leaves the same files and the same engine state
 through either.
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ..checkpoint.format import BASE_VERSION_KEY
 from ..checkpoint.live import LiveCheckpoint
@@ -76,28 +79,30 @@ class Sent:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class SyncFiles(Protocol):
+    """What the sender asks of where a sync's files go: how the writer writes every file
+    (``options``), which are kept after a sync (``retire``: old files go, never what the engine
+    serves), a failed sync's file removed (``discard``, unless the engine serves it)."""
+
+    def options(self) -> Mapping[str, Any]: ...
+
+    def retire(self, path: Path, served: Iterable[Any]) -> None: ...
+
+    def discard(self, path: Path) -> None: ...
+
+
 def _same(value: Any) -> Any:
     return value
 
 
 class Sender:
     """Runs every sync of one writer (see the module): ``deltas`` (the clock, the engine's
-    dtypes, the reference copy), ``options`` (how the writer writes every file), ``retire``
-    (after a sync: ``(path, served)``, delete old files; None: nothing to prune here) and
-    ``discard`` (a failed sync's file; None: nothing to remove here). ``last_checkpoint``:
-    the newest complete file, loadable on its own (vLLM and ``transformers`` start on it)."""
+    dtypes, the reference copy) and ``files`` (:class:`SyncFiles`). ``last_checkpoint``: the
+    newest complete file, loadable on its own (vLLM and ``transformers`` start on it)."""
 
-    def __init__(
-        self,
-        deltas: DeltaState,
-        options: Callable[[], Mapping[str, Any]] = dict,
-        retire: Callable[[Path, Iterable[Any]], None] | None = None,
-        discard: Callable[[Path], None] | None = None,
-    ) -> None:
+    def __init__(self, deltas: DeltaState, files: SyncFiles) -> None:
         self.deltas = deltas
-        self.options = options
-        self.retire = retire
-        self.discard = discard
+        self.files = files
         self.last_checkpoint: str | None = None
 
     def turn(self, base: str | None, partial_only: bool = False) -> Turn:
@@ -109,7 +114,7 @@ class Sender:
             clock.rebase()
         kind, based = ("partial", False) if partial_only else self.deltas.kind()
         metadata = {BASE_VERSION_KEY: str(base)} if kind != "complete" and base else {}
-        opener = partial(self.deltas.open, kind=kind, based=based, options=self.options())
+        opener = partial(self.deltas.open, kind=kind, based=based, options=self.files.options())
         return Turn(kind, based, metadata, self.deltas.why(kind), opener)
 
     def send(
@@ -145,8 +150,7 @@ class Sender:
         self.deltas.pushed(kind, dtypes)
         if kind == "complete" and written.source is None:  # pushed from memory: no file
             self.last_checkpoint = str(path)
-        if self.retire is not None:
-            self.retire(Path(written.path), getattr(report, "served", None) or ())
+        self.files.retire(Path(written.path), getattr(report, "served", None) or ())
         save_s, push_s = times[1] - times[0], times[2] - times[1]
         return Sent(kind, Path(written.path), written, report, dict(turn.choice), save_s, push_s)
 
@@ -154,5 +158,5 @@ class Sender:
         """A failed sync: the next one is a keyframe in the trainer's dtypes, and its file goes
         (unless the engine serves it)."""
         self.deltas.failed()
-        if path is not None and self.discard is not None:
-            self.discard(path)
+        if path is not None:
+            self.files.discard(path)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,7 +52,7 @@ from ...delta.keyframes import KeyframeClock, delta_mode
 from ...delta.sink import Sink
 from ...delta.state import DeltaState
 from ...errors import WeightBridgeError
-from ...sync.retention import discard, prune, step_file, unused_step
+from ...sync.retention import StepFiles, step_file, unused_step
 from ...sync.sender import Sender, Turn, Written
 from ..internals.sources import full_tensors, sender_gaps, source_metadata
 from ..options import BACKEND
@@ -251,12 +250,7 @@ def _sender(info: WeightBridgeTrainerInitInfo, bridge: Any) -> Sender:
     engine serves, and a failed send's file goes unless the engine serves it."""
     state = DeltaState(KeyframeClock(info.delta, info.full_every_k))
     state.start(info.directory)
-    keep = max(info.keep_last_k, 1)
-
-    def retire(path: Path, served: Iterable[Any]) -> None:
-        prune(path.parent, path, keep, served)
-
-    return Sender(state, retire=retire, discard=partial(discard, engine=bridge))
+    return Sender(state, StepFiles(info.keep_last_k, bridge))
 
 
 def bridge_client_of(client: Any) -> Any:

@@ -2,9 +2,10 @@
 
 Shaped like Lightning's ``CheckpointIO`` beside ``ModelCheckpoint``: the callback's schedule
 says *when*, the sender (:class:`~weight_bridge.sync.Sender`) *what kind* of sync, the
-transport *how* the tensors travel and what is left on disk. It is handed to the sender once
-(``retire``, ``discard``), and the callback calls the same steps whatever it is: ``write``
-(the sender's), ``pushed`` (every rank, after a push landed), ``end`` (after every sync).
+transport *how* the tensors travel and what is left on disk. The sender holds it (``options``,
+``retire``, ``discard``) and runs its ``write`` and ``push`` (the engine's push, then the
+canary); the callback calls ``pushed`` (every rank, after a push landed) and ``end`` (after
+every sync), whatever it is. It calls nothing of the callback's.
 
 * :class:`FileTransport` (an engine of its own process, a server, one the user built): the
   writer ranks stream a safetensors file per sync into the sync's directory (in RAM or on
@@ -23,7 +24,7 @@ transport *how* the tensors travel and what is left on disk. It is handed to the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -31,31 +32,29 @@ from typing import Any
 
 import torch
 
-from weight_bridge.checkpoint import CheckpointWriter
-from weight_bridge.checkpoint.live import LiveCheckpoint
-from weight_bridge.delta.state import DeltaState
-from weight_bridge.sync import CheckpointFiles, Turn, Written
-
+from ..checkpoint import CheckpointWriter
+from ..checkpoint.live import LiveCheckpoint
+from ..delta.state import DeltaState
+from .canary import CanaryCheck
 from .collective import Collective
 from .gather import Gatherer, GatherPlan
 from .names import SyncEntry
-from .schedule import Schedule, in_ranks_schedule
-
-
-def _no_engine() -> None:
-    return None
+from .retention import CheckpointFiles
+from .sender import Turn, Written
 
 
 @dataclass
 class SyncStep:
     """One sync as a transport sees it: the trainer's objects, the step's file (a live push
-    keeps it for the copy the user asked for), and the ranks' agreement."""
+    keeps it for the copy the user asked for), the ranks' agreement, and the canary's logprob
+    gap once pushed (None: no canary, or no engine on this rank)."""
 
     trainer: Any
     pl_module: Any
     path: Path
     step: int
     collective: Collective
+    gap: float | None = None
 
     def metadata(self, plan: GatherPlan, turn: Turn) -> dict[str, str]:
         """The checkpoint's header fields: its version, and a partial one's or a delta's base."""
@@ -68,31 +67,48 @@ class SyncStep:
 
 class Transport(ABC):
     """What every transport answers (see the module). ``writer``: this rank writes files;
-    ``file_ranks``: the ranks that do; ``engine()``: the engine now (None before it starts)."""
+    ``file_ranks``: the ranks that do; ``engine``: the engine now (None before it starts, and
+    on a rank without one); ``canary``: the check after each push (None: none)."""
 
-    def __init__(self, gatherer: Gatherer, files: CheckpointFiles, deltas: DeltaState) -> None:
-        self.gatherer, self.files, self.deltas = gatherer, files, deltas
+    def __init__(
+        self,
+        gatherer: Gatherer,
+        files: CheckpointFiles,
+        deltas: DeltaState,
+        canary: CanaryCheck | None = None,
+    ) -> None:
+        self.gatherer, self.files, self.deltas, self.canary = gatherer, files, deltas, canary
         self.directory: Path | None = None
         self.in_ram = False
         self.writer = False
         self.file_ranks: list[int] = [0]
-        self.engine: Callable[[], Any] = _no_engine
+        self.engine: Any = None
 
-    @staticmethod
-    def schedule(schedule: Schedule) -> Schedule:
-        """The schedule this transport can keep (deltas pay only where bytes travel)."""
-        return schedule
-
-    def setup(
-        self, directory: Path, in_ram: bool, file_ranks: list[int], writer: bool, engine: Callable
-    ) -> None:
-        self.directory, self.in_ram, self.engine = directory, in_ram, engine
+    def setup(self, directory: Path, in_ram: bool, file_ranks: list[int], writer: bool) -> None:
+        self.directory, self.in_ram = directory, in_ram
         self.file_ranks, self.writer = file_ranks, writer
+
+    def options(self) -> dict[str, Any]:
+        """The sender's: how every file of a sync is written."""
+        return self.gatherer.writer_options()
 
     @abstractmethod
     def write(self, sync: SyncStep, turn: Turn) -> Written:
         """The sender's ``write``: the sync's tensors made ready to push (the same on every
         rank: every rank pushes what this names)."""
+
+    def push(self, sync: SyncStep, where: Any) -> Any:
+        """The sender's, every rank: ``where`` (a path, or live tensors) into the engine, then
+        the canary's check (``sync.gap``), each agreed; the engine's report (None: no engine)."""
+        engine = self.engine
+        report = sync.collective.run("push", partial(_push, engine, where, sync.step))
+        sync.gap = sync.collective.run("canary", partial(self._check, engine, sync.pl_module))
+        return report
+
+    def _check(self, engine: Any, pl_module: Any) -> float | None:
+        if self.canary is None or engine is None:
+            return None
+        return self.canary.gap(self.gatherer.model(pl_module), engine)
 
     def pushed(self, sync: SyncStep) -> str | None:
         """Every rank, after the push landed: the complete file this sync left (None: none
@@ -143,7 +159,7 @@ class FileTransport(Transport):
 
     def discard(self, path: Path) -> None:
         if self.writer:
-            self.gatherer.discard(path, self.engine())
+            self.gatherer.discard(path, self.engine)
 
     def end(self) -> None:
         """Nothing to release: the file is the sender's to keep or discard."""
@@ -174,13 +190,7 @@ class _FileCopy(LiveCheckpoint):
 class LiveTransport(Transport):
     """Every rank's live tensors, pushed as they are (see the module)."""
 
-    def __init__(self, gatherer: Gatherer, files: CheckpointFiles, deltas: DeltaState) -> None:
-        super().__init__(gatherer, files, deltas)
-        self._copy: _FileCopy | None = None
-
-    @staticmethod
-    def schedule(schedule: Schedule) -> Schedule:
-        return in_ranks_schedule(schedule)
+    _copy: _FileCopy | None = None  # this sync's copy into the file the user asked for
 
     def write(self, sync: SyncStep, turn: Turn) -> Written:
         return sync.collective.run("save", partial(self._source, sync, turn))
@@ -210,8 +220,7 @@ class LiveTransport(Transport):
             header = GatherPlan([*plan.entries, *rest], False, complete.source_dtype, False)
             meta = {"step": str(sync.step), "version": str(sync.step)}
             meta["source_dtype"] = complete.source_dtype
-            options = self.gatherer.writer_options()
-            writer = CheckpointWriter(sync.path, header.specs(), meta, **options)
+            writer = CheckpointWriter(sync.path, header.specs(), meta, **self.options())
         return _FileCopy(
             source.items, source.metadata, writer=writer, rest=rest, sharded=complete.sharded
         )
@@ -246,6 +255,10 @@ class LiveTransport(Transport):
         copy, self._copy = self._copy, None
         if copy is not None and copy.writer is not None:
             copy.writer.abort()  # the sync failed before its copy was finished
+
+
+def _push(engine: Any, where: Any, step: int) -> Any:
+    return None if engine is None else engine.push(where, version=step)
 
 
 def transport_for(in_ranks: bool) -> type[Transport]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from weight_bridge import WeightBridgeError
+from ..errors import WeightBridgeError
 
 
 class CanaryError(WeightBridgeError, RuntimeError):

@@ -1,8 +1,8 @@
 """The gatherer: what a sync sends, and how each tensor reaches the checkpoint's writer.
 
 A sync first *plans* from metadata alone (names, shapes, dtypes, ``requires_grad``, module
-structure): which checkpoint tensors, made of which trainer tensors (:mod:`callbacks.changed`),
-under which names and dtypes (:mod:`callbacks.names`). The plan is the checkpoint's header, so
+structure): which checkpoint tensors, made of which trainer tensors (:mod:`.changed`),
+under which names and dtypes (:mod:`.names`). The plan is the checkpoint's header, so
 the writer (:class:`~weight_bridge.checkpoint.CheckpointWriter`) opens before any tensor is
 gathered. Then each tensor is produced in header order, written at its offset and freed (the
 writer casts it to the checkpoint's dtype chunk by chunk as it writes: no full-size cast copy).
@@ -33,16 +33,15 @@ from typing import Any
 
 import torch
 
-from weight_bridge.checkpoint import SavedCheckpoint, TransportMaps, create_reserved
-from weight_bridge.checkpoint.dtensor import ShardGather, is_dtensor
-from weight_bridge.checkpoint.live import LiveTensor
-from weight_bridge.delta.keyframes import EngineDtypes
-from weight_bridge.delta.sink import OpenSink, Sink
-from weight_bridge.sync import SPARE, discard, estimate_bytes, prune
-
+from ..checkpoint import SavedCheckpoint, TransportMaps, create_reserved
+from ..checkpoint.dtensor import ShardGather, is_dtensor
+from ..checkpoint.live import LiveTensor
+from ..delta.keyframes import EngineDtypes
+from ..delta.sink import OpenSink, Sink
 from .changed import sync_state
 from .collective import Collective
 from .names import CheckpointNames, SyncEntry
+from .retention import SPARE, discard, estimate_bytes, prune
 
 
 @dataclass(frozen=True)

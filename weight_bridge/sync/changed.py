@@ -12,7 +12,7 @@ weights never leave the trainer after the first, complete push.
 Nothing here reads a tensor's values: :func:`sync_state` decides from names, module structure
 and ``requires_grad`` alone, and each :class:`Item` says which trainer tensors make one
 checkpoint tensor and how to combine them. That is what lets a sharded trainer gather them one
-at a time (:mod:`callbacks.gather`): a LoRA delta is computed by PEFT on the *gathered* base and
+at a time (:mod:`.gather`): a LoRA delta is computed by PEFT on the *gathered* base and
 adapter matrices, exactly as on a replicated model.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from weight_bridge.layout import tie_key
+from ..layout import tie_key
 
 _PEFT_PREFIX = "base_model.model."
 _ADAPTER_PARTS = ("lora_", "base_layer.")

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_bridge.delta.keyframes import castable_dtype
-
+from ..delta.keyframes import castable_dtype
 from .changed import Item, SyncState
 
 ENGINE = "engine"  # CheckpointNames.dtype: each tensor in the dtype the engine holds it in
