@@ -29,8 +29,8 @@ class Schedule:
     (the final weights, served and saved). No step is pushed twice in one run.
 
     ``skip_frozen``: after a complete sync, later ones carry only what training can change (a
-    *partial* checkpoint, see :mod:`weight_bridge.sync.changed`). The first sync of a run, the first
-    after a failed one, and every ``full_every_k``-th (if set) are complete.
+    *partial* checkpoint, see :mod:`weight_bridge.sync.changed`). The first sync of a run, the
+    first after a failed one, and every ``full_every_k``-th (if set) are complete.
 
     ``delta``: whether a sync may be an exact *delta* (only the values that changed since the
     last push, bit for bit in the engine's dtype). ``"auto"`` (the default): with an engine that
