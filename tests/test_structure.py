@@ -259,6 +259,20 @@ def test_the_callbacks_use_only_the_trainer_side_of_the_library() -> None:
     assert wrong == []
 
 
+def test_the_library_calls_nothing_of_the_callbacks() -> None:
+    """Issue 63: the library is a layer below the callback: no module of ``weight_bridge``
+    imports ``callbacks`` (a function's import, or one for the type checker, included), so the
+    sync it runs calls nothing back up into the callback's code."""
+    modules = _modules()
+    known = set(modules)
+    wrong = {
+        name: sorted(t for t in _imports(name, path, known) if t.startswith("callbacks"))
+        for name, path in modules.items()
+        if name.startswith("weight_bridge")
+    }
+    assert {name: up for name, up in wrong.items() if up} == {}
+
+
 # The trainer side of a sync: what runs only in the trainer (the callback, the sync policy, the
 # delta policy). The engine's own code (``ENGINE_SIDE``) reaches none of it, however indirectly.
 TRAINER_SIDE = ("callbacks", "weight_bridge.sync")
