@@ -29,16 +29,22 @@ from .header import SafetensorsFile, open_file
 from .held import HeldFile
 
 
+def read_json(file: Path, what: str) -> Any:
+    """The JSON document of a small file a checkpoint carries (``what``: a shard index, an
+    adapter config), refused by name when it is larger than any such file is or is not JSON."""
+    try:
+        if file.stat().st_size > MAX_INDEX_BYTES:
+            raise CheckpointError(file, f"corrupt {what}: larger than {MAX_INDEX_BYTES}")
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise CheckpointError(file, f"cannot read {what}: {exc.strerror or exc}") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(file, f"corrupt {what}: {type(exc).__name__}: {exc}") from None
+
+
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file name) of a shard index, validated."""
-    try:
-        if index.stat().st_size > MAX_INDEX_BYTES:
-            raise CheckpointError(index, f"corrupt shard index: larger than {MAX_INDEX_BYTES}")
-        doc = json.loads(index.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise CheckpointError(index, f"cannot read shard index: {exc.strerror or exc}") from exc
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(index, f"corrupt shard index: {type(exc).__name__}: {exc}") from None
+    doc = read_json(index, "shard index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(index, "corrupt shard index: no weight_map object")

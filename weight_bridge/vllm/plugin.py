@@ -33,7 +33,7 @@ import os
 
 from .core import undefined as core_undefined
 from .core import updates as core_updates
-from .internals import patches, versions
+from .internals import lora, patches, versions
 from .internals.inductor_cache_isa import apply as apply_isa_cache_key
 from .lifeline import follow_parent
 from .options import BACKEND
@@ -103,6 +103,7 @@ def _install_patches() -> None:
         start_weight_update=typed_errors.typed_start_weight_update,
         start_weight_update_async=typed_errors.typed_start_weight_update_async,
     )
+    patches.patch_lora_reset(lora.keeping_adapters)
     if current_platform.is_cpu():
         patches.patch_cpu_linear(refresh.dispatch_cpu_linear)
         patches.patch_cpu_moe(refresh.process_cpu_moe)

@@ -114,4 +114,14 @@ to :data:`.versions.TESTED_VLLM`. What differs between the tested versions:
     ``world_size`` (:func:`~.engine_core.across_engine_ranks`); a shutdown's
     ``cleanup_dist_env_and_memory`` destroys the default process group, which the bridge keeps
     (:func:`~.engine_client.shutdown`).
+22. LoRA (:mod:`.lora`): ``v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin
+    .reset_lora_state`` (called by the worker's ``finish_weight_update``; drops every adapter)
+    is patched to skip once after an adapter-only update; the model's ``lora_manager`` (the
+    ``LRUCacheLoRAModelManager``): ``modules`` (each with ``lora_a_stacked`` /
+    ``lora_b_stacked``: a tuple per packed slice, or one tensor; shape ``(max_loras, 1, rows,
+    cols)``), ``packed_modules``, ``lora_index_to_id``, ``lora_config.max_lora_rank``,
+    ``add_adapter`` / ``activate_adapter`` / ``pin_adapter`` / ``remove_adapter`` /
+    ``list_adapters``, the LRU caches' ``pinned_items``; ``lora.lora_model.LoRAModel(id, rank,
+    loras)``, ``lora.lora_weights.LoRALayerWeights(name, rank, alpha, a, b, scaling)``,
+    ``lora.utils.parse_fine_tuned_lora_name`` and the model's ``hf_to_vllm_mapper``.
 """

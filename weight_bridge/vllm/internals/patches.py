@@ -28,6 +28,7 @@ _MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExper
 _PROCESS = "process_weights_after_loading"
 _QUEUE_WAIT = "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait"
 _CPU_DIST_INIT = "vllm.v1.worker.cpu_worker.init_worker_distributed_environment"
+_LORA_RESET = "vllm.v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.reset_lora_state"
 
 #: Every vLLM module or class attribute replaced by a ``patch_*`` function.
 PATCHED = (
@@ -45,6 +46,7 @@ PATCHED = (
     f"{_MOE}.{_PROCESS}",
     _QUEUE_WAIT,
     _CPU_DIST_INIT,
+    _LORA_RESET,
 )
 
 _patched: set[str] = set()
@@ -198,6 +200,12 @@ def patch_cpu_dist_init(init: Wrap) -> None:
     """Site 21: how vLLM's CPU worker initialises its distributed state (its shared-memory
     communicators are named after ``VLLM_DIST_IDENT``, set just before)."""
     _patch("cpu distributed init", {_CPU_DIST_INIT: init})
+
+
+def patch_lora_reset(reset: Wrap) -> None:
+    """Site 22: the model runner's ``reset_lora_state``, which vLLM's worker calls at the end
+    of every weight update and which drops every adapter (:mod:`.lora`)."""
+    _patch("lora reset", {_LORA_RESET: reset})
 
 
 def cpu_linear_of(layer: Any) -> Any:

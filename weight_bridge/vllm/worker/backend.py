@@ -45,6 +45,7 @@ from ..internals.objects import config_of
 from ..internals.versions import check_vllm_version
 from ..options import BridgeOptions, bridge_options
 from ..outcome import Phase
+from .adapter_writer import worker_adapters
 from .queries import worker_addresses, worker_fingerprints, worker_plan, worker_undefined
 from .transaction import PushTransaction
 from .update_request import UpdateRequest
@@ -54,6 +55,7 @@ _QUERIES: dict[str, Callable[..., Any]] = {
     "addresses": worker_addresses,
     "undefined": worker_undefined,
     "fingerprints": worker_fingerprints,
+    "adapters": worker_adapters,  # the LoRA slots: ids, CPU copies, each slot's fingerprints
 }
 QUERIES = tuple(_QUERIES)  # the read-only actions: answered by any worker, bridged or not
 

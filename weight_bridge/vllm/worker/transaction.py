@@ -57,6 +57,7 @@ from ...direct.undo import HostStore
 from ...direct.writer import Writer
 from ..options import BridgeOptions
 from ..outcome import Phase, PushFailure, PushResult
+from .adapter_writer import MODE as ADAPTER
 from .delta_links import link_fingerprints, link_lineage, served_dtypes
 from .served_chain import ServedCheckpoint, check_lineage, compact, hold
 from .update_request import PreparedUpdate, UpdateRequest
@@ -255,8 +256,11 @@ class PushTransaction:
         result.written = True  # from here on this worker's weights may have changed
         self._undone, self._unserved = False, None
         result.report = self._write(pending)
-        self._serve(pending)
-        if not pending.partial:
+        if pending.writer.mode == ADAPTER:  # the base chain is unchanged: the writer's undo
+            self._unserved = pending.writer  # log takes it back until the update settles
+        else:
+            self._serve(pending)
+        if not pending.partial and pending.writer.mode != ADAPTER:
             result.report.dtypes = served_dtypes(self.model)
         forget_outputs()
         pending.reader.close()
@@ -266,6 +270,8 @@ class PushTransaction:
         pending.started = True
         report = pending.writer.run()
         pending.ran = True
+        if pending.writer.mode == ADAPTER:
+            return report  # no base weight written: the served fingerprints stand
         is_delta_link = is_delta(pending.reader.metadata)
         link_fingerprints(
             self.model, pending.fingerprints, is_delta_link, pending.items, pending.partial

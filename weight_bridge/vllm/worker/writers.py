@@ -30,8 +30,11 @@ from ...direct.record import require_layout
 from ...direct.undo import HostStore
 from ...direct.validate import validate_checkpoint
 from ...direct.writer import Writer
+from ..internals import lora
 from ..internals.vllm_direct import vllm_direct_refusal
 from ..options import BridgeOptions
+from .adapter_writer import MODE as ADAPTER
+from .adapter_writer import AdapterWrite, is_adapter_job
 from .delta_links import plan_delta
 from .layerwise import LayerwiseReprocessor, LayerwiseWrite, auto_reprocessable, layerwise_wrong
 from .vllm_direct import VllmDirectWrite
@@ -143,8 +146,15 @@ def _layerwise(job: WriteJob, chosen: PushPlan | None) -> Writer:
     return LayerwiseWrite(job.model, job.items, job.reload)
 
 
+def _adapter(job: WriteJob, _: PushPlan | None) -> Writer:
+    if job.stream is not None:
+        raise DirectReloadError("an adapter is pushed as a PEFT directory (nothing was written)")
+    return AdapterWrite.prepare(job.model, job.path, job.metadata, job.items, job.finite)
+
+
 # mode -> how that mode's writer is prepared (a refusal raises, nothing written)
 WRITERS: dict[str, Callable[[WriteJob, PushPlan | None], Writer]] = {
+    ADAPTER: _adapter,
     "delta": _delta,
     "direct": _direct,
     "auto": _direct,
@@ -155,7 +165,13 @@ WRITERS: dict[str, Callable[[WriteJob, PushPlan | None], Writer]] = {
 
 def prepare_writer(job: WriteJob, mode: str | None = None) -> Writer:
     """The writer of ``job`` in ``mode`` (default: the engine's reload mode); a delta is
-    always the delta writer's. Nothing is written; a refusal raises naming each tensor."""
+    always the delta writer's, an adapter the adapter writer's. Nothing is written; a refusal
+    raises naming each tensor."""
+    if is_adapter_job(job.path, job.metadata):
+        return WRITERS[ADAPTER](job, None)
+    manager = lora.manager_of(job.model)
+    if manager is not None:  # base weights change: vLLM drops its adapters at the update's end
+        lora.forget_keep(manager)
     delta = is_delta(job.metadata)
     chosen = None if delta else push_plan(job.model, mode or job.options.reload_mode)
     writer = "delta" if chosen is None else chosen.mode
