@@ -139,7 +139,11 @@ class AdapterWrite:
             slot = lora.slot_of(manager, self.retiring) if self.retiring is not None else None
         if slot is None:
             raise DirectReloadError("no LoRA slot to write (nothing was written)")
-        rows = {name: view.detach().clone() for name, view in lora.slot_views(manager, slot)}
+        # the slot's pre-images in host memory: the engine's device holds only the write
+        rows = {
+            name: view.detach().to("cpu", copy=True)
+            for name, view in lora.slot_views(manager, slot)
+        }
         retired = lora.registered(manager).get(self.retiring) if self.retiring else None
         undo = AdapterUndo(manager=manager, slot=slot, rows=rows, new_id=self.lora_id)
         undo.retired = retired
