@@ -18,6 +18,22 @@ def layerwise_reprocesses(module: Any) -> bool:
     )
 
 
+def quantized_layers(model: Any) -> dict[str, str]:
+    """The layers whose weights vLLM holds quantized, by name -> their quantization method:
+    a linear or MoE method that is not one of vLLM's unquantized ones (nor a subclass of one).
+    vLLM computes such a layer with bytes and scales it derived from the float weights at
+    load; a float written into them is not what a cold start holds. (Named by the classes'
+    MRO, so that a method of either vLLM counts, and a KV-cache method does not.)"""
+    found = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kinds = {c.__name__ for c in type(method).__mro__} if method is not None else set()
+        weights = bool(kinds & {"LinearMethodBase", "FusedMoEMethodBase"})
+        if weights and not any(k.startswith("Unquantized") for k in kinds):
+            found[name] = type(method).__name__
+    return found
+
+
 def is_input_embedding(layer: Any) -> bool:
     """Whether ``layer`` is a vocabulary embedding that is not a logits head (site 9). On the
     CPU backend vLLM packs such a layer's weight into a oneDNN handle too

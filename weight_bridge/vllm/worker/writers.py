@@ -31,6 +31,7 @@ from ...direct.undo import HostStore
 from ...direct.validate import validate_checkpoint
 from ...direct.writer import Writer
 from ..internals import lora
+from ..internals.model import quantized_layers
 from ..internals.vllm_direct import vllm_direct_refusal
 from ..options import BridgeOptions
 from .adapter_writer import MODE as ADAPTER
@@ -163,12 +164,31 @@ WRITERS: dict[str, Callable[[WriteJob, PushPlan | None], Writer]] = {
 }
 
 
+def _refuse_quantized(job: WriteJob) -> None:
+    """A push of base weights into an engine that holds some quantized (FP8 ``weight`` and
+    ``weight_scale``, derived at load): no writer re-quantizes yet, and a float written into
+    those bytes serves garbage (a partial push of a square ``o_proj`` alone passed every check),
+    so the push is refused by name before anything is written. An adapter push writes only the
+    LoRA slots and is not refused."""
+    quantized = quantized_layers(job.model)
+    if quantized:
+        shown = dict(sorted(quantized.items())[:8])
+        problems = {name: f"held quantized ({method})" for name, method in shown.items()}
+        raise DirectReloadError(
+            f"{job.path}: the engine holds {len(quantized)} quantized layers "
+            f"({', '.join(sorted(set(quantized.values())))}); a push cannot re-quantize "
+            "them yet (nothing was written)",
+            problems,
+        )
+
+
 def prepare_writer(job: WriteJob, mode: str | None = None) -> Writer:
     """The writer of ``job`` in ``mode`` (default: the engine's reload mode); a delta is
     always the delta writer's, an adapter the adapter writer's. Nothing is written; a refusal
     raises naming each tensor."""
     if is_adapter_job(job.path, job.metadata):
         return WRITERS[ADAPTER](job, None)
+    _refuse_quantized(job)
     manager = lora.manager_of(job.model)
     if manager is not None:  # base weights change: vLLM drops its adapters at the update's end
         lora.forget_keep(manager)
