@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from weight_bridge import BridgeOptions
+from weight_bridge.sync.adapter import AdapterPlan, adapter_plan
 from weight_bridge.vllm import ENGINE_MODES, EngineClient, client_for, connect, start_engine
 from weight_bridge.vllm.options import OptionError, check_fields
 
@@ -143,15 +144,23 @@ class EngineSpec:
         assert self.url is not None
         return connect(self.url, inflight=self.options.inflight, **self.options.engine_args)
 
-    def start(self, checkpoint_root: Path, devices_per_node: int = 1) -> EngineClient:
+    def start(
+        self,
+        checkpoint_root: Path,
+        devices_per_node: int = 1,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> EngineClient:
         """The engine on ``model``, reading checkpoints from ``checkpoint_root`` only (unless
         ``options.bridge`` names another); in the trainer's ranks tensor-parallel over a node's
         ``devices_per_node`` ranks (the trainer's own count: ``LOCAL_WORLD_SIZE`` may be stale,
         vLLM's CPU platform rewrites it in any process that started an engine) unless
-        ``engine_args`` says otherwise."""
+        ``engine_args`` says otherwise; ``defaults``: engine arguments the policy needs (LoRA
+        slots for an adapter), each unless ``engine_args`` sets it."""
         assert self.model is not None
         args = self.args
         args.setdefault("checkpoint_root", str(checkpoint_root))
+        for key, value in (defaults or {}).items():
+            args.setdefault(key, value)
         if self.in_ranks:
             args.setdefault("tensor_parallel_size", devices_per_node)
         return start_engine(self.model, self.mode, **args)
@@ -169,3 +178,34 @@ def engine_of(engine: EngineSpec | dict[str, Any] | Any) -> tuple[EngineSpec | N
     if isinstance(engine, EngineSpec):
         return engine, None if engine.starts else engine.connect()
     return None, client_for(engine)
+
+
+def adapter_sync(
+    spec: EngineSpec | None, engine: Any, module: Any, world_size: int
+) -> AdapterPlan | None:
+    """How a policy syncs (:class:`~weight_bridge.sync.adapter.AdapterPlan`; None: not a PEFT
+    model): its adapter where the model and the engine allow it, else merged weights, the
+    reason said. An engine the user built pushes adapters only where it has LoRA slots: one
+    without them keeps the merged pushes it took before (it cannot load an adapter, and the
+    user chose it), the reason in every sync's record."""
+    plan = adapter_plan(module)
+    if plan is None or not plan.pushes:
+        return plan
+    if world_size > 1:
+        return plan.fallback(f"{world_size} ranks: adapter pushes serve one rank's engine so far")
+    if spec is None:
+        if not getattr(engine, "takes_adapters", False):
+            return plan.fallback(
+                "the engine given has no LoRA slots (a vllm.LLM in this process started with "
+                "enable_lora=True takes adapter pushes)"
+            )
+        return plan
+    if spec.url is not None or spec.mode != "colocated":
+        where = "an engine at a url" if spec.url else f"engine mode {spec.mode!r}"
+        return plan.fallback(f"{where}: adapter pushes run in a colocated engine so far")
+    args = spec.options.engine_args
+    if args.get("enable_lora", True) is False:
+        return plan.fallback("engine_args sets enable_lora=False")
+    if int(args.get("tensor_parallel_size", 1)) > 1:
+        return plan.fallback("tensor_parallel_size > 1: adapter pushes write one worker so far")
+    return plan

@@ -9,16 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from weight_bridge.sync.adapter import AdapterPlan
 from weight_bridge.sync.sender import Sent
 
 
-def sync_record(step: int, sent: Sent, gap: float | None) -> dict[str, Any]:
+def sync_record(
+    step: int, sent: Sent, gap: float | None, adapter: AdapterPlan | None = None
+) -> dict[str, Any]:
     """One history entry, from the sender's record of the sync
     (:class:`~weight_bridge.sync.sender.Sent`). ``delta``: the file held only what changed
     since the last push; ``changed``: the fraction of its tensors' elements that did (None for a
     keyframe); ``choice``: why it is a delta or not, with the costs measured so far
     (:meth:`~weight_bridge.delta.choice.DeltaChoice.describe`); ``push_s``: the push
-    and, when on, the canary."""
+    and, when on, the canary; ``adapter``: for a PEFT policy, whether its adapter or merged
+    weights were sent, and why (:meth:`~weight_bridge.sync.adapter.AdapterPlan.describe`;
+    None for any other policy)."""
     report = sent.report
     delta = sent.kind == "delta"
     return {
@@ -35,6 +40,7 @@ def sync_record(step: int, sent: Sent, gap: float | None) -> dict[str, Any]:
         "paused_s": getattr(report, "paused_s", None),
         "canary_gap": gap,
         "choice": dict(sent.choice),
+        "adapter": adapter.describe() if adapter is not None else None,
     }
 
 
@@ -58,7 +64,8 @@ def sync_line(record: dict[str, Any], pushed: bool) -> str:
     """The one line rank zero logs."""
     path = Path(record["checkpoint"])
     mode = f", {record['mode']}" if pushed else ", no engine on rank 0"
-    mode += ", partial" if record["partial"] else ""
+    adapter = (record.get("adapter") or {}).get("sent") == "adapter"  # the mode says so
+    mode += ", partial" if record["partial"] and not adapter else ""
     if record["delta"]:
         mode += f", delta ({100 * (record['changed'] or 0.0):.2f} % changed)"
     return (

@@ -38,11 +38,12 @@ from weight_bridge.sync.canary import CanaryCheck
 from weight_bridge.sync.collective import Collective, StepFailed
 from weight_bridge.sync.gather import Gatherer
 from weight_bridge.sync.names import ENGINE, CheckpointNames
+from weight_bridge.sync.retention import adapter_dir
 from weight_bridge.sync.transport import SyncStep, transport_for
 from weight_bridge.vllm import EngineClient
 
 from .directory import open_dir
-from .engine import EngineSpec, engine_of
+from .engine import EngineSpec, adapter_sync, engine_of
 from .records import sync_line, sync_metrics, sync_record
 from .schedule import Schedule, SyncClock, in_ranks_schedule
 
@@ -79,7 +80,11 @@ class VLLMWeightSync(Callback):
     rank zero with ``files.node_local``) streams it to ``step-{step:08d}.safetensors``, and every
     rank with an engine pushes it. Sharded trainers (FSDP2 via ``ModelParallelStrategy``) gather
     one tensor at a time, every rank taking part. With deltas (``schedule.delta``) a sync between
-    keyframes writes only the values that changed (:mod:`weight_bridge.delta.state`).
+    keyframes writes only the values that changed (:mod:`weight_bridge.delta.state`). A PEFT
+    LoRA policy syncs its adapter instead (``step-{step:08d}.adapter``, a PEFT directory the
+    engine writes into its LoRA slots; an engine the callback starts gets LoRA enabled), or,
+    where the adapter or the engine cannot take it, merged weights, the reason in each record's
+    ``adapter`` (:func:`~callbacks.engine.adapter_sync`).
     Only ``fit`` builds an engine and pushes. Metrics (to the trainer's loggers):
     ``weight_sync/{save_s,push_s,bytes,version,delta}`` (and ``changed_fraction`` for a delta);
     ``history`` holds the last ``history_limit`` syncs (:func:`~callbacks.records.sync_record`).
@@ -188,9 +193,13 @@ class VLLMWeightSync(Callback):
             flags = trainer.strategy.all_gather(torch.tensor([int(writer)]))
             file_ranks = [r for r, flag in enumerate(flags.reshape(-1).tolist()) if flag]
             self.transport.setup(self._dir, self._in_ram, file_ranks, writer)
+            module = None if self.gatherer.source else self.gatherer.model(pl_module)
+            adapter = adapter_sync(self.spec, self._engine, module, trainer.world_size)
+            self.transport.adapter = adapter
             if starts:
                 assert self.spec is not None
-                self._engine = self.spec.start(self._dir, trainer.num_devices)
+                lora = adapter.engine_args() if adapter is not None and adapter.pushes else {}
+                self._engine = self.spec.start(self._dir, trainer.num_devices, lora)
                 self._owns_engine = True
                 self.transport.engine = self._engine
             # in RAM the content hash only serves an engine that verifies it (an option of its)
@@ -265,15 +274,18 @@ class VLLMWeightSync(Callback):
         if self._dir is None:
             raise RuntimeError("VLLMWeightSync pushed before setup(stage='fit')")
         collective = Collective(trainer.strategy)
-        sync = SyncStep(trainer, pl_module, step_file(self._dir, step), step, collective)
+        adapter = self.transport.adapter
+        pushes = adapter is not None and adapter.pushes  # only A and B: never a delta
+        path = (adapter_dir if pushes else step_file)(self._dir, step)
+        sync = SyncStep(trainer, pl_module, path, step, collective)
         last = self.clock.last_pushed_step
-        turn = self.sender.turn(None if last is None else str(last))
+        turn = self.sender.turn(None if last is None else str(last), partial_only=pushes)
         failed: StepFailed | None = None
         broadcast = trainer.strategy.broadcast
         write, push = partial(self.transport.write, sync), partial(self.transport.push, sync)
         try:
             try:
-                sent = self.sender.send(sync.path, turn, write, push, broadcast)
+                sent = self.sender.send(sync.path, turn, write, push, broadcast, not pushes)
                 kept = collective.run("save", partial(self.transport.pushed, sync))
             finally:
                 self.transport.end()
@@ -284,7 +296,7 @@ class VLLMWeightSync(Callback):
             return
         self.clock.last_pushed_step = step
         self.last_checkpoint = kept or self.sender.last_checkpoint
-        record = sync_record(step, sent, sync.gap)
+        record = sync_record(step, sent, sync.gap, adapter)
         self._history.append(record)
         self._report(trainer, record, sent.report is not None)
 

@@ -252,6 +252,25 @@ def open_engine(model: Path, key: object = None, **kwargs):
     return _slot["engine"]
 
 
+def lora_greedy(engine, prompts: list, lora_request=None) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens (8) and each one's logprob from ``engine``'s own ``vllm.LLM`` with
+    ``lora_request`` (None: the base): what the adapter tests compare, bit for bit."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    outs = engine.llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [
+                lp[t].logprob
+                for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
+            ],
+        )
+        for o in outs
+    ]
+
+
 def close_engine() -> None:
     engine = _slot.pop("engine", None)
     _slot.pop("key", None)

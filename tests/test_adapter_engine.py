@@ -17,12 +17,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import close_engine, open_engine
+from helpers import close_engine, lora_greedy, open_engine, run_script
 from safetensors.torch import load_file, save_file
 
 from weight_bridge import DirectReloadError
 from weight_bridge.testing.adapters import build_peft_adapter
 from weight_bridge.testing.models import build_tiny_model
+from weight_bridge.vllm.errors import AdapterVersionError
 
 pytestmark = [pytest.mark.slow, pytest.mark.every_vllm]
 
@@ -43,20 +44,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def sample(engine, request) -> list[tuple[list[int], list[float]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
-    outs = engine.llm.generate(PROMPTS, params, lora_request=request, use_tqdm=False)
-    return [
-        (
-            list(o.outputs[0].token_ids),
-            [
-                lp[t].logprob
-                for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
-            ],
-        )
-        for o in outs
-    ]
+    return lora_greedy(engine, PROMPTS, request)
 
 
 def hf_logprobs(
@@ -136,6 +124,14 @@ def test_cold_start_reference(files: dict[str, Path], dtype: str) -> None:
             assert worst < 1e-5, (v, worst)
     assert adapters(engine)["prints"][str(ids["v1"])] == want_prints["v1"]
     assert sample(engine, None) == base_tokens  # the base untouched
+    # the client samples with the newest version unless one is named; each token is labelled
+    # with the version that sampled it, and the engine's label still names the base weights
+    assert by_client(engine) == (want["v2"], {"v2"})
+    assert by_client(engine, "v1") == (want["v1"], {"v1"})
+    assert by_client(engine, "base") == (base_tokens, {None})  # the base weights, by name
+    assert engine.llm.get_weight_version() == "default"
+    base_outputs = engine.llm.generate(PROMPTS, one, use_tqdm=False)
+    assert {s.version for o in base_outputs for s in o.outputs[0].weight_versions} == {"default"}
 
     engine.push(files["v3"], version="v3")  # two slots: v1, the oldest, leaves
     state = adapters(engine)
@@ -144,6 +140,9 @@ def test_cold_start_reference(files: dict[str, Path], dtype: str) -> None:
     assert state["prints"][str(ids["v3"])] == want_prints["v3"]
     assert sample(engine, request(f"policy@v3~{ids['v3']}", ids["v3"], files["v3"])) == want["v3"]
     assert sample(engine, request(f"policy@v2~{ids['v2']}", ids["v2"], files["v2"])) == want["v2"]
+    assert by_client(engine) == (want["v3"], {"v3"})
+    with pytest.raises(AdapterVersionError, match="'v1' is not resident .*'v2', 'v3'"):
+        engine.generate(PROMPTS, version="v1")
 
     # evicted, its slot scribbled over, then asked for: vLLM re-fills the slot from the CPU
     # copy the push registered, which must hold the version's bits too
@@ -152,6 +151,44 @@ def test_cold_start_reference(files: dict[str, Path], dtype: str) -> None:
     assert sample(engine, request(f"policy@v2~{ids['v2']}", ids["v2"], files["v2"])) == want["v2"]
     assert adapters(engine)["prints"][str(ids["v2"])] == want_prints["v2"]
     close_engine()
+
+
+def test_every_entry_point_samples_the_newest_version(files: dict[str, Path]) -> None:
+    """A multi-process ``vllm.LLM`` and an ``AsyncLLM`` (engine core, workers and front end in
+    separate processes): the client samples with the newest version unless one is named, exactly
+    as a cold start on it, each token labelled with its version, the engine's label the base's;
+    a version never pushed is refused by name; a push that would take the slot of a version a
+    request still computes with is refused by name."""
+    cold = open_engine(files["base"], key=("cold", "float32"), dtype="float32", **LORA)
+    want = {v: sample(cold, request(v, i, files[v])) for i, v in enumerate(("v1", "v2"), 1)}
+    cold.llm.llm_engine.remove_lora(1)  # two slots: make room for v3
+    want["v3"] = sample(cold, request("v3", 3, files["v3"]))
+    close_engine()
+    root = str(files["base"].parent)
+    paths = (str(files[v]) for v in ("base", "v1", "v2", "v3"))
+    result = run_script("adapter_check.py", root, *paths)
+    for engine in result[0]["engines"]:
+        assert engine["mode_v1"] == engine["mode_v2"] == "adapter"
+        for key, version in (("newest", "v2"), ("v1", "v1")):
+            got = [(tokens, logprobs) for tokens, logprobs, _ in engine[key]]
+            assert got == [(t, lp) for t, lp in want[version]], key
+            assert {tuple(labels) for _, _, labels in engine[key]} == {(version,)}, key
+        assert engine["label"] == "default"
+        assert "'v0' is not resident" in engine["gone"]
+    # an AsyncLLM generating with v1 while v3 would take v1's slot: refused by name, nothing
+    # written (the generation ends on v1's bits, labelled so); pushed again once it ended
+    in_use = result[0]["engines"][1]["in_use"]
+    assert "'v1' would leave its LoRA slot, but 1 request(s)" in in_use["refused"], in_use
+    assert in_use["running_versions"] == ["v1"] and list(in_use["after"]) == ["v2", "v3"]
+    assert [(t, lp) for t, lp, _ in in_use["newest_after"]] == [(t, lp) for t, lp in want["v3"]]
+
+
+def by_client(engine, version: str | None = None) -> tuple[list, set]:
+    """What the bridge's client samples (``version`` None: the newest), as :func:`sample`
+    gives it, and the labels of its tokens."""
+    sampling = dict(max_tokens=8, temperature=0.0, logprobs=1)
+    out = [g.completions[0] for g in engine.generate(PROMPTS, sampling, version=version)]
+    return [(c.token_ids, c.logprobs) for c in out], {v for c in out for v in c.versions}
 
 
 def evict_and_scribble(worker, lora_id: int) -> int:
@@ -182,6 +219,7 @@ def test_adapter_refusals_write_nothing(files: dict[str, Path], tmp_path: Path) 
     engine = open_engine(files["base"], key=("bridged", "float32"), dtype="float32", **LORA)
     engine.push(files["v1"], version="v1")
     before = adapters(engine)
+    assert before["registered"] == [FIRST_ID], before  # kept across the push's own finish
     with pytest.raises(DirectReloadError) as info:
         engine.push(nan, version="nan")
     assert info.value.problems == {
@@ -191,6 +229,11 @@ def test_adapter_refusals_write_nothing(files: dict[str, Path], tmp_path: Path) 
     }
     with pytest.raises(DirectReloadError, match="exceeds the engine's max_lora_rank 8"):
         engine.push(wide, version="wide")
+    assert adapters(engine) == before
+    # a refused push of base weights (nothing written) keeps the adapters: vLLM would drop them
+    # at the update's end, and a request would then reload the slot from its PEFT directory
+    with pytest.raises(DirectReloadError):
+        engine.push(files["base"], version="base")
     assert adapters(engine) == before
 
     plain = open_engine(files["base"], key=("plain", "float32"), dtype="float32")

@@ -152,7 +152,7 @@ def test_sync_off_samples_from_the_initial_policy(
     assert summary["sync"]["enabled"] is False
 
 
-def test_lora_overlay_pushes_only_merged_adapted_weights_and_stays_on_policy(
+def test_lora_overlay_pushes_only_the_adapter_and_stays_on_policy(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     steps = 4
@@ -160,18 +160,17 @@ def test_lora_overlay_pushes_only_merged_adapted_weights_and_stays_on_policy(
     cli, callback = _fit(monkeypatch, tmp_path, steps, "lora.yaml", schedule=every_step)
     history = cli.model.history
     assert [h["policy_version"] for h in history] == list(range(steps))
-    # The trainer computes with base + adapters, the engine with the merged weights.
+    # The trainer computes with base + adapters, the engine with the base and the newest slot.
     assert max(h["logprob_gap"] for h in history) < 1e-3
     pushes = callback.history
-    assert [p["partial"] for p in pushes] == [False] + [True] * steps
-    assert all(p["bytes"] < pushes[0]["bytes"] for p in pushes[1:])
-    saved = load_file(pushes[-1]["checkpoint"])
-    # Only the adapted linears, merged, under the base names: no embeddings, norms, adapters.
-    assert saved and all(
-        n.startswith("model.layers.") and n.endswith("_proj.weight") for n in saved
-    )
+    assert [p["adapter"]["sent"] for p in pushes] == ["adapter"] * (steps + 1), pushes
+    pushed = Path(pushes[-1]["checkpoint"])
+    saved = load_file(pushed / "adapter_model.safetensors")
+    # Only A and B of the adapted linears, under PEFT's saved names: no base weight at all.
+    assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved)
+    assert all(p["bytes"] == sum(t.nbytes for t in saved.values()) for p in pushes)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["partial_pushes"] == steps
+    assert summary["adapter_pushes"] == steps + 1
 
 
 def test_async_overlay_overlaps_rollouts_and_training_within_the_staleness_bound(

@@ -1,9 +1,9 @@
 """vLLM's own RL API on ``vllm.LLM`` and ``AsyncLLM`` started with the ``weight_bridge`` backend.
 
-Both in vLLM's default multi-process engine (a fresh process per mode, ``tests/native_check.py``):
-``AsyncLLM`` on a tied dense Qwen2 and on Qwen3-MoE (the CPU experts prepack refreshed),
-``vllm.LLM`` on the tied Qwen2. References are cold starts of a *stock* ``vllm.LLM`` (no
-bridge) on the same checkpoint: greedy tokens and top-3 logprobs to 1e-4. A refused checkpoint
+Both in vLLM's default multi-process engine (a fresh process per mode, ``tests/native_check.py``),
+on a tied dense Qwen2 (Qwen3-MoE through the same calls: ``test_serve.py``). References are cold
+starts of a *stock* ``vllm.LLM`` (no bridge) on the same checkpoint: greedy tokens and top-3
+logprobs to 1e-4. A refused checkpoint
 makes ``update_weights`` raise the project's own error, naming the tensor, across vLLM's process
 boundary; the engine keeps serving its version.
 """
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 @pytest.fixture(scope="module")
 def pairs(api_models):
     root, models = api_models
-    return root, [models["dense"], models["moe"]]
+    return root, [models["dense"]]
 
 
 def _run(mode: str, root, pairs) -> list[dict]:
@@ -47,9 +47,9 @@ def _check_push_and_refusal(result: dict, a, b, stock_cold) -> None:
 @pytest.mark.every_vllm
 def test_vllm_llm_with_the_backend_multiprocess(pairs, stock_cold) -> None:
     """The tied dense pair; the MoE family's refresh through vLLM's calls in the multi-process
-    engine is the ``AsyncLLM`` test's below (the same engine core and worker)."""
+    engine is ``test_serve.py::test_the_moe_family_over_http``'s (the same engine core and
+    worker, driven by the API server's ``AsyncLLM``)."""
     root, models = pairs
-    models = models[:1]
     for result, (a, b) in zip(_run("llm", root, models), models, strict=True):
         _check_push_and_refusal(result, a, b, stock_cold)
         assert result["version"] == "b" and result["version_after_refusal"] == "b"
@@ -63,7 +63,9 @@ def test_vllm_llm_with_the_backend_multiprocess(pairs, stock_cold) -> None:
 def test_async_llm_with_the_backend_in_flight(pairs, stock_cold) -> None:
     """Push, refusal, then long generations interrupted by a push in ``recompute`` mode (two
     spans each, the tokens after the update a stock cold start's continuation on B) and by a
-    refused push (every sequence finishes on the version it started on, as a cold start)."""
+    refused push (every sequence finishes on the version it started on, as a cold start). The
+    tied dense pair: the MoE family's refresh through ``AsyncLLM``'s calls in the multi-process
+    engine is ``test_serve.py::test_the_moe_family_over_http``'s (the API server's ``AsyncLLM``)."""
     root, models = pairs
     for result, (a, b) in zip(_run("async", root, models), models, strict=True):
         _check_push_and_refusal(result, a, b, stock_cold)

@@ -178,27 +178,24 @@ def test_a_push_into_a_server_without_the_results_route_is_refused_naming_the_fl
         server.shutdown()
 
 
-def test_one_function_makes_the_same_typed_error_of_an_outcome_on_either_side_of_a_boundary() -> (
-    None
-):
-    """The engine core's outcome, as built and after a JSON round trip (the results route):
+def test_one_function_makes_the_same_typed_error_of_a_report_on_either_side_of_a_boundary() -> None:
+    """The engine core's report, as built and after a JSON round trip (the results route):
     :func:`typed_error` makes the same type, message and ``.problems`` of both, every rank's
-    problems merged, the outcome attached; a success makes none."""
+    problems merged, the report attached; a success makes none, and its figures are the
+    same on both sides."""
     import json
 
     from weight_bridge.checkpoint import CheckpointError
     from weight_bridge.direct import DirectReloadError
-    from weight_bridge.vllm.outcome import (
-        PushFailure,
-        PushOutcome,
-        PushResult,
-        outcome_of,
-        typed_error,
-    )
+    from weight_bridge.vllm.outcome import PushFailure, PushResult
+    from weight_bridge.vllm.report import PushReport, report_of, typed_error
 
     def refused(rank: int, kind: str, problems: dict[str, str], message: str) -> PushResult:
         error = PushFailure(kind, message, problems, "refused", "/r/x")
         return PushResult(rank=rank, checkpoint="/r/x", error=error)
+
+    def crossed(report: PushReport) -> PushReport | None:
+        return PushReport.from_dict(json.loads(json.dumps(report.to_dict())))
 
     cases = {
         DirectReloadError: [
@@ -208,16 +205,17 @@ def test_one_function_makes_the_same_typed_error_of_an_outcome_on_either_side_of
         CheckpointError: [refused(0, "CheckpointError", {"a.weight": "truncated"}, "truncated")],
     }
     for kind, results in cases.items():
-        outcome = PushOutcome(results, None, "refused", None)
-        here = typed_error(outcome)
-        there = typed_error(PushOutcome.from_dict(json.loads(json.dumps(outcome.to_dict()))))
+        report = PushReport.of(results, None, "refused", None)
+        here = typed_error(report)
+        there = typed_error(crossed(report))
         assert type(here) is type(there) is kind and str(here) == str(there)
         assert here.problems == there.problems  # type: ignore[union-attr]
         merged = {k: v for r in results if r.error for k, v in r.error.problems.items()}
         assert there.problems == merged  # type: ignore[union-attr]
-        assert outcome_of(there) is not None and outcome_of(there).failed == "refused"  # type: ignore[union-attr]
-    assert typed_error(PushOutcome([PushResult()], "v1")) is None
-    assert typed_error(None) is None
+        assert report_of(there) is not None and report_of(there).failed == "refused"  # type: ignore[union-attr]
+    done = PushReport.of([PushResult(checkpoint="/r/y", mode="delta")], "v1")
+    assert typed_error(done) is None and typed_error(None) is None
+    assert crossed(done) == done
 
 
 FRONTS_LIMIT = 80  # the names every package front exports, all together

@@ -125,7 +125,7 @@ _ROWS = [
      "self.rounds += 1", "`unused_step(...)` in `WeightBridgeTrainer.send_weights`",
      "test_serve.py -k restarted_trainer"),
     ("label", "per-token label/weights agreement", "vllm/core/updates.py",
-     "core.set_weight_version(outcome.label)", "pass",
+     "core.set_weight_version(report.version)", "pass",
      "`core.set_weight_version(...)` in `_answered` (the label set with the weights)",
      "test_serve.py -k every_label and None", "test_native_api.py -k labels"),
     ("delta-order", "a delta's indices sorted and without duplicates", "delta/format.py",
@@ -277,6 +277,31 @@ _ROWS = [
      "held = {0: worker[name] for worker in workers if name in worker}",
      "the per-rank comparison (the mutant keeps the last worker's copy, as the old merge did)",
      "test_scaling.py -k weight_mismatches"),
+    ("adapter-cast-then-scale", "an adapter's B cast, then scaled, bit for bit as vLLM loads it "
+     "(issue 64)", "direct/adapter_slots.py",
+     '    b = b.detach().to(device="cpu", dtype=dtype, copy=True)\n    if scaling != 1:\n'
+     "        b *= scaling\n",
+     '    b = (b.detach().to(device="cpu", dtype=torch.float32) * scaling).to(dtype)\n',
+     "the order in `slot_tensors` (the mutant scales in fp32, then casts)",
+     "test_adapter_contract.py"),
+    ("adapter-keep", "an update that writes no base weight keeps every adapter resident "
+     "(issue 64)", "vllm/worker/transaction.py", "            lora.keep_adapters_once(manager)",
+     "            pass", "the keep set when an update is prepared (vLLM's reset then drops them)",
+     "test_adapter_engine.py -k refusals"),
+    ("adapter-token-labels", "a token an adapter version sampled is labelled with it (issue 64)",
+     "vllm/internals/lora.py",
+     'original(self, adapter_version(getattr(self, "lora_name", None)) or weight_version)',
+     "original(self, weight_version)", "the adapter's version in `labelling_adapter_tokens`",
+     "test_adapter_engine.py -k cold_start_reference and float32"),
+    ("adapter-base-label", "the engine's label names the base weights, never an adapter "
+     "(issue 64)", "vllm/core/adapters.py",
+     "        if weight_version in core_state(self).adapters:\n            return\n", "",
+     "the guard in `labelling_the_base` (a finish with the adapter's version relabels the base)",
+     "test_adapter_engine.py -k cold_start_reference and float32"),
+    ("adapter-in-use", "no version leaves its slot while a request computes with it (issue 64)",
+     "vllm/core/adapters.py", "    using = requests_with_lora(core, int(retiring))",
+     "    using = 0", "the count of requests on the leaving version in `retiring_in_use`",
+     "test_adapter_engine.py -k every_entry"),
 ]
 # fmt: on
 

@@ -274,8 +274,8 @@ class GRPO(pl.LightningModule):
         strict_on_policy: raise when a rollout's version is not the last pushed step.
         push_log_every: print the sync callback's push line every this many steps.
         lora_rank: 0 trains every weight; above 0, PEFT LoRA adapters of this rank on
-            ``lora_targets`` (the base stays frozen; the sync callback pushes only the merged
-            adapted weights after its first, complete push).
+            ``lora_targets`` (the base stays frozen; the sync callback pushes only the adapter
+            into the engine's LoRA slots, or merged weights where it cannot, saying why).
         lora_alpha, lora_targets: the adapters' scale numerator and target module names.
         max_staleness: with an engine that generates while it is pushed (the callback's
             ``engine: {mode: async}`` or ``serve``), how many steps ahead rollouts are generated
@@ -753,6 +753,8 @@ class GRPO(pl.LightningModule):
             summary["push_bytes_first"] = records[0]["bytes"]
             summary["push_bytes_median"] = sizes[len(sizes) // 2]
             summary["partial_pushes"] = sum(bool(h.get("partial")) for h in records)
+            sent = [(h.get("adapter") or {}).get("sent") for h in records]
+            summary["adapter_pushes"] = sent.count("adapter")
         samples = [h["sample"] for h in self.history if "sample" in h]
         if samples:
             summary["sample_first"], summary["sample_last"] = samples[0], samples[-1]
@@ -767,6 +769,8 @@ class GRPO(pl.LightningModule):
         print(f"summary:         {run_dir / 'summary.json'}")
         # the newest complete checkpoint (deltas between keyframes load nowhere on their own)
         none = "(none: pushed from memory, no file)" if synced else "(none: weight sync was off)"
+        if summary.get("adapter_pushes"):
+            none = "(none: adapter pushes, each a PEFT directory beside the base model)"
         print(f"last checkpoint: {summary['last_checkpoint'] or none}")
 
 

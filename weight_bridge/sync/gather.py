@@ -129,8 +129,8 @@ class Gatherer:
         then writes as fast as the later ones, instead of paying for fresh pages (allocating,
         zeroing and faulting them in costs several times the copy). Best effort: without room
         there is no spare, and the next sync writes a new file (and says so if it fails)."""
-        if self.spare is None or self.spare.exists():
-            return
+        if self.spare is None or self.spare.exists() or not like.is_file():
+            return  # (an adapter's directory is no file to recycle)
         size = like.stat().st_size
         fd = create_reserved(self.spare, size)
         if fd is None:

@@ -30,8 +30,8 @@ from ..checkpoint.space import is_tmpfs
 from ..layout import storage_start
 from .run_dirs import new_run_dir_name, remove_orphans
 
-_STEP_FILE = re.compile(r"^step-(\d+)\.safetensors$")
-_STEP_GLOB = "step-*.safetensors"
+_STEP_FILE = re.compile(r"^step-(\d+)\.(?:safetensors|adapter)$")  # adapter: a PEFT directory
+_STEP_GLOB = "step-*"
 SPARE = ".spare"  # a transport file no engine needs any more, whose pages the next write reuses
 RAM_ROOT = Path("/dev/shm")  # tmpfs: the transport's default home
 RAM_MARGIN = 64 * 2**20  # left free in RAM beyond the checkpoints themselves
@@ -103,6 +103,20 @@ def step_file(directory: Path, step: int) -> Path:
     """The file of the sync at ``step`` (a counter for a writer with no steps): every writer's
     name, the one :func:`prune` orders by."""
     return directory / f"step-{step:08d}.safetensors"
+
+
+def adapter_dir(directory: Path, step: int) -> Path:
+    """The PEFT directory of an adapter sync at ``step`` (:mod:`.adapter`): a step file to
+    :func:`prune`, ordered with the others."""
+    return directory / f"step-{step:08d}.adapter"
+
+
+def _remove(path: Path) -> None:
+    """Delete a step file, or an adapter's directory (the engine keeps its own copy of it)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def unused_step(directory: Path) -> int:
@@ -228,8 +242,10 @@ def prune(
     for _, f in _step_files(directory)[:-keep_last_k]:
         if f.resolve() in keep:
             continue
-        if not (spare and not (directory / SPARE).exists() and _renamed_unheld(f, SPARE)):
-            f.unlink(missing_ok=True)  # an engine holding it keeps its bytes: its descriptor
+        if not (
+            spare and f.is_file() and not (directory / SPARE).exists() and _renamed_unheld(f, SPARE)
+        ):
+            _remove(f)  # an engine holding it keeps its bytes: its descriptor
 
 
 def _renamed_unheld(f: Path, name: str) -> bool:
@@ -258,7 +274,7 @@ def discard(path: Path, engine: Any) -> None:
     except Exception:
         return
     if path.resolve() not in {Path(p).resolve() for p in served}:
-        path.unlink(missing_ok=True)
+        _remove(path)
 
 
 @dataclass
@@ -288,6 +304,6 @@ def release(directory: Path, served: Iterable[str | os.PathLike[str]]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
         return
     (directory / SPARE).unlink(missing_ok=True)
-    for f in directory.glob(_STEP_GLOB):
+    for _, f in _step_files(directory):
         if f.resolve() not in keep:
-            f.unlink(missing_ok=True)
+            _remove(f)

@@ -9,8 +9,8 @@ every sync), whatever it is. It calls nothing of the callback's.
 
 * :class:`FileTransport` (an engine of its own process, a server, one the user built): the
   writer ranks stream a safetensors file per sync into the sync's directory (in RAM or on
-  disk); every rank pushes its path; old files are pruned (never what the engine serves), a
-  failed sync's file removed.
+  disk), or a PEFT policy's adapter directory (:mod:`.adapter`); every rank pushes its path;
+  old files are pruned (never what the engine serves), a failed sync's file removed.
 * :class:`LiveTransport` (``EngineSpec(mode="ranks")``: vLLM inside the trainer's ranks): every
   rank pushes its own tensors, the object itself
   (:class:`~weight_bridge.checkpoint.live.LiveCheckpoint` of
@@ -35,6 +35,7 @@ import torch
 from ..checkpoint import CheckpointWriter
 from ..checkpoint.live import LiveCheckpoint
 from ..delta.state import DeltaState
+from .adapter import AdapterPlan, write_adapter
 from .canary import CanaryCheck
 from .collective import Collective
 from .gather import Gatherer, GatherPlan
@@ -83,6 +84,7 @@ class Transport(ABC):
         self.writer = False
         self.file_ranks: list[int] = [0]
         self.engine: Any = None
+        self.adapter: AdapterPlan | None = None  # a PEFT policy's: adapter or merged syncs
 
     def setup(self, directory: Path, in_ram: bool, file_ranks: list[int], writer: bool) -> None:
         self.directory, self.in_ram = directory, in_ram
@@ -140,7 +142,13 @@ class FileTransport(Transport):
     def _save(self, sync: SyncStep, turn: Turn) -> Written:
         """Plan the checkpoint of ``turn``'s kind (every rank) and stream it (writers;
         sharded: every rank): a delta between keyframes when deltas run, else complete or
-        partial."""
+        partial; a PEFT policy's adapter where it pushes one (:mod:`.adapter`)."""
+        if self.adapter is not None and self.adapter.pushes:
+            meta = {"step": str(sync.step), "version": str(sync.step)}  # on the base: no base
+            model = self.gatherer.model(sync.pl_module)
+            fsync = self.gatherer.fsync
+            nbytes = write_adapter(model, sync.path, meta, fsync) if self.writer else 0
+            return Written(str(sync.path), nbytes, True)
         kind = turn.kind
         skip_frozen = self.deltas.clock.skip_frozen
         changing = kind == "partial" or (kind == "delta" and skip_frozen)

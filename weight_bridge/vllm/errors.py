@@ -63,3 +63,8 @@ class UpdateInProgressError(WeightBridgeError, RuntimeError):
 
     def to_dict(self) -> dict[str, Any]:
         return {"since": self.since, "version": self.version, "expires_in_s": self.expires_in_s}
+
+
+class AdapterVersionError(WeightBridgeError, LookupError):
+    """A request named an adapter version the engine does not hold (it left its LoRA slot, or
+    was never pushed): refused before anything is sent, naming the versions it does hold."""

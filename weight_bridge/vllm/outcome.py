@@ -1,16 +1,10 @@
-"""What crosses a process or HTTP boundary on an update: small dataclasses, built in one place.
+"""What one worker answers for each phase of an update, as plain values that cross a process.
 
-* :class:`PushResult`: one worker's outcome. Workers never raise for an expected outcome: a
-  refusal (nothing written), a failure after writing started (rolled back or not) and a success
-  are all results, turned into plain dicts here.
-* :class:`PushOutcome`: the push's outcome, built once, by the engine core
-  (:mod:`~weight_bridge.vllm.core.updates`): every rank's final result, the label it stamped,
-  why the weights are undefined. It crosses each boundary once (the engine-core utility
-  ``weight_bridge_results`` to the ``LLM``/``AsyncLLM`` process; the ``/weight_bridge/results``
-  route over HTTP), and :func:`typed_error` is the one function that turns it into the error a
-  caller sees, so the type, message and ``.problems`` are the same in process, multi-process
-  and over HTTP. The error carries the outcome (:func:`outcome_of`): a client never fetches it
-  again.
+:class:`PushResult` is one worker's outcome. Workers never raise for an expected outcome: a
+refusal (nothing written), a failure after writing started (rolled back or not) and a success
+are all results, turned into plain dicts here; :func:`merged_error` makes the project's error of
+every rank's refusals. The push's record built from every rank's result is
+:class:`~weight_bridge.vllm.report.PushReport`.
 """
 
 from __future__ import annotations
@@ -50,7 +44,8 @@ WRITING_PHASES = frozenset({Phase.COMMIT, Phase.FAIL, Phase.ROLL_BACK})
 @dataclass
 class PushFailure:
     """A refusal or failure of one worker, as data (not an exception: it crosses process
-    boundaries and becomes one in the caller, :func:`typed_error`): the error type's name,
+    boundaries and becomes one in the caller, :func:`~weight_bridge.vllm.report.typed_error`):
+    the error type's name,
     message, problems, phase.
 
     For a ``CheckpointError``, ``message`` is its problem, ``path`` its file and ``problems``
@@ -111,6 +106,9 @@ class PushResult:
     served: list[str] = field(default_factory=list)
     version: str | None = None  # the checkpoint's own ``version`` metadata, if any
     written: bool = False
+    # an adapter written into a LoRA slot: its id, and the bridge's ids still registered
+    # (:meth:`~weight_bridge.vllm.worker.adapter_writer.AdapterWrite.landed`)
+    adapter: dict[str, Any] | None = None
 
     @property
     def wrote(self) -> bool:
@@ -179,55 +177,6 @@ def merged_error(results: list[PushResult]) -> DirectReloadError | CheckpointErr
 
 def _noted(message: str, note: str | None) -> str:
     return f"{message}; {note}" if note else message
-
-
-@dataclass
-class PushOutcome:
-    """One push's outcome, as the engine core built it: every rank's final result, the label
-    stamped with the write (None: nothing was stamped), ``failed`` (the error's message when
-    the update was refused or failed) and ``undefined`` (why a rank's weights are
-    half-written, if one's are)."""
-
-    results: list[PushResult] = field(default_factory=list)
-    label: str | None = None
-    failed: str | None = None
-    undefined: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> PushOutcome | None:
-        """The outcome from what crossed the boundary (None: no update yet)."""
-        if data is None:
-            return None
-        return cls(
-            PushResult.every_rank(data["results"]),
-            data.get("label"),
-            data.get("failed"),
-            data.get("undefined"),
-        )
-
-
-def typed_error(outcome: PushOutcome | None) -> DirectReloadError | CheckpointError | None:
-    """THE error of a refused or failed push, rebuilt from its outcome wherever the caller is
-    (the engine core raising it, the ``LLM``/``AsyncLLM`` process, an HTTP client): every
-    rank's problems merged (:func:`merged_error`), the outcome attached (:func:`outcome_of`).
-    None for a successful push, or no outcome."""
-    if outcome is None:
-        return None
-    error = merged_error(outcome.results)
-    if error is None and outcome.failed is not None:
-        error = DirectReloadError(outcome.failed)
-    if error is not None:
-        error.outcome = outcome  # type: ignore[union-attr]
-    return error
-
-
-def outcome_of(error: BaseException) -> PushOutcome | None:
-    """The outcome a refusal or failure raised by :func:`typed_error` carries, else None."""
-    outcome = getattr(error, "outcome", None)
-    return outcome if isinstance(outcome, PushOutcome) else None
 
 
 def shard_fingerprint_problems(results: list[PushResult]) -> dict[str, str]:

@@ -31,6 +31,7 @@ import importlib
 import logging
 import os
 
+from .core import adapters as core_adapters
 from .core import undefined as core_undefined
 from .core import updates as core_updates
 from .internals import lora, patches, versions
@@ -38,7 +39,7 @@ from .internals.inductor_cache_isa import apply as apply_isa_cache_key
 from .lifeline import follow_parent
 from .options import BACKEND
 from .server import typed_errors
-from .worker import cpu_threads, external_launcher, load_recording, refresh
+from .worker import cpu_threads, external_launcher, fp8_requant, load_recording, refresh
 
 PLUGINS_ENV = "WEIGHT_BRIDGE_PLUGINS"
 _registered = False
@@ -92,6 +93,7 @@ def _install_patches() -> None:
     )
     patches.patch_engine_core(
         collective_rpc=core_updates.bridged_collective_rpc,
+        set_weight_version=core_adapters.labelling_the_base,
         resume_scheduler=core_undefined.releasing_resume,
         step=core_undefined.failing_while_undefined,
         utilities=core_updates.UTILITIES,
@@ -104,6 +106,8 @@ def _install_patches() -> None:
         start_weight_update_async=typed_errors.typed_start_weight_update_async,
     )
     patches.patch_lora_reset(lora.keeping_adapters)
+    patches.patch_token_labels(lora.labelling_adapter_tokens)
+    patches.patch_online_fp8(fp8_requant.process_online_fp8)
     if current_platform.is_cpu():
         patches.patch_cpu_linear(refresh.dispatch_cpu_linear)
         patches.patch_cpu_moe(refresh.process_cpu_moe)

@@ -15,14 +15,16 @@ import itertools
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from ..core.adapters import chosen_adapter
 from ..generation import Generation, engine_prompt
-from ..internals.objects import core_client_of
+from ..internals.engine_client import call_core_utility_async
+from ..internals.lora import lora_request
+from ..internals.objects import config_of, core_client_of
 from ..internals.pause import pause_queueing
-from ..outcome import PushOutcome
 from ..report import PushReport
-from ..server.typed_errors import update_outcome_async
+from ..server.typed_errors import update_report_async
 from .bridge_client import BridgeClient, InflightMode
-from .llm import sampling_params
+from .llm import _ADAPTERS, sampling_params
 
 
 class AsyncLLMClient(BridgeClient):
@@ -83,25 +85,40 @@ class AsyncLLMClient(BridgeClient):
     async def _resume(self) -> None:
         await self.engine.resume_generation()
 
-    async def _outcome(self) -> PushOutcome | None:
-        return await update_outcome_async(core_client_of(self.engine))
+    async def _report(self) -> PushReport | None:
+        return await update_report_async(core_client_of(self.engine))
 
     # -- generation --------------------------------------------------------------------------
 
-    async def _generate_one(self, prompt: Any, sampling_params: Any) -> Any:
+    @property
+    def takes_adapters(self) -> bool:  # type: ignore[override]
+        """Whether the engine was started with LoRA slots (``enable_lora=True``)."""
+        return config_of(self.engine).lora_config is not None
+
+    async def _generate_one(self, prompt: Any, sampling_params: Any, adapter: Any) -> Any:
         last = None
         request_id = f"weight-bridge-{next(self._ids)}"
-        async for output in self.engine.generate(prompt, sampling_params, request_id=request_id):
+        async for output in self.engine.generate(
+            prompt, sampling_params, request_id=request_id, lora_request=adapter
+        ):
             last = output
         return last
 
-    async def _generate(self, prompts: Sequence[Any], sampling_params: Any) -> list[Generation]:
-        outputs = await asyncio.gather(*(self._generate_one(p, sampling_params) for p in prompts))
+    async def _generate(
+        self, prompts: Sequence[Any], sampling_params: Any, version: Any
+    ) -> list[Generation]:
+        table = {}
+        if self.takes_adapters:
+            table = await call_core_utility_async(core_client_of(self.engine), _ADAPTERS)
+        adapter = lora_request(chosen_adapter(table, version))
+        outputs = await asyncio.gather(
+            *(self._generate_one(p, sampling_params, adapter) for p in prompts)
+        )
         top = sampling_params.logprobs
         return [Generation.from_request_output(o, top, self.version) for o in outputs]
 
     def submit(
-        self, prompts: Sequence[Any], sampling: Any = None
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
         """:meth:`BridgeClient.submit <.bridge_client.BridgeClient.submit>` on the engine's
         loop; pushes meanwhile land in flight."""
@@ -109,4 +126,5 @@ class AsyncLLMClient(BridgeClient):
 
         final = sampling_params(sampling).clone()
         final.output_kind = RequestOutputKind.FINAL_ONLY  # one output, every completion in it
-        return self._on_loop(self._generate([engine_prompt(p) for p in prompts], final))
+        prompts = [engine_prompt(p) for p in prompts]
+        return self._on_loop(self._generate(prompts, final, version))

@@ -31,8 +31,8 @@ pauses anything, so it never resumes generation another update paused: each push
 update (``start_weight_update``) *before* it pauses, and resumes only what it paused.
 
 The report (:class:`~weight_bridge.vllm.report.PushReport`), the served chain and the errors come
-from the engine's own answer, the push's outcome as the engine core built it once
-(:mod:`~weight_bridge.vllm.outcome`): the same in every client.
+from the engine's own answer, the push's report as the engine core built it once
+(:mod:`~weight_bridge.vllm.report`): the same in every client.
 
 This module imports no vLLM: a trainer that only pushes into a server needs none.
 """
@@ -52,8 +52,7 @@ from ...checkpoint.errors import CheckpointError
 from ...checkpoint.live import LiveCheckpoint
 from ..generation import Generation
 from ..options import OptionError
-from ..outcome import PushOutcome, outcome_of
-from ..report import PushReport
+from ..report import PushReport, report_of
 
 Checkpoint = str | os.PathLike | LiveCheckpoint  # a file or a directory, or tensors in memory
 InflightMode = Literal["recompute", "keep", "drain"]
@@ -74,10 +73,12 @@ class EngineClient(Protocol):
         self, checkpoint: Checkpoint, version: Any = None, verify_hash: bool | None = None
     ) -> PushReport: ...
 
-    def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]: ...
+    def generate(
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
+    ) -> list[Generation]: ...
 
     def submit(
-        self, prompts: Sequence[Any], sampling: Any = None
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
     ) -> concurrent.futures.Future[list[Generation]]: ...
 
     @property
@@ -108,16 +109,17 @@ def run_blocking(coroutine: Coroutine[Any, Any, Any]) -> Any:
 
 class BridgeClient(abc.ABC):
     """The one push routine (:meth:`push_async`) over the engine's own calls, which each client
-    provides (``_start``, ``_pause``, ``_update``, ``_finish``, ``_resume``, ``_outcome``),
+    provides (``_start``, ``_pause``, ``_update``, ``_finish``, ``_resume``, ``_report``),
     and the report, the label and the served chain from the engine's answer: the push's
-    outcome as the engine core built it, fetched once (after a refusal or failure, the typed
-    error carries it: :func:`~weight_bridge.vllm.outcome.outcome_of`).
+    report as the engine core built it, fetched once (after a refusal or failure, the typed
+    error carries it: :func:`~weight_bridge.vllm.report.report_of`).
 
     ``inflight``: the default in-flight mode (None: push without pausing generation; the update
     then lands between two steps, with ``"keep"``'s semantics for requests running then).
     """
 
     pauses = True  # whether the engine can pause generation for an in-flight push
+    takes_adapters = False  # whether the engine has LoRA slots an adapter push writes into
 
     def __init__(self, inflight: InflightMode | None = None) -> None:
         check_inflight(inflight)
@@ -209,11 +211,10 @@ class BridgeClient(abc.ABC):
             if paused is not None:
                 await self._resume()
                 paused = time.perf_counter() - paused
-        outcome = await self._outcome()
-        if outcome is None or not outcome.results:
-            raise RuntimeError("the engine answered no outcome for the update it acknowledged")
-        label = version if version is not None else outcome.label
-        report = PushReport.merged(outcome.results, label)
+        report = await self._report()
+        if report is None or not report.results:
+            raise RuntimeError("the engine answered no report of the update it acknowledged")
+        report.version = version if version is not None else report.version
         report.elapsed_s = time.perf_counter() - started
         report.paused_s, report.inflight = paused, mode
         self._pushed(report)
@@ -233,19 +234,19 @@ class BridgeClient(abc.ABC):
         self._served, self.version, self.last_report = list(report.served), report.version, report
 
     async def _failed(self, error: BaseException) -> None:
-        """After a refused or failed update: what the engine answered about it (the outcome
+        """After a refused or failed update: what the engine answered about it (the report
         the typed error carries; else, for an error that is no outcome of the update, fetched)."""
-        outcome = outcome_of(error)
-        if outcome is None:
+        report = report_of(error)
+        if report is None:
             with contextlib.suppress(Exception):
-                outcome = await self._outcome()
-        if outcome is not None:
-            self._note_outcome(outcome)
+                report = await self._report()
+        if report is not None:
+            self._note_failure(report)
 
-    def _note_outcome(self, outcome: PushOutcome) -> None:
+    def _note_failure(self, report: PushReport) -> None:
         """The served chain and the rollback's time after a refused or failed update (a client
         that can tell more about the engine's state adds to this)."""
-        results = outcome.results
+        results = report.results
         if results:
             self._served = list(results[0].served)
         self.last_rollback_s = max(
@@ -275,23 +276,27 @@ class BridgeClient(abc.ABC):
     async def _finish(self, version: str | None) -> None: ...
 
     @abc.abstractmethod
-    async def _outcome(self) -> PushOutcome | None:
-        """The last update's outcome, as the engine core built it (None: none yet)."""
+    async def _report(self) -> PushReport | None:
+        """The last update's report, as the engine core built it (None: none yet)."""
 
     @abc.abstractmethod
     def submit(
-        self, prompts: Sequence[Any], sampling: Any = None
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
         """Start generating ``prompts`` (each a list of token ids, ``{"prompt_token_ids":
         [...]}``, or text where the client tokenizes) with ``sampling`` (a dict of vLLM's
         sampling parameters; in process also a ``vllm.SamplingParams``); the future's result
-        is one :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order."""
+        is one :class:`~weight_bridge.vllm.generation.Generation` per prompt, in order. In an
+        engine holding adapter versions in its LoRA slots, the newest samples, or ``version``
+        (one that is not resident: :class:`~weight_bridge.vllm.errors.AdapterVersionError`)."""
 
-    def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
+    ) -> list[Generation]:
         """:meth:`submit` and wait: one
         :class:`~weight_bridge.vllm.generation.Generation` per prompt, the same from every
         client."""
-        return self.submit(prompts, sampling).result()
+        return self.submit(prompts, sampling, version).result()
 
     def close(self) -> None:  # noqa: B027 (a default, not an abstract method)
         """A client of an engine it did not start closes nothing (an engine it owns does)."""

@@ -12,11 +12,14 @@ without it is refused before it starts, naming that flag).
 Generation asks vLLM 0.33+ (read once from ``GET /version``) through OpenAI's ``/v1/completions``
 with ``return_weight_versions``, which labels every token without ``--enable-scale-out``; an older
 server through the token-in/token-out route ``/inference/v1/generate``, which needs that flag. Both
-give the same :class:`~weight_bridge.vllm.generation.Generation`. A ``drain`` push pauses through
-the bridge's route, which queues the requests that arrive meanwhile, so no client of the server
-sees a failure; a generate request the server answers ``503`` all the same (vLLM 0.33+ rejects
-requests while another pauser's ``/pause?mode=wait`` holds generation) is sent again until
-generation resumes, for at most ``timeout_s``: it waits for the push, as in process.
+give the same :class:`~weight_bridge.vllm.generation.Generation`, and name the server's model:
+the served name (the newest adapter version resident, else the base) or ``NAME@VERSION`` (a
+resident version; ``NAME@base``: the base), as the results middleware serves them. A ``drain``
+push pauses through the bridge's route, which queues the requests that arrive meanwhile, so no
+client of the server sees a failure; a generate request the server answers ``503`` all the same
+(vLLM 0.33+ rejects requests while another pauser's ``/pause?mode=wait`` holds generation) is
+sent again until generation resumes, for at most ``timeout_s``: it waits for the push, as in
+process.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from http import HTTPStatus
 from typing import Any
 
 from ...errors import WeightBridgeError
+from ..core.adapters import chosen_adapter
 from ..errors import UNDEFINED, EngineUndefinedError, UpdateInProgressError
 from ..generation import Generation, prompt_token_ids
 from ..internals.versions import vllm_minor
 from ..options import BACKEND_RPC
-from ..outcome import PushOutcome, typed_error
-from ..report import PushReport
-from ..server.middleware import PAUSE_ROUTE, RESULTS_ROUTE
+from ..report import PushReport, typed_error
+from ..server.middleware import MODELS_ROUTE, PAUSE_ROUTE, RESULTS_ROUTE, served_version_name
 from .bridge_client import BridgeClient, InflightMode, run_blocking
 
 _GENERATE_THREADS = 16  # concurrent generate requests of one client (the engine batches them)
@@ -84,6 +87,7 @@ class HTTPClient(BridgeClient):
         self.timeout_s = timeout_s
         self._has_results_route = False
         self._completions: bool | None = None  # generate through /v1/completions (None: unknown)
+        self._model: str | None = None  # the model name the server serves (None: not asked)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -154,14 +158,14 @@ class HTTPClient(BridgeClient):
 
     def _refusal(self, answer: RemoteUpdateError) -> BaseException | None:
         """A bridged server's refusal or failure of the update: the typed error the engine
-        core's outcome makes (fetched once, from the results route), as in process."""
+        core's report makes (fetched once, from the results route), as in process."""
         if not self._has_results_route or answer.status == HTTPStatus.UNAUTHORIZED:
             return None
         try:
-            outcome = PushOutcome.from_dict(self.call(RESULTS_ROUTE, method="GET"))
+            report = PushReport.from_dict(self.call(RESULTS_ROUTE, method="GET"))
         except Exception:
             return None
-        return typed_error(outcome)
+        return typed_error(report)
 
     async def _finish(self, version: str | None) -> None:
         self.call("finish_weight_update", {"weight_version": version} if version else {})
@@ -175,18 +179,21 @@ class HTTPClient(BridgeClient):
         answer = self.call("collective_rpc", {"method": BACKEND_RPC, "args": ["fingerprints"]})
         return list(answer["results"])
 
-    async def _outcome(self) -> PushOutcome | None:
-        return PushOutcome.from_dict(self.call(RESULTS_ROUTE, method="GET"))
+    async def _report(self) -> PushReport | None:
+        return PushReport.from_dict(self.call(RESULTS_ROUTE, method="GET"))
 
     # -- generation --------------------------------------------------------------------------
 
     def submit(
-        self, prompts: Sequence[Any], sampling: Any = None
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
         """:meth:`BridgeClient.submit <.bridge_client.BridgeClient.submit>` for token ids only
         (``max_tokens`` defaults to 16, as in process), one request per prompt
         (``/v1/completions`` on vLLM 0.33+, else ``/inference/v1/generate``, which needs
-        ``--enable-scale-out``) on a small thread pool."""
+        ``--enable-scale-out``) on a small thread pool. Each request names the server's model:
+        the served name (the newest adapter version, else the base), or ``NAME@VERSION``
+        (:mod:`~weight_bridge.vllm.server.middleware`); a version the server does not hold is
+        refused by name (:class:`~weight_bridge.vllm.errors.AdapterVersionError`)."""
         if sampling is not None and not isinstance(sampling, dict):
             raise TypeError(
                 f"{type(self).__name__} takes sampling as a dict of vLLM's sampling parameters, "
@@ -199,21 +206,31 @@ class HTTPClient(BridgeClient):
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     _GENERATE_THREADS, "weight-bridge-http"
                 )
-            futures = [self._pool.submit(self._generate_one, p, params) for p in ids]
+            futures = [self._pool.submit(self._generate_one, p, params, version) for p in ids]
         return _gathered(futures)
 
-    def _generate_one(self, token_ids: list[int], sampling: dict) -> Generation:
+    def _generate_one(self, token_ids: list[int], sampling: dict, version: Any) -> Generation:
         if self._completions is None:
             self._completions = self._labels_completions()
-        if self._completions:
-            body = {"prompt": token_ids, **sampling, **_LABELLED}
-            answer = self._until_served("v1/completions", body)
-            return Generation.from_completion_json(
-                answer, token_ids, sampling.get("logprobs"), self.version
-            )
-        body = {"token_ids": token_ids, "sampling_params": sampling}
-        answer = self._until_served("inference/v1/generate", body)
-        return Generation.from_json(answer, token_ids, self.version)
+        if self._model is None:  # the first card of vLLM's list: its first served name
+            self._model = str(self.call(MODELS_ROUTE, method="GET")["data"][0]["id"])
+        model = self._model if version is None else served_version_name(self._model, str(version))
+        try:
+            if self._completions:
+                body = {"model": model, "prompt": token_ids, **sampling, **_LABELLED}
+                answer = self._until_served("v1/completions", body)
+                return Generation.from_completion_json(
+                    answer, token_ids, sampling.get("logprobs"), self.version
+                )
+            body = {"model": model, "token_ids": token_ids, "sampling_params": sampling}
+            answer = self._until_served("inference/v1/generate", body)
+            return Generation.from_json(answer, token_ids, self.version)
+        except RemoteUpdateError as exc:
+            if version is not None and exc.status == HTTPStatus.NOT_FOUND:
+                # an unknown model: refused by name, with what the engine holds
+                report = self.call(RESULTS_ROUTE, method="GET") or {}
+                chosen_adapter(report.get("adapters") or {}, version)
+            raise
 
     def _labels_completions(self) -> bool:
         """Whether the server's ``/v1/completions`` takes ``return_weight_versions`` (vLLM

@@ -35,23 +35,26 @@ import concurrent.futures
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from ..core.adapters import chosen_adapter
 from ..errors import EngineUndefinedError, undefined_message
 from ..generation import Generation, engine_prompt
 from ..internals.engine_client import (
     EngineCoreDeadError,
+    call_core_utility,
     core_dead,
     dead_message,
     engine_resources,
     watched_call,
 )
+from ..internals.lora import lora_request
 from ..internals.objects import config_of, core_client_of
 from ..options import BACKEND_RPC
-from ..outcome import PushOutcome, outcome_of
-from ..report import PushReport
-from ..server.typed_errors import update_outcome
+from ..report import PushReport, report_of
+from ..server.typed_errors import update_report
 from .bridge_client import BridgeClient, run_blocking
 from .fair_lock import FairLock
 
+_ADAPTERS = "weight_bridge_adapters"  # the engine-core utility (core.adapters)
 _PROBE_TIMEOUT_S = 30.0  # the most the post-failure "are you undefined?" probe may wait
 _DEFAULT: Any = object()
 
@@ -102,13 +105,13 @@ class LLMClient(BridgeClient):
             lambda llm: llm.finish_weight_update(weight_version=version), "finish_weight_update"
         )
 
-    async def _outcome(self) -> PushOutcome | None:
-        return self._call(lambda llm: update_outcome(core_client_of(llm)), "weight_bridge_results")
+    async def _report(self) -> PushReport | None:
+        return self._call(lambda llm: update_report(core_client_of(llm)), "weight_bridge_results")
 
     async def _failed(self, error: BaseException) -> None:
-        outcome = outcome_of(error)  # a refusal, or a failure rolled back: the engine's answer
-        if outcome is not None:
-            self._note_outcome(outcome)
+        report = report_of(error)  # a refusal, or a failure rolled back: the engine's answer
+        if report is not None:
+            self._note_failure(report)
             return
         if isinstance(error, (EngineCoreDeadError, TimeoutError)):
             return  # _call noted what it means for the weights
@@ -116,9 +119,9 @@ class LLMClient(BridgeClient):
         if self._core_dead():
             raise EngineCoreDeadError(self._undefined or str(error)) from error
 
-    def _note_outcome(self, outcome: PushOutcome) -> None:
-        super()._note_outcome(outcome)
-        self._undefined = outcome.undefined
+    def _note_failure(self, report: PushReport) -> None:
+        super()._note_failure(report)
+        self._undefined = report.undefined
 
     def _after_failure(self, exc: BaseException, what: str) -> None:
         if isinstance(exc, (EngineCoreDeadError, TimeoutError)):
@@ -196,31 +199,50 @@ class LLMClient(BridgeClient):
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Any], sampling: Any = None) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
+    ) -> list[Generation]:
         """``vllm.LLM.generate`` of ``prompts`` (token ids, ``{"prompt_token_ids": ...}`` or
         text) with ``sampling`` (a dict of vLLM's sampling parameters, or a ``SamplingParams``):
         one :class:`~weight_bridge.vllm.generation.Generation` per prompt, each token labelled
-        with the version that sampled it (vLLM's own ``weight_versions`` spans)."""
+        with the version that sampled it (vLLM's own ``weight_versions`` spans). Where adapter
+        versions are resident in the engine's LoRA slots, the newest samples, or ``version``."""
         params = sampling_params(sampling)
         engine_prompts = [engine_prompt(p) for p in prompts]
         with self._lock:
             if self._undefined is not None:
                 raise EngineUndefinedError(undefined_message(self._undefined))
+            adapter = lora_request(chosen_adapter(self._adapters(), version))
             outputs = self._call(
-                lambda llm: llm.generate(engine_prompts, params, use_tqdm=False), "generate", None
+                lambda llm: llm.generate(
+                    engine_prompts, params, use_tqdm=False, lora_request=adapter
+                ),
+                "generate",
+                None,
             )
             return [
                 Generation.from_request_output(o, params.logprobs, self.version) for o in outputs
             ]
 
+    @property
+    def takes_adapters(self) -> bool:  # type: ignore[override]
+        """Whether the engine was started with LoRA slots (``enable_lora=True``)."""
+        return config_of(self.llm).lora_config is not None
+
+    def _adapters(self) -> dict[str, dict]:
+        """The adapter versions resident in the engine's LoRA slots (none without LoRA)."""
+        if not self.takes_adapters:
+            return {}
+        return self._call(lambda llm: call_core_utility(core_client_of(llm), _ADAPTERS), _ADAPTERS)
+
     def submit(
-        self, prompts: Sequence[Any], sampling: Any = None
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
         """:meth:`generate` on a thread of this client's (a ``vllm.LLM`` generates one call at a
         time: a push waits for it, in the order asked)."""
         if self._submitted is None:
             self._submitted = concurrent.futures.ThreadPoolExecutor(1, "weight-bridge-generate")
-        return self._submitted.submit(self.generate, list(prompts), sampling)
+        return self._submitted.submit(self.generate, list(prompts), sampling, version)
 
 
 def sampling_params(sampling: Any) -> Any:

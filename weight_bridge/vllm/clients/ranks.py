@@ -83,7 +83,7 @@ class RanksEngine(ColocatedEngine):
         super().__init__(model, **kwargs)
 
     def submit(
-        self, prompts: Sequence[Any], sampling: Any = None
+        self, prompts: Sequence[Any], sampling: Any = None, version: Any = None
     ) -> concurrent.futures.Future[list[Generation]]:
         """:meth:`generate` on the calling thread, its future already done: the engine runs in
         the rank's own thread, in lockstep with the other ranks (nothing is generated ahead in
@@ -91,7 +91,7 @@ class RanksEngine(ColocatedEngine):
         ``cpu_threads_bind`` set on that thread (another thread fails: ``thread_num 2 vs. 1``)."""
         done: concurrent.futures.Future[list[Generation]] = concurrent.futures.Future()
         try:
-            done.set_result(self.generate(prompts, sampling))
+            done.set_result(self.generate(prompts, sampling, version))
         except Exception as exc:
             done.set_exception(exc)
         return done

@@ -3,7 +3,7 @@ kept on the core: :func:`~weight_bridge.vllm.internals.objects.bridge_state_of`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..internals.objects import bridge_state_of
@@ -26,9 +26,11 @@ class BridgeCoreState:
     undefined: str | None = None  # a rank's weights are half-written: nothing is scheduled
     paused_before: Any = None  # the scheduler's pause state before the bridge paused it
     updates: int = 0
-    outcome: dict | None = None  # the last update's PushOutcome, as a dict (None: none yet)
+    report: dict | None = None  # the last update's PushReport, as a dict (None: none yet)
     active: ActiveUpdate | None = None
     conflict: dict | None = None  # the last refused start's UpdateInProgressError, as a dict
+    # the adapter versions in the LoRA slots, rebuilt at each successful update (.adapters)
+    adapters: dict[str, dict] = field(default_factory=dict)
 
 
 def core_state(core: Any) -> BridgeCoreState:

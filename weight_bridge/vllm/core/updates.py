@@ -11,11 +11,11 @@ each answered by every rank. What it guarantees:
    weight planned, nothing written; the version served is passed along as a partial's base;
 2. every rank *commits* only if every rank prepared; if any rank then failed past its first
    write, every rank that wrote *rolls back* to the version served;
-3. the outcome (:class:`~weight_bridge.vllm.outcome.PushOutcome`) is built here once and kept for
+3. the report (:class:`~weight_bridge.vllm.report.PushReport`) is built here once and kept for
    the utility ``weight_bridge_results``; a refusal or failure is raised from ``update_weights``
-   as :func:`~weight_bridge.vllm.outcome.typed_error` makes it (logged on one line), a success's
-   outcome is returned (vLLM discards it:
-   :func:`~weight_bridge.vllm.server.typed_errors.update_outcome` fetches it). After a failure
+   as :func:`~weight_bridge.vllm.report.typed_error` makes it (logged on one line), a success's
+   report is returned (vLLM discards it:
+   :func:`~weight_bridge.vllm.server.typed_errors.update_report` fetches it). After a failure
    the workers' session is closed and its ``finish_weight_update`` refused, so vLLM stamps no
    version that was not written;
 4. after a successful update no later request reuses KV computed by the old weights
@@ -23,8 +23,9 @@ each answered by every rank. What it guarantees:
    the prefix cache);
 5. **the weights and their label change together**: the new version (the request's ``version``,
    else the checkpoint's metadata, else its file name) is stamped in the call that commits the
-   write, so no engine step runs new weights under the old label or the reverse (vLLM writes at
-   ``update_weights`` and stamps at ``finish_weight_update``, generating in between). A
+   write (an adapter's names its LoRA slot instead, :mod:`.adapters`), so no engine step runs
+   new weights under the old label or the reverse (vLLM writes at ``update_weights`` and stamps
+   at ``finish_weight_update``, generating in between). A
    ``finish_weight_update(weight_version=V)`` with another ``V`` relabels from then on;
 6. **one update at a time**: a ``start_weight_update`` while another is active is refused with
    :class:`UpdateConflictError` (a :class:`~weight_bridge.vllm.errors.UpdateInProgressError`,
@@ -68,15 +69,10 @@ from ..internals.engine_core import (
 )
 from ..internals.objects import config_of
 from ..options import BACKEND_RPC, BridgeOptions, bridge_options, is_bridged
-from ..outcome import (
-    Phase,
-    PushOutcome,
-    PushResult,
-    merged_error,
-    shard_fingerprint_problems,
-    typed_error,
-)
+from ..outcome import Phase, PushResult, merged_error, shard_fingerprint_problems
+from ..report import PushReport, typed_error
 from ..worker.backend import QUERIES, call_backend
+from .adapters import resident_after, retiring_in_use, weight_bridge_adapters
 from .state import ActiveUpdate, core_state
 from .undefined import resume_if_paused, stop_scheduling
 
@@ -105,10 +101,10 @@ def _phase(rpc: Any, core: Any, timeout: float | None, phase: Phase, *args: Any)
 
 
 def weight_bridge_results(self: Any) -> dict | None:
-    """Engine-core utility: the last update's :class:`~weight_bridge.vllm.outcome.PushOutcome`,
-    as a dict (None before the first, or while one runs): the caller rebuilds the report or
-    the typed error from it (:func:`~weight_bridge.vllm.outcome.typed_error`)."""
-    return core_state(self).outcome
+    """Engine-core utility: the last update's :class:`~weight_bridge.vllm.report.PushReport`,
+    as a dict (None before the first, or while one runs): the caller rebuilds the report and
+    the typed error from it (:func:`~weight_bridge.vllm.report.typed_error`)."""
+    return core_state(self).report
 
 
 def weight_bridge_conflict(self: Any) -> dict | None:
@@ -140,7 +136,7 @@ def _claim(rpc: Any, core: Any, timeout: float | None) -> None:
         with contextlib.suppress(Exception):
             rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
     state.conflict = None
-    state.outcome = None  # an answer about this update is never an earlier one's
+    state.report = None  # an answer about this update is never an earlier one's
     state.active = ActiveUpdate(time.time(), time.monotonic())
 
 
@@ -166,7 +162,7 @@ def _with_served(info: Any, served: str | None) -> Any:
     return info
 
 
-def _update(rpc: Any, core: Any, timeout: float | None, info: Any) -> PushOutcome:
+def _update(rpc: Any, core: Any, timeout: float | None, info: Any) -> PushReport:
     """THE update on this rank's engine core, the one place that runs its phases: each phase
     answered by every rank and agreed (:func:`_phase`), its outcome built from those answers
     whatever any rank raised: refused with nothing written, rolled back, or undefined naming
@@ -176,6 +172,9 @@ def _update(rpc: Any, core: Any, timeout: float | None, info: Any) -> PushOutcom
     results = _phase(rpc, core, timeout, Phase.PREPARE, _with_served(info, served))
     if merged_error(results) is not None:  # a rank refused: no rank writes
         return _ended(rpc, core, timeout, _phase(rpc, core, timeout, Phase.ABANDON), served)
+    busy = retiring_in_use(core, results)
+    if busy is not None:  # refused here: every rank prepared, none writes
+        return PushReport.of(_phase(rpc, core, timeout, Phase.ABANDON), None, busy)
     results = _phase(rpc, core, timeout, Phase.COMMIT)
     if merged_error(results) is None:
         state.updates += 1
@@ -183,7 +182,7 @@ def _update(rpc: Any, core: Any, timeout: float | None, info: Any) -> PushOutcom
         if why is not None:
             results = _phase(rpc, core, timeout, Phase.FAIL, why, wrong)
     if merged_error(results) is None:
-        return PushOutcome(results, _label(_asked_version(info), results))
+        return PushReport.of(results, _label(_asked_version(info), results))
     return _ended(rpc, core, timeout, results, served)
 
 
@@ -202,47 +201,51 @@ def _after_commit(core: Any, results: list[PushResult], salt: str) -> tuple[str 
 
 def _ended(
     rpc: Any, core: Any, timeout: float | None, results: list[PushResult], served: str | None
-) -> PushOutcome:
-    """A refused or failed update's outcome, every rank that wrote rolled back first."""
+) -> PushReport:
+    """A refused or failed update's report, every rank that wrote rolled back first."""
     error = merged_error(results)
     if any(r.wrote for r in results):
         results = _phase(rpc, core, timeout, Phase.ROLL_BACK, served)
         error = merged_error(results) or error
     undefined = next((r.undefined for r in results if r.undefined), None)
-    return PushOutcome(results, None, str(error), undefined)
+    return PushReport.of(results, None, str(error), undefined)
 
 
-def _answered(rpc: Any, core: Any, timeout: float | None, outcome: PushOutcome) -> list:
-    """Make ``outcome`` the engine's: kept for ``weight_bridge_results``; a success stamps its
+def _answered(rpc: Any, core: Any, timeout: float | None, report: PushReport) -> list:
+    """Make ``report`` the engine's: kept for ``weight_bridge_results``; a success stamps its
     label in this same engine-core call (no step runs in between) and is returned to the call
     that made the update; a refusal or failure ends the workers' session and is raised as the
-    typed error (:func:`~weight_bridge.vllm.outcome.typed_error`)."""
+    typed error (:func:`~weight_bridge.vllm.report.typed_error`)."""
     state = core_state(core)
-    state.outcome = outcome.to_dict()
-    if outcome.failed is None:
-        core.set_weight_version(outcome.label)
+    if report.failed is None:
+        state.adapters = resident_after(state.adapters, report)
+    report.adapters = dict(state.adapters)
+    state.report = report.to_dict()
+    if report.failed is None:
+        if report.results[0].adapter is None:  # the engine's label names the base weights
+            core.set_weight_version(report.version)
         state.failed = None
         resume_if_paused(core, state)
         if state.active is not None:
             state.active.last_call = time.monotonic()
-        return [state.outcome]
+        return [state.report]
     with contextlib.suppress(Exception):
         rpc(core, "finish_weight_update", timeout, (), None)  # close the workers' session
     state.active = None
-    state.failed = outcome.failed
-    if outcome.undefined is not None:
-        stop_scheduling(core, state, outcome.undefined)
-    raise typed_error(outcome) or DirectReloadError(outcome.failed)
+    state.failed = report.failed
+    if report.undefined is not None:
+        stop_scheduling(core, state, report.undefined)
+    raise typed_error(report) or DirectReloadError(report.failed)
 
 
-def _core_failed(rpc: Any, core: Any, timeout: float | None, exc: Exception) -> PushOutcome:
+def _core_failed(rpc: Any, core: Any, timeout: float | None, exc: Exception) -> PushReport:
     """An update whose engine-core step raised between two phases (its own code, on the answers
     every rank shares, so on every rank alike): every rank that wrote rolls back."""
     why = f"the engine core's update raised {type(exc).__name__}: {exc}"
     _logger.exception("weight_bridge: %s", why)
     results = _phase(rpc, core, timeout, Phase.ROLL_BACK, served_version(core))
     undefined = next((r.undefined for r in results if r.undefined), None)
-    return PushOutcome(results, None, why, undefined)
+    return PushReport.of(results, None, why, undefined)
 
 
 def _forget_prefixes_on_every_rank(core: Any, salt: str) -> str | None:
@@ -285,21 +288,21 @@ def bridged_collective_rpc(original: Any) -> Any:
             return started
         if method == "update_weights":
             if state.active is None:  # vLLM's own contract, which its worker checked
-                state.outcome = None
+                state.report = None
                 raise DirectReloadError(
                     "start_weight_update must be called before update_weights (nothing was written)"
                 )
             info = (kwargs or {}).get("update_info", args[0] if args else None)
-            state.outcome = None  # nothing of an earlier update may stand for this one
+            state.report = None  # nothing of an earlier update may stand for this one
             state.active.last_call = time.monotonic()
             state.active.version = _asked_version(info)
             try:
                 with waiting_without_spinning(self):  # the push's helpers get its CPU
                     try:
-                        outcome = _update(original, self, timeout, info)
+                        report = _update(original, self, timeout, info)
                     except Exception as exc:  # the core's own step raised: take back any write
-                        outcome = _core_failed(original, self, timeout, exc)
-                return _answered(original, self, timeout, outcome)
+                        report = _core_failed(original, self, timeout, exc)
+                return _answered(original, self, timeout, report)
             except (DirectReloadError, CheckpointError):
                 raise
             except BaseException:
@@ -339,4 +342,5 @@ def quiet_refusals(record: logging.LogRecord) -> bool:
 UTILITIES = {
     "weight_bridge_results": weight_bridge_results,
     "weight_bridge_conflict": weight_bridge_conflict,
+    "weight_bridge_adapters": weight_bridge_adapters,
 }

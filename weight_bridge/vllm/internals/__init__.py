@@ -64,11 +64,14 @@ to :data:`.versions.TESTED_VLLM`. What differs between the tested versions:
 11. Read by :func:`~.engine_core.forget_prefixes`: ``EngineCore.scheduler``,
     ``.reset_prefix_cache()`` (True if it reset), ``Scheduler.running``,
     ``.kv_cache_manager.coordinator.single_type_managers[*].block_pool`` (``blocks``,
-    ``_maybe_evict_cached_block``, ``cached_block_hashes_by_block``), ``Request._block_hasher``.
+    ``_maybe_evict_cached_block``, ``cached_block_hashes_by_block``), ``Request._block_hasher``;
+    by :func:`~.engine_core.requests_with_lora`: ``Scheduler.requests`` (unfinished ones,
+    ``Request.is_finished()``), ``Request.lora_request.lora_int_id``.
 12. Scheduling stopped and restored: ``Scheduler.pause_state``, ``.set_pause_state``,
     ``.reset_prefix_cache(reset_running_requests=True)``, ``PauseState.PAUSED_ALL``.
 13. ``EngineCore._weight_version``: the label stamped on outputs
-    (:func:`~.engine_core.served_version`).
+    (:func:`~.engine_core.served_version`); ``EngineCore.set_weight_version`` patched (a label
+    naming a resident adapter version does not relabel the base weights).
 14. The engine-core client (:func:`~.engine_client.watched_call`...):
     ``llm.llm_engine.engine_core`` (``SyncMPClient`` or ``InprocClient``),
     ``.resources.engine_dead`` (multi-process only), ``.resources.engine_manager.processes`` /
@@ -87,7 +90,14 @@ to :data:`.versions.TESTED_VLLM`. What differs between the tested versions:
     ``/finish_weight_update``, ``/pause``, ``/resume``, ``/weight_info``) answer under
     ``VLLM_SERVER_DEV_MODE=1`` only (``request.app.routes`` has ``/resume`` then);
     ``request.app.state.args.api_key`` holds the ``--api-key`` keys and
-    ``engine_client.vllm_config`` the engine's config.
+    ``engine_client.vllm_config`` the engine's config. The served names
+    (:mod:`~weight_bridge.vllm.internals.objects`): ``request.app.state.openai_serving_models``
+    (``OpenAIServingModels``; its ``base_model_paths``, a list of ``BaseModelPath(name,
+    model_path)`` that ``is_base_model`` reads, the first the served name; ``lora_requests``,
+    ``{name: LoRARequest}``, looked up before the base names by every generation route's
+    ``_maybe_get_adapters``, and a name in neither answered ``404``; ``show_available_models()``,
+    a ``ModelList`` listing a LoRA by its ``lora_name``), on ``/v1/completions`` and 0.32's
+    ``/inference/v1/generate`` alike.
 18. Shared-memory message queues (``distributed.device_communicators.shm_broadcast
     .SpinCondition.wait(self, timeout_ms)``: spins while the last message came less than
     ``busy_loop_s`` ago, else sleeps until the writer's notification, which every ``enqueue``
@@ -116,7 +126,7 @@ to :data:`.versions.TESTED_VLLM`. What differs between the tested versions:
     (:func:`~.engine_client.shutdown`).
 22. LoRA (:mod:`.lora`): ``v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin
     .reset_lora_state`` (called by the worker's ``finish_weight_update``; drops every adapter)
-    is patched to skip once after an adapter-only update; the model's ``lora_manager`` (the
+    is patched to skip once unless the update wrote base weights; the model's ``lora_manager`` (the
     ``LRUCacheLoRAModelManager``): ``modules`` (each with ``lora_a_stacked`` /
     ``lora_b_stacked``: a tuple per packed slice, or one tensor; shape ``(max_loras, 1, rows,
     cols)``), ``packed_modules``, ``lora_index_to_id``, ``lora_config.max_lora_rank``,
@@ -124,4 +134,17 @@ to :data:`.versions.TESTED_VLLM`. What differs between the tested versions:
     ``list_adapters``, the LRU caches' ``pinned_items``; ``lora.lora_model.LoRAModel(id, rank,
     loras)``, ``lora.lora_weights.LoRALayerWeights(name, rank, alpha, a, b, scaling)``,
     ``lora.utils.parse_fine_tuned_lora_name`` and the model's ``hf_to_vllm_mapper``.
+23. Online FP8 (``model_executor.layers.quantization.online.fp8``):
+    ``Fp8PerTensorOnlineLinearMethod`` and ``Fp8PtpcOnlineLinearMethod``
+    ``.process_weights_after_loading(self, layer)``: patched
+    (:mod:`~weight_bridge.vllm.worker.fp8_requant`); it reads the layer's bf16 ``weight`` (N, K)
+    and the attributes its linear layer sets (``tp_size``, ``input_size``...), and leaves
+    ``weight`` FP8 (K, N), a transposed view, and ``weight_scale`` float32 (0.32's
+    ``replace_parameter`` registers new parameters without ``output_dim``/``input_dim``);
+    ``_already_called_process_weights_after_loading`` marks a processed layer; the model's
+    ``packed_modules_mapping`` names each fused module's checkpoint shards.
+24. The front end's labels (``v1.engine.output_processor.RequestState``): its ``lora_name`` (the
+    request's ``LoRARequest.lora_name``) and ``track_weight_version(self, weight_version)``, called
+    with the engine's label for each step that gave the request tokens; patched so that a request
+    sampled with an adapter version the bridge pushed is labelled with that version (:mod:`.lora`).
 """

@@ -100,6 +100,17 @@ def forget_prefixes(core: Any, salt: str) -> str:
     return "forgotten"
 
 
+def requests_with_lora(core: Any, lora_id: int) -> int:
+    """How many unfinished requests the scheduler holds (running, waiting or preempted) that
+    compute with the LoRA adapter ``lora_id``."""
+    return sum(
+        1
+        for request in list(core.scheduler.requests.values())
+        if not request.is_finished()
+        and getattr(request.lora_request, "lora_int_id", None) == lora_id
+    )
+
+
 def pause_scheduling(core: Any) -> Any:
     """Pause all scheduling (running requests preempted) and drop every cached KV; the pause
     state before, for :func:`set_pause_state`."""

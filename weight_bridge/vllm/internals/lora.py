@@ -1,4 +1,4 @@
-"""Every read and write of vLLM's LoRA internals (checklist sites 22 to 24), one place.
+"""Every read and write of vLLM's LoRA internals (checklist sites 22 and 24), one place.
 
 An adapter push fills a LoRA slot with vLLM's own code (the layers' ``set_lora`` /
 ``reset_lora`` through ``activate_adapter``, which also does the tensor-parallel slicing) and
@@ -6,9 +6,11 @@ registers the CPU copy the slot was filled from under a fresh id: vLLM has no pu
 loads an adapter from tensors (``LoRARequest`` takes a path). So the bits in a slot are a cold
 load's by construction, and what the manager re-fills an evicted slot from is the same copy.
 
-Also here: the patch that keeps the adapters across ``finish_weight_update`` after an
-adapter-only update (vLLM's worker calls ``reset_lora_state``, which drops every adapter, after
-every weight update: verified on 0.32 and 0.34, even after an update that wrote nothing).
+Also here: the patch that keeps the adapters across ``finish_weight_update`` unless the update
+wrote base weights (vLLM's worker calls ``reset_lora_state``, which drops every adapter, after
+every weight update: verified on 0.32 and 0.34, even after an update that wrote nothing), and
+the one spelling of a version's LoRA name (:func:`adapter_name`), from which the front end labels
+each token an adapter sampled with that adapter's version (:func:`labelling_adapter_tokens`).
 
 Like the rest of this package, nothing of the project is imported: refusals are returned as
 strings for the caller to raise.
@@ -150,17 +152,20 @@ def retire(manager: Any, lora_id: int) -> Any:
 
 
 def keep_adapters_once(manager: Any) -> None:
-    """Skip the next ``reset_lora_state`` of this manager's runner: the update that is ending
-    wrote an adapter, not base weights, so every resident adapter is still exact."""
+    """Skip the next ``reset_lora_state`` of this manager's runner: set when an update is
+    prepared, cleared by :func:`base_written` when it writes base weights; so an update that
+    wrote an adapter, or nothing (a refusal), keeps every resident adapter, which is exact."""
     _keep_once.add(manager)
 
 
-def forget_keep(manager: Any) -> None:
+def base_written(manager: Any) -> None:
+    """Base weights are being written: vLLM's reset at the update's end drops every adapter
+    (a slot computed on the old base is no version a cold start would hold)."""
     _keep_once.discard(manager)
 
 
 def keeping_adapters(original: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``reset_lora_state`` that skips once after an adapter-only update (see
+    """``reset_lora_state`` that skips once after an update that wrote no base weight (see
     :func:`keep_adapters_once`), and otherwise drops every adapter, as vLLM does."""
 
     def reset_lora_state(self: Any) -> None:
@@ -171,3 +176,42 @@ def keeping_adapters(original: Callable[[Any], None]) -> Callable[[Any], None]:
         original(self)
 
     return reset_lora_state
+
+
+_NAME = "weight-bridge@"  # a version's LoRA name: _NAME + version + "~" + its id
+
+
+def adapter_name(version: str, lora_id: int) -> str:
+    """The LoRA name of ``version``, held under ``lora_id``: unique for the engine's life (vLLM
+    keys the prefix cache by name and path, and 0.32 tells requests' adapters apart by name),
+    and it says the version, so every token sampled with it is labelled so."""
+    return f"{_NAME}{version}~{lora_id}"
+
+
+def adapter_version(name: str | None) -> str | None:
+    """The version a LoRA name of :func:`adapter_name` says, else None (a user's adapter)."""
+    if not name or not name.startswith(_NAME) or "~" not in name:
+        return None
+    version, _, lora_id = name[len(_NAME) :].rpartition("~")
+    return version if lora_id.isdigit() else None
+
+
+def labelling_adapter_tokens(original: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
+    """The front end's ``RequestState.track_weight_version``: a request sampled with a version
+    the bridge pushed as an adapter is labelled with that version (its slot's bits never change
+    under its id), whatever the engine's label, which names the base weights."""
+
+    def track_weight_version(self: Any, weight_version: str) -> None:
+        original(self, adapter_version(getattr(self, "lora_name", None)) or weight_version)
+
+    return track_weight_version
+
+
+def lora_request(entry: Mapping[str, Any] | None) -> Any:
+    """vLLM's ``LoRARequest`` for a resident version (its name, id and the PEFT directory it
+    came from, which vLLM reloads only if its CPU copy is gone), or None."""
+    if entry is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(entry["name"], int(entry["id"]), str(entry["path"]))

@@ -90,3 +90,44 @@ def reset_runner_caches(worker: Any) -> None:
         reset = getattr(runner, name, None)
         if callable(reset):
             reset()
+
+
+def fused_shards(model: Any, module: str) -> list[str]:
+    """The checkpoint names of the weight that ``module`` of ``model`` loads, in load order:
+    one per shard of a fused module (``qkv_proj``: ``q_proj``, ``k_proj``, ``v_proj``, from the
+    model's ``packed_modules_mapping``, site 23), else its own."""
+    parent, _, leaf = module.rpartition(".")
+    shards = getattr(model, "packed_modules_mapping", {}).get(leaf, [leaf])
+    return [f"{parent}.{shard}.weight" if parent else f"{shard}.weight" for shard in shards]
+
+
+# what a linear's weight loader narrows and places shards by (site 23: 0.32's
+# ``replace_parameter`` drops them from the FP8 parameter it registers)
+_LOADER_DIMS = ("output_dim", "input_dim", "packed_dim", "packed_factor")
+
+
+def loader_dims(param: Any) -> dict[str, Any]:
+    """The attributes of a linear's float ``param`` its weight loader reads (site 23)."""
+    return {d: getattr(param, d) for d in _LOADER_DIMS if hasattr(param, d)}
+
+
+def restore_loader_dims(param: Any, dims: dict[str, Any]) -> None:
+    """Put back on the quantized ``param`` the loader attributes (:func:`loader_dims`) its
+    float one had, so the model's own loader can write the next floats through it."""
+    for d, value in dims.items():
+        if not hasattr(param, d):
+            setattr(param, d, value)
+
+
+def fp8_scratch(layer: Any, weight: Any) -> Any:
+    """A module an online FP8 method can quantize ``weight`` on (site 23) without touching
+    ``layer``: its public attributes (sizes, ``tp_size``, ``quant_method``, which decides how
+    ``replace_parameter`` stores the result), ``weight`` and a copy of its scale."""
+    import torch
+
+    scratch = torch.nn.Module()
+    scratch.__dict__.update({k: v for k, v in vars(layer).items() if not k.startswith("_")})
+    scratch.weight = torch.nn.Parameter(weight, requires_grad=False)
+    scale = layer.get_parameter("weight_scale").detach().clone()
+    scratch.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    return scratch

@@ -1,6 +1,7 @@
 """Reads and writes of vLLM objects' own attributes that are not part of vLLM's public API:
 which engine-core client an ``LLM`` or ``AsyncLLM`` talks through, an engine's configuration,
-the bridge's state kept on an engine core, a message queue's busy-loop window.
+the bridge's state kept on an engine core, a message queue's busy-loop window, the model names
+an API server serves.
 
 Every other module takes these from here, so an upgrade checks them in one place (the checklist
 in :mod:`weight_bridge.vllm.internals`, items 14, 17 and 18).
@@ -39,6 +40,38 @@ def server_engine(request: Any) -> Any:
 def server_core_client(request: Any) -> Any:
     """The engine-core client of the ``AsyncLLM`` behind a ``vllm serve`` request."""
     return server_engine(request).engine_core
+
+
+def served_models(request: Any) -> Any:
+    """vLLM's ``OpenAIServingModels`` of a ``vllm serve`` app: where a request's ``model`` is
+    looked up (a base name, else a key of its ``lora_requests``)."""
+    return request.app.state.openai_serving_models
+
+
+def served_name(models: Any) -> str:
+    """The first served model name (``--served-model-name``, else ``--model``)."""
+    return str(models.base_model_paths[0].name)
+
+
+def named_adapters(models: Any) -> dict[str, Any]:
+    """The live ``{model name: LoRARequest}`` a request's ``model`` is looked up in first."""
+    return models.lora_requests
+
+
+def add_base_name(models: Any, name: str) -> None:
+    """Serve the base weights under one more model name (a request naming no adapter)."""
+    if not models.is_base_model(name):
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+
+        path = models.base_model_paths[0].model_path
+        models.base_model_paths.append(BaseModelPath(name=name, model_path=path))
+
+
+async def model_list(models: Any) -> dict[str, Any]:
+    """What vLLM's ``GET /v1/models`` answers, as JSON (``data``: a card per name, base names
+    first, then each LoRA name)."""
+    listed = await models.show_available_models()
+    return dict(listed.model_dump())
 
 
 def bridge_state_of(core: Any, new: Callable[[], _T]) -> _T:

@@ -29,6 +29,10 @@ _PROCESS = "process_weights_after_loading"
 _QUEUE_WAIT = "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait"
 _CPU_DIST_INIT = "vllm.v1.worker.cpu_worker.init_worker_distributed_environment"
 _LORA_RESET = "vllm.v1.worker.lora_model_runner_mixin.LoRAModelRunnerMixin.reset_lora_state"
+_TOKEN_LABELS = "vllm.v1.engine.output_processor.RequestState.track_weight_version"
+_ONLINE_FP8 = "vllm.model_executor.layers.quantization.online.fp8"
+#: the online FP8 linear methods whose quantization a push re-runs (site 23)
+ONLINE_FP8_LINEAR = ("Fp8PerTensorOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod")
 
 #: Every vLLM module or class attribute replaced by a ``patch_*`` function.
 PATCHED = (
@@ -36,6 +40,7 @@ PATCHED = (
     f"{_DEFAULT_LOADER}.load_weights",
     f"{_LOADER}.base_loader.{_PROCESS}",
     f"{_CORE}.EngineCore.collective_rpc",
+    f"{_CORE}.EngineCore.set_weight_version",
     f"{_CORE}.EngineCore.resume_scheduler",
     f"{_CORE}.DPEngineCoreProc.resume_scheduler",
     f"{_OFFLINE}.update_weights",
@@ -47,6 +52,7 @@ PATCHED = (
     _QUEUE_WAIT,
     _CPU_DIST_INIT,
     _LORA_RESET,
+    *(f"{_ONLINE_FP8}.{method}.{_PROCESS}" for method in ONLINE_FP8_LINEAR),
 )
 
 _patched: set[str] = set()
@@ -135,19 +141,22 @@ def processing_watched(modules: Iterable[Any], after: Callable[[Any], None]) -> 
 
 def patch_engine_core(
     collective_rpc: Wrap,
+    set_weight_version: Wrap,
     resume_scheduler: Wrap,
     step: Wrap,
     utilities: dict[str, Callable],
     log_filter: Callable[[logging.LogRecord], bool],
 ) -> None:
-    """Sites 4 to 7: ``collective_rpc``, ``resume_scheduler`` wherever it is defined, both of
-    the core's step functions (``step``, ``step_with_batch_queue``: ``step_fn`` is bound to one
-    of them when the core is built, after this), the engine-core ``utilities`` (name ->
-    function of the core), a filter on the core's log."""
+    """Sites 4 to 7 and 13: ``collective_rpc``, ``set_weight_version``, ``resume_scheduler``
+    wherever it is defined, both of the core's step functions (``step``,
+    ``step_with_batch_queue``: ``step_fn`` is bound to one of them when the core is built, after
+    this), the engine-core ``utilities`` (name -> function of the core), a filter on the core's
+    log."""
     _site(f"{_CORE}.EngineCore.resume_scheduler")
     _site(f"{_CORE}.EngineCoreProc._handle_client_request")  # how utilities are found
     wraps = {
         f"{_CORE}.EngineCore.collective_rpc": collective_rpc,
+        f"{_CORE}.EngineCore.set_weight_version": set_weight_version,
         f"{_CORE}.EngineCore.step": step,
         f"{_CORE}.EngineCore.step_with_batch_queue": step,
     }
@@ -206,6 +215,19 @@ def patch_lora_reset(reset: Wrap) -> None:
     """Site 22: the model runner's ``reset_lora_state``, which vLLM's worker calls at the end
     of every weight update and which drops every adapter (:mod:`.lora`)."""
     _patch("lora reset", {_LORA_RESET: reset})
+
+
+def patch_online_fp8(process: Wrap) -> None:
+    """Site 23: the online FP8 linear methods' ``process_weights_after_loading`` (each
+    quantizes its layer's float ``weight`` into FP8 bytes and a ``weight_scale``)."""
+    _patch("online fp8", {f"{_ONLINE_FP8}.{m}.{_PROCESS}": process for m in ONLINE_FP8_LINEAR})
+
+
+def patch_token_labels(track: Wrap) -> None:
+    """Site 24: how the front end labels a request's new tokens with the engine's label
+    (``RequestState.track_weight_version``); a request sampled with an adapter version the
+    bridge pushed is labelled with that version (:mod:`.lora`)."""
+    _patch("token labels", {_TOKEN_LABELS: track})
 
 
 def cpu_linear_of(layer: Any) -> Any:

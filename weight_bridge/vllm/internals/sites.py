@@ -45,6 +45,11 @@ SITES = (
     f"{_CORE}.EngineCore.pause_scheduler",
     "vllm.v1.engine.async_llm.AsyncLLM.is_paused",
     "vllm.v1.engine.async_llm.AsyncLLM.resume_generation",
+    "vllm.entrypoints.openai.models.serving.OpenAIServingModels.show_available_models",
+    "vllm.entrypoints.openai.models.serving.OpenAIServingModels.is_base_model",
+    "vllm.entrypoints.openai.models.protocol.BaseModelPath",
+    "vllm.entrypoints.serve.engine.serving.BaseServing._maybe_get_adapters",
+    "vllm.entrypoints.serve.engine.serving.BaseServing._check_model",
 )
 
 #: The sites one tested minor version has and another has not (the per-version checklist).

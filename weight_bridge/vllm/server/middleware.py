@@ -1,9 +1,9 @@
 """The bridge's two ``vllm serve`` middlewares (vLLM's ``--middleware``, HTTP functions).
 
-1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers the last update's outcome
+1. :func:`update_results_route`: ``GET /weight_bridge/results`` answers the last update's report
    as the engine core built it (``weight_bridge_results``), from which
    :class:`~weight_bridge.vllm.clients.http.HTTPClient` builds the same report, served chain and
-   typed errors as the in-process clients. While that outcome leaves the weights undefined, a
+   typed errors as the in-process clients. While that report leaves the weights undefined, a
    request vLLM fails with a bare ``500`` (vLLM's API server drops the reason) is answered ``503``
    with the reason, as an OpenAI error body of type ``EngineUndefinedError``.
    ``POST /weight_bridge/pause?mode=wait&clear_cache=...`` pauses generation for a ``drain`` push
@@ -15,6 +15,12 @@
    other pause follows within the engine's ``update_timeout_s`` is released with a warning, and
    only a call that passed the key check counts as following it (not a ``401``, not an
    ``OPTIONS`` preflight), so nobody without the key can keep a pause from being released.
+   It also makes the served model names follow the adapter versions resident in the engine's
+   LoRA slots (the engine core's table, ``weight_bridge_adapters``, read again after every
+   update and on the first request): the served name (``--served-model-name``, else
+   ``--model``) means the newest version, ``NAME@VERSION`` each resident version,
+   ``NAME@base`` the base weights; a version that left its slot is no longer served (``404``
+   from vLLM, as for any unknown model). ``GET /v1/models`` lists those names.
 2. :func:`require_api_key`: the same key check alone, for a server without the results route.
 
 **The API key.** vLLM 0.32's ``--api-key`` guards only paths under ``/v1``, ``/v2``, ``/inference``
@@ -49,12 +55,16 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from ..core.adapters import BASE
 from ..errors import EngineUndefinedError, undefined_message
 from ..options import BridgeOptions, bridge_options
 
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version"})
 RESULTS_ROUTE = "/weight_bridge/results"  # the bridge's routes, served here, called by HTTPClient
 PAUSE_ROUTE = "/weight_bridge/pause"
+MODELS_ROUTE = "/v1/models"
+_UPDATE_ROUTES = frozenset({"/update_weights", "/finish_weight_update"})  # names follow after
+_NAMED: weakref.WeakSet[Any] = weakref.WeakSet()  # apps whose names followed the engine once
 # Calls that follow a pause of PAUSE_ROUTE: an update (whose client resumes), a resume, another
 # pause (whose own caller resumes), a call into the workers. After one, its release is not ours.
 # Only a call that passed the key check counts (``_checked``): never a refused one, nor OPTIONS.
@@ -133,9 +143,10 @@ async def require_api_key(request: Any, call_next: Callable[[Any], Awaitable[Any
 async def update_results_route(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """vLLM ``--middleware``: first the key on every route but :data:`OPEN_ROUTES` (as
     :func:`require_api_key`, in any order with it); then ``GET /weight_bridge/results``, the
-    last update's :class:`~weight_bridge.vllm.outcome.PushOutcome` as JSON (``null`` before the
-    first), and ``POST /weight_bridge/pause``; every other request goes on, and one that vLLM
-    fails with a 500 while that outcome leaves the weights undefined is answered 503 with the
+    last update's :class:`~weight_bridge.vllm.report.PushReport` as JSON (``null`` before the
+    first), ``POST /weight_bridge/pause`` and ``GET /v1/models`` (the adapter versions' names,
+    :func:`_follow_adapters`); every other request goes on, and one that vLLM
+    fails with a 500 while that report leaves the weights undefined is answered 503 with the
     reason."""
     from starlette.responses import JSONResponse
 
@@ -153,11 +164,17 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
         return JSONResponse(await call_core_utility_async(core, "weight_bridge_results"))
     if path == PAUSE_ROUTE and request.method == "POST" and _pause_served(request):
         return await _pause_queueing(request)
+    if request.app not in _NAMED:
+        await _follow_adapters(request)
+    if path == MODELS_ROUTE and request.method == "GET":
+        return JSONResponse(await _model_list(request))
     response = await call_next(request)
+    if path in _UPDATE_ROUTES:
+        await _follow_adapters(request)
     if response.status_code != HTTPStatus.INTERNAL_SERVER_ERROR:
         return response
-    outcome = await call_core_utility_async(server_core_client(request), "weight_bridge_results")
-    why = (outcome or {}).get("undefined")
+    report = await call_core_utility_async(server_core_client(request), "weight_bridge_results")
+    why = (report or {}).get("undefined")
     if not why:
         return response  # another failure: vLLM's answer as it is
     error = {
@@ -167,6 +184,66 @@ async def update_results_route(request: Any, call_next: Callable[[Any], Awaitabl
         "code": HTTPStatus.SERVICE_UNAVAILABLE,
     }
     return JSONResponse({"error": error}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+def served_version_name(served: str, version: str) -> str:
+    """The model name under which a server serves adapter ``version`` (``BASE``: the
+    base weights) of the model it serves as ``served``."""
+    return f"{served}@{version}"
+
+
+async def _follow_adapters(request: Any) -> None:
+    """Make the names the server looks a request's ``model`` up in say what the engine's
+    resident table says now: the names are derived from that table alone, every time, so a
+    version that left its slot can never be named again (vLLM would load it again from its
+    directory, into a slot the bridge does not hold). Names that are not the bridge's are left
+    alone."""
+    from ..core.adapters import chosen_adapter
+    from ..internals.engine_client import call_core_utility_async
+    from ..internals.lora import adapter_version, lora_request
+    from ..internals.objects import (
+        add_base_name,
+        named_adapters,
+        served_models,
+        served_name,
+        server_core_client,
+    )
+
+    try:
+        table = await call_core_utility_async(server_core_client(request), "weight_bridge_adapters")
+    except Exception:  # a dead engine serves no name: vLLM answers every request itself
+        _logger.warning("weight_bridge: could not read the resident adapters", exc_info=True)
+        return
+    models = served_models(request)
+    served = served_name(models)
+    add_base_name(models, served_version_name(served, BASE))
+    wanted = {served_version_name(served, v): e for v, e in table.items() if v != BASE}
+    newest = chosen_adapter(table, None)
+    if newest is not None:
+        wanted[served] = newest
+    names = named_adapters(models)
+    for name in [n for n, r in names.items() if adapter_version(r.lora_name) and n not in wanted]:
+        del names[name]
+    names.update({name: lora_request(entry) for name, entry in wanted.items()})
+    _NAMED.add(request.app)
+
+
+async def _model_list(request: Any) -> dict[str, Any]:
+    """vLLM's ``GET /v1/models`` with each adapter version under the name it is served by
+    (vLLM would list a version by its LoRA name, which no request may name), once each."""
+    from ..internals.lora import adapter_version
+    from ..internals.objects import model_list, served_models, served_name
+
+    models = served_models(request)
+    served = served_name(models)
+    listed = await model_list(models)
+    cards: dict[str, dict[str, Any]] = {}
+    for card in listed["data"]:
+        version = adapter_version(card["id"])
+        name = card["id"] if version is None else served_version_name(served, version)
+        cards.setdefault(name, {**card, "id": name})
+    listed["data"] = list(cards.values())
+    return listed
 
 
 def _pauses(app: Any) -> _Pauses:

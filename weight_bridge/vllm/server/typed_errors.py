@@ -4,9 +4,9 @@ The engine core raises a refused or failed update as the project's own error
 (:mod:`~weight_bridge.vllm.core.updates`), but vLLM carries an engine core's exception to another
 process as a plain ``Exception`` with its message. The plugin wraps ``LLM.update_weights`` and
 ``AsyncLLM.update_weights`` with the wrappers here (inert unless the engine is bridged) so that
-the caller gets the typed error back, as in process: the push's outcome, fetched once (the
+the caller gets the typed error back, as in process: the push's report, fetched once (the
 engine-core utility ``weight_bridge_results``), made into the error by
-:func:`~weight_bridge.vllm.outcome.typed_error`, carrying the outcome. Those errors
+:func:`~weight_bridge.vllm.report.typed_error`, carrying the report. Those errors
 (``DirectReloadError``, ``CheckpointError``) are ``ValueError``\\s: ``vllm serve`` answers 400.
 
 ``start_weight_update`` is wrapped the same way: a start refused because another update is
@@ -26,24 +26,24 @@ from ..errors import UpdateInProgressError
 from ..internals.engine_client import call_core_utility, call_core_utility_async
 from ..internals.objects import config_of, core_client_of
 from ..options import is_bridged
-from ..outcome import PushOutcome, typed_error
+from ..report import PushReport, typed_error
 
 _UTILITY = "weight_bridge_results"
 _CONFLICT = "weight_bridge_conflict"
 
 
-def update_outcome(core_client: Any) -> PushOutcome | None:
-    """The last update's outcome, from an ``LLM``'s engine-core client (None: none yet)."""
-    return PushOutcome.from_dict(call_core_utility(core_client, _UTILITY))
+def update_report(core_client: Any) -> PushReport | None:
+    """The last update's report, from an ``LLM``'s engine-core client (None: none yet)."""
+    return PushReport.from_dict(call_core_utility(core_client, _UTILITY))
 
 
-async def update_outcome_async(core_client: Any) -> PushOutcome | None:
+async def update_report_async(core_client: Any) -> PushReport | None:
     """The same, from an ``AsyncLLM``'s engine-core client."""
-    return PushOutcome.from_dict(await call_core_utility_async(core_client, _UTILITY))
+    return PushReport.from_dict(await call_core_utility_async(core_client, _UTILITY))
 
 
-def _typed(error: Exception, outcome: PushOutcome | None) -> Exception:
-    return typed_error(outcome) or error
+def _typed(error: Exception, report: PushReport | None) -> Exception:
+    return typed_error(report) or error
 
 
 def _conflict(error: Exception, conflict: dict | None) -> Exception:
@@ -95,7 +95,7 @@ def typed_update_weights(original: Any) -> Any:
         except Exception as exc:
             if not is_bridged(config_of(self)):
                 raise
-            raise _typed(exc, update_outcome(core_client_of(self))) from None
+            raise _typed(exc, update_report(core_client_of(self))) from None
 
     return update_weights
 
@@ -111,6 +111,6 @@ def typed_update_weights_async(original: Any) -> Any:
         except Exception as exc:
             if not is_bridged(config_of(self)):
                 raise
-            raise _typed(exc, await update_outcome_async(core_client_of(self))) from None
+            raise _typed(exc, await update_report_async(core_client_of(self))) from None
 
     return update_weights_async

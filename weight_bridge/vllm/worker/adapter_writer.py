@@ -13,7 +13,8 @@ finite after the cast and the scaling); ``run`` writes, reads back every row of 
 bitwise, and on any failure restores the slot's pre-images and the manager's bookkeeping
 (:class:`AdapterUndo`, also the transaction's rollback). An adapter push changes no base weight,
 so the adapters stay registered across ``finish_weight_update``
-(:func:`~weight_bridge.vllm.internals.lora.keep_adapters_once`).
+(:func:`~weight_bridge.vllm.internals.lora.keep_adapters_once`). The engine core names the new
+version by its id (:meth:`AdapterWrite.landed`), and the version leaves when its slot is taken.
 
 First slice: a PEFT directory pushed by path, tensor parallel size 1.
 """
@@ -111,7 +112,6 @@ class AdapterWrite:
                 f"{path}: a LoRA adapter, but the engine was not started with "
                 "enable_lora=True (nothing was written)"
             )
-        lora.keep_adapters_once(manager)  # no base weight changes: the update keeps adapters
         config = _config(path, metadata)
         names = [name for name, _ in items]
         for name in names:
@@ -178,6 +178,12 @@ class AdapterWrite:
         report.verified_writes = checked
         report.elapsed_s = time.perf_counter() - started + self.preflight_s
         return report
+
+    def landed(self) -> dict[str, Any]:
+        """What the engine core records of a written adapter: its id, and every version the
+        bridge pushed that is still registered here (the one whose slot it took is not)."""
+        ours = sorted(i for i in lora.registered(self.manager) if i >= lora.FIRST_ID)
+        return {"id": self.lora_id, "resident": ours}
 
     def _read_back(self, slot: int) -> int:
         """Every row of the slot, bitwise: the adapter's A and B where it has them, zeros

@@ -17,6 +17,7 @@ from ...direct import DirectReloadError
 from ...direct.delta import prepare_delta
 from ...direct.state import bridge_state
 from ...direct.writer import Writer
+from ..internals.model import quantized_layers
 from ..options import BridgeOptions
 
 DELTA_MODES = ("direct", "auto")  # the modes whose complete pushes learn a write map
@@ -44,9 +45,10 @@ def plan_delta(
 
 def served_dtypes(model: torch.nn.Module) -> dict[str, str]:
     """After a complete push: checkpoint name -> the dtype the engine holds it in, for every
-    tensor a delta can patch (empty where no write map was learned: deltas are refused)."""
+    tensor a delta can patch (empty where no write map was learned, or where the engine holds
+    quantized layers: deltas are refused, and a trainer's ``delta="auto"`` sends full syncs)."""
     write_map = bridge_state(model).write_map
-    if write_map is None:
+    if write_map is None or quantized_layers(model):
         return {}
     return {n: str(d).removeprefix("torch.") for n, d in sorted(write_map.dtypes.items())}
 

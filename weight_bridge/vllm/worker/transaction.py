@@ -55,9 +55,11 @@ from ...direct.errors import BaseVersionError
 from ...direct.state import mark_undefined, note_written, undefined_reason
 from ...direct.undo import HostStore
 from ...direct.writer import Writer
+from ..internals import lora
 from ..options import BridgeOptions
 from ..outcome import Phase, PushFailure, PushResult
 from .adapter_writer import MODE as ADAPTER
+from .adapter_writer import AdapterWrite
 from .delta_links import link_fingerprints, link_lineage, served_dtypes
 from .served_chain import ServedCheckpoint, check_lineage, compact, hold
 from .update_request import PreparedUpdate, UpdateRequest
@@ -170,6 +172,9 @@ class PushTransaction:
             if isinstance(update_info, UpdateRequest)
             else UpdateRequest.from_dict(dict(update_info))
         )
+        manager = lora.manager_of(self.model)
+        if manager is not None:  # adapters stay across the update unless it writes the base
+            lora.keep_adapters_once(manager)
         result, source = self.result, request.checkpoint
         result.checkpoint = source.path if isinstance(source, LiveCheckpoint) else source
         reader = self._opened = self._open(source)
@@ -192,6 +197,8 @@ class PushTransaction:
         job = self._job(path, metadata, items, finite, result.partial, stream)
         writer = prepare_writer(job)
         result.mode = writer.mode
+        if isinstance(writer, AdapterWrite):  # the engine core checks no request still uses it
+            result.adapter = {"retiring": writer.retiring}
         below = self.served[-1].lineage if self.served else None
         lineage = link_lineage(prints, result.partial, below)
         self._pending = PreparedUpdate(
@@ -256,8 +263,9 @@ class PushTransaction:
         result.written = True  # from here on this worker's weights may have changed
         self._undone, self._unserved = False, None
         result.report = self._write(pending)
-        if pending.writer.mode == ADAPTER:  # the base chain is unchanged: the writer's undo
-            self._unserved = pending.writer  # log takes it back until the update settles
+        if isinstance(pending.writer, AdapterWrite):  # the base chain is unchanged: the
+            self._unserved = pending.writer  # writer's undo log takes it back until it settles
+            result.adapter = pending.writer.landed()
         else:
             self._serve(pending)
         if not pending.partial and pending.writer.mode != ADAPTER:
@@ -268,6 +276,9 @@ class PushTransaction:
 
     def _write(self, pending: PreparedUpdate) -> ReloadReport:
         pending.started = True
+        manager = lora.manager_of(self.model)
+        if manager is not None and pending.writer.mode != ADAPTER:
+            lora.base_written(manager)  # vLLM drops its adapters at the update's end
         report = pending.writer.run()
         pending.ran = True
         if pending.writer.mode == ADAPTER:

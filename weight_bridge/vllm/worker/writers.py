@@ -14,6 +14,11 @@ What the mode decides is only which one is prepared:
 
 Which of the last four a complete or partial push takes is :func:`push_plan`'s one decision,
 shared with the dry run (:mod:`.queries`): the plan beside the registry it picks from.
+
+An engine holding quantized layers is written one way, in ``direct`` and ``auto``: its online
+FP8 linears re-quantized in place (:class:`.fp8_requant.Fp8Requant`), then the rest as a direct
+partial write; a delta, another mode, or a layer that cannot be proven is refused by name
+(:func:`_quantized`).
 """
 
 from __future__ import annotations
@@ -29,14 +34,14 @@ from ...direct import DirectReloadError, ReloadPlan, plan_direct_reload, prepare
 from ...direct.record import require_layout
 from ...direct.undo import HostStore
 from ...direct.validate import validate_checkpoint
-from ...direct.writer import Writer
-from ..internals import lora
+from ...direct.writer import Writer, Writers
 from ..internals.model import quantized_layers
 from ..internals.vllm_direct import vllm_direct_refusal
 from ..options import BridgeOptions
 from .adapter_writer import MODE as ADAPTER
 from .adapter_writer import AdapterWrite, is_adapter_job
 from .delta_links import plan_delta
+from .fp8_requant import Fp8Requant, split_quantized
 from .layerwise import LayerwiseReprocessor, LayerwiseWrite, auto_reprocessable, layerwise_wrong
 from .vllm_direct import VllmDirectWrite
 
@@ -164,22 +169,41 @@ WRITERS: dict[str, Callable[[WriteJob, PushPlan | None], Writer]] = {
 }
 
 
-def _refuse_quantized(job: WriteJob) -> None:
-    """A push of base weights into an engine that holds some quantized (FP8 ``weight`` and
-    ``weight_scale``, derived at load): no writer re-quantizes yet, and a float written into
-    those bytes serves garbage (a partial push of a square ``o_proj`` alone passed every check),
-    so the push is refused by name before anything is written. An adapter push writes only the
-    LoRA slots and is not refused."""
-    quantized = quantized_layers(job.model)
-    if quantized:
-        shown = dict(sorted(quantized.items())[:8])
-        problems = {name: f"held quantized ({method})" for name, method in shown.items()}
-        raise DirectReloadError(
-            f"{job.path}: the engine holds {len(quantized)} quantized layers "
-            f"({', '.join(sorted(set(quantized.values())))}); a push cannot re-quantize "
-            "them yet (nothing was written)",
-            problems,
+def _quantized(job: WriteJob, mode: str) -> Writer | None:
+    """The writer of a push of base weights into an engine that holds quantized layers (None:
+    it holds none). vLLM's online FP8 linears are re-quantized in place (:mod:`.fp8_requant`,
+    first, with pre-images), the rest written directly as a partial push; anything else is
+    refused by name before anything is written: a quantized layer no push can prove, a delta
+    (its changes are of floats the engine no longer holds), tensors pushed from memory, and
+    vLLM's own reloads, which are not proven against a cold start of a quantized engine."""
+    if not quantized_layers(job.model):
+        return None
+    why = None
+    if is_delta(job.metadata):
+        why = "a delta is never applied to quantized bytes: push a complete checkpoint"
+    elif job.stream is not None:
+        why = "tensors pushed from memory are not re-quantized yet: push a checkpoint file"
+    elif mode not in ("direct", "auto"):
+        why = f"reload_mode {mode!r} is not proven on quantized layers: use 'direct' or 'auto'"
+    if why is not None:
+        raise DirectReloadError(f"{job.path}: {why} (nothing was written)", {job.path: why})
+    layout = require_layout(job.model)
+    validate_checkpoint(layout, job.items, False, job.partial)  # finiteness: each part's own
+    feeds, rest = split_quantized(job.model, layout, job.items)
+    parts: list[Writer] = [Fp8Requant(job.model, feeds)] if feeds else []
+    if rest:
+        parts.append(
+            prepare_direct_reload(
+                job.model,
+                rest,
+                check_finite=job.finite,
+                readback=job.options.readback,
+                partial=True,
+            )
         )
+    if not parts:
+        raise DirectReloadError(f"{job.path}: the push holds no tensor (nothing was written)")
+    return Writers(job.model, parts)
 
 
 def prepare_writer(job: WriteJob, mode: str | None = None) -> Writer:
@@ -188,10 +212,9 @@ def prepare_writer(job: WriteJob, mode: str | None = None) -> Writer:
     raises naming each tensor."""
     if is_adapter_job(job.path, job.metadata):
         return WRITERS[ADAPTER](job, None)
-    _refuse_quantized(job)
-    manager = lora.manager_of(job.model)
-    if manager is not None:  # base weights change: vLLM drops its adapters at the update's end
-        lora.forget_keep(manager)
+    quantized = _quantized(job, mode or job.options.reload_mode)
+    if quantized is not None:
+        return quantized
     delta = is_delta(job.metadata)
     chosen = None if delta else push_plan(job.model, mode or job.options.reload_mode)
     writer = "delta" if chosen is None else chosen.mode
