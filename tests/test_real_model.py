@@ -15,6 +15,7 @@ scenario, plus one cold start each: a few minutes on 2 cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -136,7 +137,7 @@ def _scenario_push(model_a: str, model_b: str) -> dict:
         result["workers"] = len(before)
         result["weights"] = len(before[0])
         result["addresses_unchanged"] = after == before
-        result["reports"] = [dict(r.__dict__) for r in reports]
+        result["reports"] = [dataclasses.asdict(r) for r in reports]
     with ColocatedEngine(model_b, kv_cache_gb=0.25, **ENGINE_KWARGS) as engine:
         result["b_cold"] = answers(engine, model_b)
     return result
