@@ -106,8 +106,10 @@ class PushResult:
     served: list[str] = field(default_factory=list)
     version: str | None = None  # the checkpoint's own ``version`` metadata, if any
     written: bool = False
-    # an adapter written into a LoRA slot: its id, and the bridge's ids still registered
-    # (:meth:`~weight_bridge.vllm.worker.adapter_writer.AdapterWrite.landed`)
+    # an adapter push: once prepared, the id whose slot it would take (``retiring``, checked
+    # by the engine core against the requests it holds); once written, its id and the
+    # bridge's ids still registered (:meth:`~weight_bridge.vllm.worker.adapter_writer
+    # .AdapterWrite.landed`)
     adapter: dict[str, Any] | None = None
 
     @property

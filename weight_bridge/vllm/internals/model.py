@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+from weakref import WeakKeyDictionary
 
 
 def layerwise_reprocesses(module: Any) -> bool:
@@ -18,20 +19,27 @@ def layerwise_reprocesses(module: Any) -> bool:
     )
 
 
+_quantized: WeakKeyDictionary[Any, dict[str, str]] = WeakKeyDictionary()
+
+
 def quantized_layers(model: Any) -> dict[str, str]:
     """The layers whose weights vLLM holds quantized, by name -> their quantization method:
     a linear or MoE method that is not one of vLLM's unquantized ones (nor a subclass of one).
     vLLM computes such a layer with bytes and scales it derived from the float weights at
     load; a float written into them is not what a cold start holds. (Named by the classes'
-    MRO, so that a method of either vLLM counts, and a KV-cache method does not.)"""
-    found = {}
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        kinds = {c.__name__ for c in type(method).__mro__} if method is not None else set()
-        weights = bool(kinds & {"LinearMethodBase", "FusedMoEMethodBase"})
-        if weights and not any(k.startswith("Unquantized") for k in kinds):
-            found[name] = type(method).__name__
-    return found
+    MRO, so that a method of either vLLM counts, and a KV-cache method does not.) Walked once
+    per model, at its first push (every push asks): a layer's method is chosen when the model
+    is built, and the LoRA wrapping that renames layers is done before any push."""
+    found = _quantized.get(model)
+    if found is None:
+        found = _quantized[model] = {}
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            kinds = {c.__name__ for c in type(method).__mro__} if method is not None else set()
+            weights = bool(kinds & {"LinearMethodBase", "FusedMoEMethodBase"})
+            if weights and not any(k.startswith("Unquantized") for k in kinds):
+                found[name] = type(method).__name__
+    return dict(found)
 
 
 def is_input_embedding(layer: Any) -> bool:
